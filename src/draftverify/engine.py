@@ -1,0 +1,155 @@
+"""The user-facing entry point: load a target (and a draft) once, generate with any method.
+
+    from draftverify import Engine
+    engine = Engine.load()                       # SmolLM2-135M-Instruct + its default draft
+    out = engine.generate("Why is the sky blue?", chat=True, method="speculative", max_new_tokens=64)
+    print(out.text, out.stats.summary())
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from draftverify.errors import require
+from draftverify.methods import METHODS, Method
+from draftverify.models import Loaded, Runner, load_draft, load_model
+from draftverify.sampling import Sampling
+from draftverify.session import Session, Stopping
+from draftverify.stats import Stats
+
+
+@dataclass
+class Result:
+    tokens: list[int]  # the new tokens (the stop token included; see Session.emit)
+    text: str  # decoded new tokens, cut before a stop string
+    stats: Stats
+    prompt_tokens: list[int]
+
+
+class Engine:
+    """A target model, an optional draft, and the methods that decode with them.
+
+    One request at a time per engine: methods share the models' KV caches.
+    """
+
+    def __init__(self, target: Loaded, draft: Loaded | None = None):
+        self.target = target
+        self.draft = draft
+        self.target_runner = Runner(target.model)
+        self.draft_runner = Runner(draft.model) if draft is not None else None
+        self._methods: dict[tuple, Method] = {}
+
+    @classmethod
+    def load(
+        cls,
+        target: str | None = None,
+        draft: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        draft_device: str | None = None,
+        device_map: str | None = None,
+    ) -> "Engine":
+        """Load the target (default: SmolLM2-135M-Instruct) and a draft spec (see `load_draft`)."""
+        loaded = load_model(target, dtype=dtype, device=device, device_map=device_map)
+        return cls(loaded, load_draft(draft, loaded, dtype=dtype, device=draft_device or device))
+
+    def method(self, name: str, preset: str | None = None, **options) -> Method:
+        """The method `name` configured by `preset` and `options`, built once and reused."""
+        require(name in METHODS, f"unknown method {name!r}: use one of {', '.join(sorted(METHODS))}")
+        cls = METHODS[name]
+        config = cls.make_config(preset, **options)
+        key = (name, config)
+        if key not in self._methods:
+            self._methods[key] = cls(self.target_runner, self.draft_runner, config)
+        return self._methods[key]
+
+    def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
+        """Prompt text (raw or as one chat user turn), a chat message list, or token ids -> ids."""
+        tok = self.target.tokenizer
+        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+            ids = list(prompt)
+        elif isinstance(prompt, list) or chat:
+            require(not isinstance(prompt, str) or prompt.strip(), "the prompt is empty: give some text")
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            require(getattr(tok, "chat_template", None), "this tokenizer has no chat template: drop --chat and send a raw prompt")
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        else:
+            require(prompt.strip() != "", "the prompt is empty: give some text")
+            ids = tok(prompt)["input_ids"]
+        require(len(ids) > 0, "the prompt is empty: give some text")
+        context = self.target_runner.max_length
+        require(
+            context is None or len(ids) < context,
+            f"the prompt has {len(ids)} tokens but the model's context is {context}: shorten the prompt",
+        )
+        return ids
+
+    def eos_ids(self) -> tuple[int, ...]:
+        ids = set()
+        for source in (self.target.model.generation_config.eos_token_id, self.target.tokenizer.eos_token_id):
+            if source is not None:
+                ids.update(source if isinstance(source, (list, tuple)) else [source])
+        return tuple(sorted(ids))
+
+    def generate(
+        self,
+        prompt: str | list[int] | list[dict],
+        method: str = "speculative",
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        stop: str | list[str] | None = None,
+        chat: bool = False,
+        streamer=None,
+        on_tokens: Callable[[list[int]], bool | None] | None = None,
+        generation_config=None,
+        preset: str | None = None,
+        **options,
+    ) -> Result:
+        """Generate from `prompt` with `method`; output is identical (greedy) or identically
+        distributed (sampling) to what the target alone produces.
+
+        `generation_config` (a transformers GenerationConfig) overrides max_new_tokens, sampling
+        and EOS settings when given. `streamer` gets the prompt and then every accepted chunk
+        (a transformers TextIteratorStreamer works); `on_tokens` gets each chunk and may
+        return False to cancel the request.
+        """
+        if generation_config is not None:
+            gc = generation_config
+            max_new_tokens = gc.max_new_tokens or max_new_tokens
+            temperature = (gc.temperature if gc.temperature is not None else 1.0) if gc.do_sample else 0.0
+            top_k, top_p = (gc.top_k or 0, gc.top_p or 1.0) if gc.do_sample else (0, 1.0)
+            eos_token_id = gc.eos_token_id if gc.eos_token_id is not None else eos_token_id
+            stop = gc.stop_strings or stop
+        sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        ids = self.encode(prompt, chat=chat)
+        if eos_token_id is None:
+            eos = self.eos_ids()
+        else:
+            eos = tuple(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else (eos_token_id,)
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        context = self.target_runner.max_length or 1 << 30
+        require(max_new_tokens >= 1, f"max_new_tokens={max_new_tokens} must be at least 1")
+        stopping = Stopping(min(max_new_tokens, context - len(ids)), eos, stops)
+        runner = self.method(method, preset, **options)
+        session = Session(ids, sampling, stopping, tokenizer=self.target.tokenizer, streamer=streamer, on_tokens=on_tokens)
+        session.stats.method = method
+        session.stats.prompt_tokens = len(ids)
+        if self.target_runner.device.type == "cuda":
+            session.stats.sync_device = self.target_runner.device
+        if streamer is not None:
+            streamer.put(torch.tensor([ids]))
+        session.stats.start()
+        try:
+            runner.run(session)
+        finally:
+            session.stats.wall_s = session.stats.elapsed()
+            if streamer is not None:
+                streamer.end()
+        return Result(session.output, session.text(), session.stats, ids)

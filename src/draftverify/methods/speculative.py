@@ -1,0 +1,117 @@
+"""Speculative decoding and speculative sampling with a draft model.
+
+Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding") and
+Chen et al. 2023 ("Accelerating LLM Decoding with Speculative Sampling"). Each round:
+1. the draft proposes up to K tokens autoregressively (K chosen by a draft-length policy),
+   sampling them from q with the same temperature/top-k/top-p as the target;
+2. the target scores root + drafts in one forward, giving p at every drafted position;
+3. `verify_chain` accepts drafts (greedy: while they equal argmax p; sampling: with
+   min(1, p/q), resampling a rejection from norm(max(p - q, 0))), plus one more token;
+4. both caches are cropped back to the accepted prefix.
+
+Cache invariant: the target cache holds every token except the last emitted one (the root
+of the next round); the draft cache holds a prefix of the sequence and is fed the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftverify.errors import require
+from draftverify.methods.base import Method, register
+from draftverify.policies import POLICIES, DraftPolicy, make_policy
+from draftverify.sampling import sample
+from draftverify.session import Session
+from draftverify.verify import verify_chain
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    policy: str = "constant"  # constant | heuristic | confidence
+    k: int = 4  # draft length (constant), start length (heuristic) or cap (confidence)
+    threshold: float = 0.4  # confidence: stop when the draft's top probability is below it
+
+    def __post_init__(self):
+        require(self.policy in POLICIES, f"unknown draft policy {self.policy!r}: use one of {', '.join(POLICIES)}")
+        require(1 <= self.k <= 64, f"k={self.k} must lie in 1..64")
+        require(0 <= self.threshold <= 1, f"threshold={self.threshold} must lie in [0, 1]")
+
+
+@register
+class Speculative(Method):
+    name = "speculative"
+    Config = SpeculativeConfig
+    needs_draft = True
+    presets = {
+        "k2": {"k": 2},
+        "k4": {"k": 4},
+        "k6": {"k": 6},
+        "heuristic": {"policy": "heuristic", "k": 5},
+        "confidence": {"policy": "confidence", "k": 10, "threshold": 0.4},
+    }
+
+    def make_policy(self) -> DraftPolicy:
+        return make_policy(self.config.policy, self.config.k, self.config.threshold)
+
+    def run(self, s: Session, policy: DraftPolicy | None = None) -> None:
+        policy = policy or self.make_policy()
+        target, draft, stats = self.target, self.draft, s.stats
+        greedy = s.sampling.greedy
+        logits = self.prefill(s)
+        root = self.pick(logits, s, target.device)
+        if not s.emit([root]):
+            return
+        seq = s.prompt + [root]
+        draft.reset()
+        limit = target.max_length or 1 << 30
+        while True:
+            # 1. draft up to k tokens (never more than the output can still take, nor past the context)
+            k_max = min(policy.max_length(), s.remaining - 1, limit - len(seq))
+            drafts, qs = [], []
+            feed = seq[draft.length :]  # what the draft cache has not seen yet
+            with stats.timer("draft"):
+                for n in range(1, k_max + 1):
+                    out = draft.forward(feed, last=1, hidden=policy.needs_hidden)
+                    stats.draft_forwards += 1
+                    dlogits = out.logits[-1]
+                    if greedy:
+                        drafts.append(int(dlogits.argmax().item()))
+                    else:
+                        q = s.sampling.probs(dlogits)
+                        drafts.append(sample(q, s.generator(draft.device)))
+                        qs.append(q)
+                    feed = drafts[-1:]
+                    if not policy.keep_drafting(n, dlogits, None if out.hidden is None else out.hidden[-1]):
+                        break
+            # 2-3. score root + drafts with the target and verify
+            base = target.length  # = len(seq) - 1: everything but the root
+            with stats.timer("verify"):
+                tlogits = target.forward([root] + drafts).logits  # [k + 1, V]
+                draft_t = torch.tensor(drafts, dtype=torch.long, device=target.device)
+                if greedy:
+                    verdict = verify_chain(root, draft_t, tlogits, greedy=True)
+                else:
+                    p = s.sampling.probs(tlogits)
+                    q = _fit_vocab(torch.stack(qs), p.shape[-1]).to(target.device) if qs else None
+                    verdict = verify_chain(root, draft_t, p, q, s.generator(target.device), greedy=False)
+            stats.target_forwards += 1
+            stats.drafted += len(drafts)
+            stats.accepted += verdict.accepted
+            stats.steps.append(len(verdict.tokens))
+            policy.observe(len(drafts), verdict.accepted)
+            # 4. roll back to the accepted prefix and emit
+            target.crop(base + 1 + verdict.accepted)
+            draft.crop(min(draft.length, base + 1 + verdict.accepted))
+            if not s.emit(verdict.tokens):
+                return
+            seq += verdict.tokens
+            root = seq[-1]
+
+
+def _fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft probabilities [k, Vd] -> [k, vocab] (pad with zeros or cut a padded draft vocabulary)."""
+    if q.shape[-1] >= vocab:
+        return q[..., :vocab]
+    return torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))

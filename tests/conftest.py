@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny random fp32 models of several architectures with a character
+tokenizer, and the real default model (SmolLM2-135M-Instruct) for the slow tests."""
+
+from __future__ import annotations
+
+import os
+import string
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+ARCHS = ("llama", "gpt2", "qwen2", "gpt_neox")
+CHARS = string.ascii_letters + string.digits + " .,;:!?'\"-\n()[]{}=+*/<>#_"
+
+
+def make_tokenizer():
+    """A real fast tokenizer over single characters (vocab ~100), with an EOS token."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, "<unk>": 1}
+    for ch in CHARS:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    return fast
+
+
+def make_model(arch: str = "llama", seed: int = 0, layers: int = 4, hidden: int = 64, vocab: int = 100):
+    """A tiny random fp32 causal LM of the given architecture (sdpa attention)."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    if arch == "llama":
+        cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **common)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **common)
+    elif arch == "gpt2":
+        cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=512, **common)
+    elif arch == "gpt_neox":
+        cfg = GPTNeoXConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=512, **common)
+    else:
+        raise ValueError(arch)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    # Random init gives near-uniform logits; sharpen them so greedy argmaxes are well separated.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(3.0)
+    model.eval().requires_grad_(False)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny(tokenizer):
+    """Factory: tiny(arch, seed=0, layers=4) -> Loaded (cached per arguments)."""
+    from draftverify.models import Loaded
+
+    cache = {}
+
+    def build(arch: str = "llama", seed: int = 0, layers: int = 4, hidden: int = 64):
+        key = (arch, seed, layers, hidden)
+        if key not in cache:
+            cache[key] = Loaded(make_model(arch, seed, layers, hidden), tokenizer, name=f"tiny-{arch}-{seed}")
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real default target (SmolLM2-135M-Instruct, fp32 on CPU)."""
+    from draftverify.models import load_model
+
+    return load_model(device="cpu", dtype="fp32")

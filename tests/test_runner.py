@@ -1,0 +1,64 @@
+"""The model runner: tree masks with explicit positions, crop and select, bad settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ARCHS, make_model
+from draftverify import DraftVerifyError, Runner
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_forward_matches_each_branch_run_alone(tiny, arch):
+    model = tiny(arch).model
+    prefix = [5, 6, 7, 8]
+    # tree: root r=9 with two branches [10, 11] and [12]
+    tokens = [9, 10, 11, 12]
+    parents = [-1, 0, 1, 0]
+    depth = [0, 1, 2, 1]
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    for i in range(4):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    run = Runner(model)
+    run.forward(prefix)
+    tree = run.forward(tokens, positions=torch.tensor(depth) + len(prefix), tree_mask=mask).logits
+    for branch in ([9, 10, 11], [9, 12]):
+        ref = Runner(model)
+        ref.forward(prefix)
+        chain = ref.forward(branch).logits
+        rows = [tokens.index(t) for t in branch]
+        torch.testing.assert_close(tree[rows], chain, atol=1e-4, rtol=1e-4)
+    # keep the [9, 12] path and continue: same as a cache built along that path alone
+    run.select(len(prefix), [len(prefix) + 0, len(prefix) + 3])
+    assert run.length == 6
+    after = run.forward([13]).logits
+    ref = Runner(model)
+    ref.forward(prefix + [9, 12])
+    torch.testing.assert_close(after, ref.forward([13]).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_crop_and_last(tiny):
+    run = Runner(tiny("llama").model)
+    full = run.forward([1, 2, 3, 4, 5]).logits
+    assert full.shape[0] == 5
+    run.crop(3)
+    assert run.length == 3
+    again = run.forward([4, 5], last=1).logits
+    assert again.shape[0] == 1
+    torch.testing.assert_close(again[0], full[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_hidden_state_returned(tiny):
+    out = Runner(tiny("llama").model).forward([1, 2, 3], last=2, hidden=True)
+    assert out.logits.shape[0] == 2 and out.hidden.shape == (2, 64)
+
+
+def test_attention_without_custom_masks_is_refused():
+    model = make_model("llama")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(DraftVerifyError, match="cannot take a custom 4-D mask"):
+        Runner(model)
