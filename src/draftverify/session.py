@@ -8,7 +8,6 @@ decoding would. It also streams the tokens out and records the stats.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -100,5 +99,3 @@ class Session:
         return text if self.stop_text_at is None else text[: self.stop_text_at]
 
 
-def wall_clock() -> float:
-    return time.perf_counter()

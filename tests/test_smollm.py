@@ -1,0 +1,43 @@
+"""The real default target, SmolLM2-135M-Instruct (fp32, CPU): lossless speculative decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftverify import Engine, truncated_copy
+from draftverify.models import DEFAULT_MODEL_FILE, cache_root
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain what a hash table is in two sentences.",
+    "List three uses of copper.",
+    "How do I reverse a list in Python?",
+    "Why do cats purr?",
+    "Give me a tip for better sleep.",
+    "What is 12 times 7? Show your work.",
+    "Describe the water cycle briefly.",
+    "Write one sentence about the moon.",
+]
+
+
+def test_gguf_converted_once_and_cached(smollm):
+    folders = list((cache_root() / "gguf").glob(DEFAULT_MODEL_FILE.removesuffix(".gguf") + "-*"))
+    assert folders and (folders[0] / "model.safetensors").is_file()
+    assert smollm.name == DEFAULT_MODEL_FILE and smollm.model.config.num_hidden_layers == 30
+
+
+def test_speculative_equals_autoregressive_and_hf_generate(smollm):
+    engine = Engine(smollm, truncated_copy(smollm, 8))
+    for i, prompt in enumerate(PROMPTS):
+        ar = engine.generate(prompt, chat=True, method="autoregressive", max_new_tokens=64, eos_token_id=[])
+        spec = engine.generate(prompt, chat=True, method="speculative", max_new_tokens=64, eos_token_id=[], k=3)
+        assert spec.tokens == ar.tokens, prompt
+        if i < 3:  # transformers' own greedy loop agrees too (stopping at EOS as it does by default)
+            ours = engine.generate(prompt, chat=True, method="speculative", max_new_tokens=64, k=3)
+            ids = torch.tensor([ours.prompt_tokens])
+            ref = smollm.model.generate(ids, do_sample=False, max_new_tokens=64)
+            assert ref[0, ids.shape[1] :].tolist() == ours.tokens, prompt
