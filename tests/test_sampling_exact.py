@@ -99,3 +99,10 @@ def test_sampling_processing():
     probs = s.probs(torch.tensor([0.0, 5.0, 0.0, 0.0]))
     assert (probs > 0).tolist() == [False, True, False, False]
     assert torch.allclose(Sampling(temperature=0.0).probs(torch.tensor([0.0, 1.0])), torch.tensor([0.0, 1.0]))
+
+
+def test_tiny_temperature_is_the_greedy_limit_not_nan():
+    logits = torch.tensor([[1.0, 3.0, 2.0, float("-inf")]])
+    probs = Sampling(temperature=1e-40).probs(logits)
+    assert torch.isfinite(probs).all()
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]

@@ -66,6 +66,8 @@ def generate(
     method: str = typer.Option("speculative", "--method", "-m", help="Decoding method (see `draftverify methods`)."),
     preset: Optional[str] = typer.Option(None, help="A named parameter preset of the method (see `draftverify methods`)."),
     option: list[str] = typer.Option([], "--option", "-o", help="A method option as key=value, e.g. -o k=4 -o policy=heuristic. Repeatable."),
+    pool_file: Optional[Path] = typer.Option(None, help="lookahead/ouroboros: phrase pool file to start from and save to after the request (warm start; see docs/ouroboros.md)."),
+    skip_file: Optional[Path] = typer.Option(None, help="self-speculative: skip set from `draftverify search-layers` (default: the one shipped for the model; see docs/self-speculative.md)."),
     chat: bool = typer.Option(True, help="Wrap the prompt in the model's chat template as one user turn (--no-chat for raw completion)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Stop after this many new tokens."),
     temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples (exactly the target's distribution)."),
@@ -93,6 +95,8 @@ def generate(
     result = engine.generate(
         prompt, method=method, preset=preset, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, streamer=streamer, **parse_options(option),
+        **({"pool_file": str(pool_file)} if pool_file is not None else {}),
+        **({"skip_file": str(skip_file)} if skip_file is not None else {}),
     )
     if as_json:
         typer.echo(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats.to_dict(timings=False)}))
@@ -111,13 +115,22 @@ def _method_needs_draft(name: str) -> bool:
 
 
 @app.command()
-def methods():
-    """List the decoding methods with their options and presets."""
+def methods(
+    name: Optional[str] = typer.Argument(None, help="Explain one method: its paper and steps, and each option (symbol) in words."),
+):
+    """List the decoding methods with their options and presets (`draftverify methods NAME` explains one)."""
     import dataclasses
+    import inspect
 
     from draftverify.methods import METHODS
 
-    for name, cls in sorted(METHODS.items()):
+    if name is not None:
+        cls = METHODS.get(name) or _method_needs_draft(name)  # the latter raises the unknown-method error
+        typer.echo(inspect.getdoc(sys.modules[cls.__module__]) + "\n\nOptions:\n" + inspect.getdoc(cls.Config) + "\n")
+    for name, cls in sorted(METHODS.items()) if name is None else [(name, METHODS[name])]:
+        if name != cls.name:
+            typer.echo(f"{name}: another name of {cls.name}")
+            continue
         fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Config))
         typer.echo(f"{name}{' (needs a draft)' if cls.needs_draft else ''}")
         typer.echo(f"  options: {fields or 'none'}")
@@ -152,6 +165,25 @@ def demo(
 
 
 # -- commands implemented in other modules are registered below --------------------------
+from draftverify.bench.cli import bench as _bench  # noqa: E402
+
+app.command("bench")(_bench)
+from draftverify.serve.cli import serve as _serve  # noqa: E402
+
+app.command("serve")(_serve)
+from draftverify.train_head import train_head_command as _train_head  # noqa: E402
+
+app.command("train-head")(_train_head)
+from draftverify.pareto import pareto_command as _pareto  # noqa: E402
+
+app.command("pareto")(_pareto)
+
+from draftverify.make_draft.cli import make_draft as _make_draft  # noqa: E402
+
+app.command("make-draft")(_make_draft)
+from draftverify.search import search_layers_command as _search_layers  # noqa: E402
+
+app.command("search-layers")(_search_layers)
 
 
 def main() -> None:

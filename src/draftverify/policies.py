@@ -76,7 +76,70 @@ class Confidence(DraftPolicy):
         return n < self.max_k and logits.float().softmax(-1).max().item() >= self.threshold
 
 
-POLICIES = {"constant": ConstantK, "heuristic": Heuristic, "confidence": Confidence}
+@dataclass
+class AdaptiveThreshold(DraftPolicy):
+    """Draft & Verify's adaptive draft exit (Zhang et al. 2023, Sec. 3.4, eqs. 2-4).
+
+    Stop drafting once the draft's top probability falls below `gamma` (at most `max_k` = K
+    tokens). After the e-th verification, with AR_e = accepted / drafted:
+        AR <- beta1 * AR + (1 - beta1) * AR_e          (beta1 = 0 for e = 1)
+        gamma~ = gamma + epsilon if AR <= alpha else gamma - epsilon
+        gamma <- beta2 * gamma + (1 - beta2) * gamma~
+    Defaults are the paper's (Table 6); alpha, the target acceptance rate, is tuned per task.
+    """
+
+    gamma: float = 0.6  # gamma_0
+    alpha: float = 0.85
+    epsilon: float = 0.01
+    beta1: float = 0.5
+    beta2: float = 0.9
+    max_k: int = 12
+    ar: float | None = None  # smoothed acceptance rate; None before the first verification
+
+    def __post_init__(self):
+        require(0 <= self.gamma <= 1, f"threshold gamma={self.gamma} must lie in [0, 1]")
+        require(0 < self.alpha <= 1, f"target acceptance rate alpha={self.alpha} must lie in (0, 1]")
+        require(self.epsilon >= 0, f"step epsilon={self.epsilon} must not be negative")
+        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"beta1={self.beta1} and beta2={self.beta2} must lie in [0, 1)")
+        require(self.max_k >= 1, f"max draft length K={self.max_k} must be at least 1")
+
+    def max_length(self) -> int:
+        return self.max_k
+
+    def keep_drafting(self, n: int, logits: torch.Tensor, hidden: torch.Tensor | None) -> bool:
+        return n < self.max_k and logits.float().softmax(-1).max().item() >= self.gamma
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        ar_e = accepted / drafted
+        self.ar = ar_e if self.ar is None else self.beta1 * self.ar + (1 - self.beta1) * ar_e
+        gamma_tilde = self.gamma + self.epsilon if self.ar <= self.alpha else self.gamma - self.epsilon
+        self.gamma = self.beta2 * self.gamma + (1 - self.beta2) * gamma_tilde
+
+
+@dataclass
+class WholePhrases(DraftPolicy):
+    """Ouroboros's rule: draft whole phrases until the draft has at least `k` tokens.
+
+    It never stops inside a phrase (`keep_drafting` is always True); a method that drafts
+    phrase by phrase checks `max_length()` between phrases. Token by token it drafts k tokens.
+    """
+
+    k: int = 4
+
+    def __post_init__(self):
+        require(self.k >= 1, f"draft length gamma={self.k} must be at least 1")
+
+    def max_length(self) -> int:
+        return self.k
+
+    def keep_drafting(self, n: int, logits: torch.Tensor, hidden: torch.Tensor | None) -> bool:
+        return True
+
+
+POLICIES = {"constant": ConstantK, "heuristic": Heuristic, "confidence": Confidence, "phrases": WholePhrases}
+POLICIES["adaptive"] = AdaptiveThreshold
 
 
 def make_policy(name: str, k: int, threshold: float) -> DraftPolicy:
@@ -85,4 +148,8 @@ def make_policy(name: str, k: int, threshold: float) -> DraftPolicy:
         return ConstantK(k)
     if name == "heuristic":
         return Heuristic(float(k))
+    if name == "phrases":
+        return WholePhrases(k)
+    if name == "adaptive":
+        return AdaptiveThreshold(gamma=threshold, max_k=k)
     return Confidence(threshold, max_k=k)

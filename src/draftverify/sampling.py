@@ -44,7 +44,8 @@ class Sampling:
         logits = logits.float()
         if self.greedy:
             return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-        logits = logits / self.temperature
+        # Shift by the max first: a tiny temperature (1e-40) then sends the others to -inf, not inf - inf = NaN.
+        logits = (logits - logits.amax(-1, keepdim=True)) / self.temperature
         if self.top_k and self.top_k < logits.shape[-1]:
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -41,6 +41,13 @@ class Stats:
 
     _t0: float = field(default=0.0, repr=False)
 
+    def verified(self, drafted: int, accepted: int, emitted: int) -> None:
+        """Count one verifying target forward: `drafted` candidate tokens, `accepted` of them, `emitted` tokens out."""
+        self.target_forwards += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.steps.append(emitted)
+
     def start(self) -> None:
         self._t0 = time.perf_counter()
 

@@ -24,7 +24,7 @@ from draftverify.methods.base import Method, register
 from draftverify.policies import POLICIES, DraftPolicy, make_policy
 from draftverify.sampling import sample
 from draftverify.session import Session
-from draftverify.verify import verify_chain
+from draftverify.verify import Verdict, verify_chain
 
 
 @dataclass(frozen=True)
@@ -89,17 +89,8 @@ class Speculative(Method):
             base = target.length  # = len(seq) - 1: everything but the root
             with stats.timer("verify"):
                 tlogits = target.forward([root] + drafts).logits  # [k + 1, V]
-                draft_t = torch.tensor(drafts, dtype=torch.long, device=target.device)
-                if greedy:
-                    verdict = verify_chain(root, draft_t, tlogits, greedy=True)
-                else:
-                    p = s.sampling.probs(tlogits)
-                    q = _fit_vocab(torch.stack(qs), p.shape[-1]).to(target.device) if qs else None
-                    verdict = verify_chain(root, draft_t, p, q, s.generator(target.device), greedy=False)
-            stats.target_forwards += 1
-            stats.drafted += len(drafts)
-            stats.accepted += verdict.accepted
-            stats.steps.append(len(verdict.tokens))
+                verdict = verify_drafts(s, root, drafts, qs, tlogits)
+            stats.verified(len(drafts), verdict.accepted, len(verdict.tokens))
             policy.observe(len(drafts), verdict.accepted)
             # 4. roll back to the accepted prefix and emit
             target.crop(base + 1 + verdict.accepted)
@@ -108,6 +99,20 @@ class Speculative(Method):
                 return
             seq += verdict.tokens
             root = seq[-1]
+
+
+def verify_drafts(s: Session, root: int, drafts: list[int], qs: list[torch.Tensor], tlogits: torch.Tensor) -> Verdict:
+    """`verify_chain` of a chain of drafts against the target's logits [k + 1, V] over root + drafts.
+
+    Greedy compares argmaxes; sampling accepts with min(1, p/q), q [V] per draft from `qs`.
+    """
+    device = tlogits.device
+    draft_t = torch.tensor(drafts, dtype=torch.long, device=device)  # [k]
+    if s.sampling.greedy:
+        return verify_chain(root, draft_t, tlogits, greedy=True)
+    p = s.sampling.probs(tlogits)
+    q = _fit_vocab(torch.stack(qs), p.shape[-1]).to(device) if qs else None
+    return verify_chain(root, draft_t, p, q, s.generator(device), greedy=False)
 
 
 def _fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -1,0 +1,324 @@
+"""`build_draft`: data -> layer choice -> distillation -> a transformers folder with a model card.
+
+The work folder holds the data cache (`data/`, see data.py) and `checkpoint.pt` (the trained
+tensors, the optimiser state, the step and the evaluation history), both written atomically. A
+build with `resume=True` picks up the cached data and the last checkpoint; the batch order is a
+pure function of (seed, epoch), so a resumed build trains on exactly the batches an
+uninterrupted one would have. The wall-clock budget is split between making data
+(`data_share`, 0 = use the cached data only) and training; whichever phase runs out of time
+stops after its current batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from draftverify.errors import require
+from draftverify.make_draft.data import DataCache, DataPlan, load_checked, save_atomic
+from draftverify.make_draft.prompts import TEXT_LICENSE
+from draftverify.make_draft.train import batches, choose_layers, collate, distill_loss, evaluate, init_draft, trainable
+from draftverify.models import DRAFT_META_FILE, Loaded, Runner, tokenizer_fingerprint
+
+DATA_SOURCES = {"chat": 0, "text": 1, "chat+text": 2}  # -> text_every: every n-th new shard is stdlib text
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    layers: int = 4  # decoder layers of the draft
+    layer_ids: tuple[int, ...] | None = None  # which target layers to copy (None: pick by measurement)
+    budget_minutes: float = 45.0  # wall clock for data + training
+    data_share: float = 0.35  # part of the budget spent making new data
+    steps: int | None = None  # stop after this many optimiser steps (None: when the budget runs out)
+    max_shards: int | None = None  # stop making data after this many shards (None: when its budget runs out)
+    data: str = "chat+text"  # chat (the target's generations), text (stdlib text) or both
+    seed: int = 0
+    topk: int = 32  # target probabilities kept per position
+    gen_batch: int = 16  # prompts per batched generate
+    max_new_tokens: int = 80  # tokens generated per prompt
+    heldout_prompts: int = 32
+    batch_tokens: int = 1024  # tokens per optimiser step
+    max_len: int = 512  # sequences are cut to this many tokens
+    lr: float = 5e-4
+    warmup: int = 10
+    eval_every: int = 25
+    eval_sequences: int = 8  # held-out sequences scored during training and for the layer choice (all at the end)
+    checkpoint_minutes: float = 4.0
+
+    def __post_init__(self):
+        require(self.layers >= 1, f"--layers {self.layers} must be at least 1")
+        require(self.layer_ids is None or len(self.layer_ids) == self.layers, "--layer-ids must name exactly --layers layers")
+        require(self.budget_minutes > 0, f"--budget-minutes {self.budget_minutes} must be positive")
+        require(0 <= self.data_share < 1, f"data_share={self.data_share} must lie in [0, 1)")
+        require(self.steps is None or self.steps >= 0, f"--steps {self.steps} must be >= 0")
+        require(self.data in DATA_SOURCES, f"--data {self.data!r} is unknown: use one of {', '.join(DATA_SOURCES)}")
+        require(self.topk >= 1 and self.gen_batch >= 1 and self.max_new_tokens >= 1, "topk, gen_batch and max_new_tokens must be >= 1")
+        require(self.heldout_prompts >= 1, "heldout_prompts must be >= 1")
+        require(self.batch_tokens >= 16 and self.max_len >= 16, "batch_tokens and max_len must be >= 16")
+        require(self.lr > 0, f"--lr {self.lr} must be positive")
+
+
+def build_draft(
+    target: Loaded,
+    out: Path,
+    config: DraftConfig = DraftConfig(),
+    work: Path | None = None,
+    resume: bool = False,
+    share_embeddings: bool = False,
+    save_dtype: str = "fp32",
+    command: str = "",
+    log=print,
+    progress: bool = True,
+) -> dict:
+    """Build a draft for `target` into the folder `out`; returns the facts written into its model card."""
+    start = time.monotonic()
+    deadline = start + config.budget_minutes * 60
+    out, work = Path(out), Path(work) if work is not None else Path(out) / ".make-draft"
+    checkpoint_path = work / "checkpoint.pt"
+    require(
+        resume or not checkpoint_path.exists(),
+        f"{checkpoint_path} exists from an earlier build: pass --resume to continue it, or delete {work}",
+    )
+    torch.manual_seed(config.seed)
+    plan = DataPlan(target.identity, config.seed, config.topk)
+    cache = DataCache(work, plan)
+    if config.data_share > 0 or not cache.shards():
+        cache.fill(target, start + config.budget_minutes * 60 * config.data_share, config.heldout_prompts, config.gen_batch,
+                   config.max_new_tokens, DATA_SOURCES[config.data], config.max_shards, log)
+    records, data_summary = cache.records()
+    heldout = cache.heldout()
+    require(records, f"no training data was made within the budget: raise --budget-minutes (data cache: {cache.folder})")
+
+    state = load_checked(checkpoint_path, "checkpoint") if checkpoint_path.exists() else None
+    if state is not None:
+        require(state.get("plan") == asdict(plan) and state.get("layers") == config.layers,
+                f"checkpoint {checkpoint_path} belongs to another target or settings: delete {work} or use another --work")
+        layer_ids, layer_scores = tuple(state["layer_ids"]), state["layer_scores"]
+    elif config.layer_ids is not None:
+        layer_ids, layer_scores = tuple(config.layer_ids), {}
+    else:
+        layer_ids, layer_scores = choose_layers(target, config.layers, heldout[: config.eval_sequences], config.batch_tokens, config.max_len)
+        log("layer choice (held-out KL before training): " + ", ".join(f"{k} {v['layers']} {v['kl']:.3f}" for k, v in layer_scores.items()))
+    model = init_draft(target, layer_ids)
+    state = train(model, records, heldout, config, layer_ids, layer_scores, plan, checkpoint_path, state, deadline, log, progress)
+
+    final = evaluate(model, heldout, config.batch_tokens, config.max_len)
+    model.eval().requires_grad_(False)
+    cost = relative_cost(model, target.model)
+    facts = {
+        "target": target.name,
+        "target_identity": target.identity,
+        "layers": list(layer_ids),
+        "layer_choice": layer_scores,
+        "steps": state["step"],
+        "train_seconds": round(state["train_seconds"]),
+        "device": str(target.device) if target.device.type != "cpu" else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "data": data_summary,
+        "heldout": {"sequences": len(heldout), **final},
+        "history": state["history"],
+        "relative_forward_cost": cost,
+        "config": asdict(config),
+        "command": command,
+    }
+    write_folder(model, target, out, facts, share_embeddings, save_dtype)
+    log(f"draft written to {out}: held-out greedy agreement {final['agreement']:.3f}, forward cost {cost['ratio']:.2f}x the target's")
+    return facts
+
+
+def learning_rate(config: DraftConfig, step: int, progress: float) -> float:
+    """Linear warm-up, then cosine decay to a tenth of `lr` as `progress` goes 0 -> 1."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train(model, records, heldout, config, layer_ids, layer_scores, plan, checkpoint_path, state, deadline, log, progress) -> dict:
+    """Distil until `config.steps` or `deadline`; checkpoints every few minutes and at the end."""
+    from tqdm import tqdm
+
+    params = trainable(model)
+    probe = heldout[: config.eval_sequences]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    if state is not None:
+        model.load_state_dict(state["model"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+    else:
+        state = {"step": 0, "train_seconds": 0.0, "history": [{"step": 0, **evaluate(model, probe, config.batch_tokens, config.max_len)}]}
+    state.update(plan=asdict(plan), layers=config.layers, layer_ids=list(layer_ids), layer_scores=layer_scores)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+
+    def save() -> None:
+        params_state = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+        save_atomic({**state, "model": params_state, "optimizer": optimizer.state_dict(), "names": names}, checkpoint_path)
+
+    budget = max(1e-9, deadline - time.monotonic() + state["train_seconds"])  # training seconds this build may spend in all
+    autocast = torch.autocast("cuda", torch.bfloat16) if model.device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    schedule = _schedule(records, config)
+    for _ in range(state["step"]):
+        next(schedule)
+    bar = tqdm(total=config.steps, initial=state["step"], desc="make-draft", unit="step", disable=not progress)
+    last_save, began, seconds0 = time.monotonic(), time.monotonic(), state["train_seconds"]
+    latest = state["history"][-1]
+    while (config.steps is None or state["step"] < config.steps) and time.monotonic() < deadline:
+        step = state["step"]
+        done = step / config.steps if config.steps else (seconds0 + time.monotonic() - began) / budget
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step, done)
+        batch = collate([records[i] for i in next(schedule)], config.max_len, model.device)
+        with autocast:
+            loss, agreed = distill_loss(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["step"] = step + 1
+        state["train_seconds"] = seconds0 + time.monotonic() - began
+        if state["step"] % config.eval_every == 0:
+            latest = {"step": state["step"], **evaluate(model, probe, config.batch_tokens, config.max_len)}
+            state["history"].append(latest)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agreed.float().mean().item():.2f}", heldout_agree=f"{latest['agreement']:.3f}")
+        if time.monotonic() - last_save > config.checkpoint_minutes * 60:
+            save()
+            last_save = time.monotonic()
+    bar.close()
+    save()
+    log(f"trained {state['step']} steps in {state['train_seconds']:.0f}s")
+    return state
+
+
+def _schedule(records, config):
+    """Endless stream of batches (lists of record indices), epoch after epoch."""
+    epoch = 0
+    while True:
+        yield from batches(records, config.batch_tokens, config.max_len, config.seed, epoch)
+        epoch += 1
+
+
+@torch.no_grad()
+def relative_cost(draft: torch.nn.Module, target: torch.nn.Module, reps: int = 30, prefix: int = 64) -> dict:
+    """Median seconds of a one-token forward against a `prefix`-token cache, draft and target interleaved."""
+    runners = {"draft": Runner(draft), "target": Runner(target)}
+    times = {name: [] for name in runners}
+    vocab = target.config.vocab_size
+    for runner in runners.values():
+        runner.forward([(10 + i) % vocab for i in range(prefix)])
+    for i in range(reps):
+        for name, runner in runners.items():
+            t0 = time.perf_counter()
+            runner.forward([(100 + i) % vocab])
+            times[name].append(time.perf_counter() - t0)
+            runner.crop(prefix)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return {"draft_s": medians["draft"], "target_s": medians["target"], "ratio": medians["draft"] / medians["target"], "reps": reps}
+
+
+def write_folder(model, target: Loaded, out: Path, facts: dict, share_embeddings: bool, save_dtype: str) -> None:
+    """config, safetensors weights, tokenizer, generation config, draftverify.json and README.md, each replaced atomically."""
+    from safetensors.torch import save_file
+
+    from draftverify.models import DTYPES
+
+    require(save_dtype in DTYPES, f"--save-dtype {save_dtype!r} is unknown: use one of {', '.join(DTYPES)}")
+    out.mkdir(parents=True, exist_ok=True)
+    in_key, out_key = (_weight_name(model, m) for m in (model.get_input_embeddings(), model.get_output_embeddings()))
+    skip = ({in_key, out_key} if share_embeddings else set()) | ({out_key} if model.config.tie_word_embeddings else set())
+    state = {n: t.detach().to("cpu", DTYPES[save_dtype]).contiguous() for n, t in model.state_dict().items() if n not in skip}
+    embeddings = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    facts = {**facts, "share_embeddings": share_embeddings, "save_dtype": save_dtype,
+             "parameters": sum(p.numel() for p in model.parameters()),
+             "own_parameters": sum(p.numel() for p in model.parameters() if id(p) not in embeddings)}
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".writing-"))
+    try:
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        facts["file_mb"] = round((tmp / "model.safetensors").stat().st_size / 2**20, 1)
+        config = model.config
+        config.dtype = DTYPES[save_dtype]
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        target.tokenizer.save_pretrained(tmp)
+        meta = {"made_by": "draftverify make-draft", "target": target.identity, "shared_embeddings": share_embeddings,
+                "tokenizer": tokenizer_fingerprint(target.tokenizer), "facts": facts}
+        (tmp / DRAFT_META_FILE).write_text(json.dumps(meta, indent=1))
+        (tmp / "README.md").write_text(model_card(facts))
+        for item in sorted(tmp.iterdir()):
+            os.replace(item, out / item.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _weight_name(model: torch.nn.Module, module: torch.nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module) + ".weight"
+
+
+def model_card(f: dict) -> str:
+    """README.md of the draft folder; every number comes from `facts`."""
+    h = f["heldout"]
+    c = f["relative_forward_cost"]
+    data_rows = "\n".join(f"| {kind} | {row['shards']} | {row['sequences']} | {row['positions']} |" for kind, row in sorted(f["data"].items()))
+    choice = "\n".join(f"| {name} | {v['layers']} | {v['kl']:.3f} | {v['agreement']:.3f} |" for name, v in f["layer_choice"].items()) or "| (given with --layer-ids) | | | |"
+    history = ", ".join(f"step {e['step']}: {e['agreement']:.3f}" for e in f["history"])
+    load = (
+        "The embedding and head weights are **not stored**: they are the target's, restored at load time by "
+        "`draftverify.models.load_draft(PATH, target)` (or `--draft PATH`), which refuses any other target."
+        if f["share_embeddings"] else
+        "This is a complete transformers folder: `AutoModelForCausalLM.from_pretrained(PATH)` loads it."
+    )
+    return f"""# Draft model for {f['target']}
+
+A small causal LM that proposes tokens for lossless draft-then-verify decoding of
+**{f['target']}** with [draftverify](https://example.invalid/draftverify) (speculative decoding,
+Ouroboros, SpecDec++...). It shares the target's tokenizer. Made by `draftverify make-draft`;
+every number below was written by that tool.
+
+{load}
+
+## How it was made
+- Architecture: the target's ({f['target_identity']['model_type']}) with {len(f['layers'])} of its
+  {f['target_identity']['num_hidden_layers']} decoder layers: target layers {f['layers']}, plus its
+  embeddings, final norm and head (frozen during training).
+- Layer choice: candidate layer sets scored by held-out KL before training; the lowest was kept.
+
+| candidate | target layers | held-out KL | greedy agreement |
+|---|---|---|---|
+{choice}
+
+- Training: distillation, loss KL(p || q) with p = the target's next-token distribution over its
+  top-{f['config']['topk']} tokens (renormalised) and q = the draft's; AdamW, lr {f['config']['lr']},
+  {f['steps']} steps of about {f['config']['batch_tokens']} tokens, {f['train_seconds']} s on {f['device']}.
+- Command: `{f['command']}`
+
+## Data and licenses
+| source | shards | sequences | target positions |
+|---|---|---|---|
+{data_rows}
+
+- `chat-greedy` / `chat-sampled`: the target's own greedy (sampled, T=0.8, top-p 0.95) replies to
+  chat prompts written from the project's templates (explain, write, tips, compare, questions,
+  code tasks, code completion, code review, summarise, translate, math, reasoning, role play,
+  extraction, documentation QA, chit-chat). No benchmark prompt was used. Outputs of
+  {f['target']} are subject to that model's license (Apache-2.0 for SmolLM2).
+- `text`: conversations whose assistant turn is text of the Python standard library
+  (`pydoc_data/topics.py` and stdlib function sources), under the {TEXT_LICENSE}; the same
+  text fills the templates' passages, signatures and docstrings.
+
+## Size
+{f['parameters']:,} parameters, {f['own_parameters']:,} of them outside the (target's) embeddings and head; weights file {f['file_mb']} MB ({f['save_dtype']}).
+
+## Quality and cost
+- Held-out greedy agreement with the target (teacher-forced, {h['positions']} positions of the
+  target's greedy replies to {h['sequences']} held-out prompts): **{h['agreement']:.3f}**; held-out KL {h['kl']:.3f}.
+- During training (first {f['config']['eval_sequences']} held-out replies): {history}.
+- Forward cost of one token against a 64-token cache: draft {c['draft_s'] * 1000:.1f} ms, target
+  {c['target_s'] * 1000:.1f} ms, **{c['ratio']:.2f}x** the target's (median of {c['reps']}, same machine).
+"""

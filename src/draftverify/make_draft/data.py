@@ -1,0 +1,250 @@
+"""Distillation data: token sequences with the target's top-k next-token log-probabilities.
+
+Two sources, stored alike as `Record`s in shards on disk (written atomically, so an interrupted
+build keeps every finished shard and `--resume` never redoes them):
+- "chat": the target's own continuations (greedy, or sampled for one batch in four) of chat
+  prompts written from templates (`prompts.py`), made with batched `model.generate`, whose raw
+  logits give the targets at every generated position for free;
+- "text": chat conversations whose assistant turn is Python stdlib text, scored by one
+  teacher-forced forward of the target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from draftverify.errors import DraftVerifyError, require
+from draftverify.make_draft.prompts import Stdlib, make_documents, make_prompts
+from draftverify.models import Loaded
+
+MAX_PROMPT_TOKENS = 256  # longer template prompts are skipped: padding them costs more than they teach
+
+
+@dataclass
+class Record:
+    """One sequence; position `start + j` (predicting token `start + j + 1`) has target row j."""
+
+    ids: torch.Tensor  # [T] int32 token ids
+    start: int  # first position with a target
+    logp: torch.Tensor  # [n, k] fp16: the target's log-probabilities of its top-k tokens (descending)
+    idx: torch.Tensor  # [n, k] int32: those tokens
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """What makes cached data fit a build; a cache made with another plan is refused.
+
+    How many prompts go in one generate, how long the replies are and which kind of shard comes
+    next are not part of it: shards made with other such settings are just as valid.
+    """
+
+    target: dict  # Loaded.identity of the target
+    seed: int
+    topk: int
+
+
+def save_atomic(obj, path: Path) -> None:
+    """torch.save to a temporary file in the same folder, then rename over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_checked(path: Path, what: str) -> dict:
+    """torch.load a file this module wrote, refusing a corrupt one with a one-line error."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated or foreign files raise many different errors
+        raise DraftVerifyError(f"{what} {path} is corrupt ({type(exc).__name__}): delete it and run again") from exc
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] -> (log-probs [..., k] fp16, token ids [..., k] int32) of the k most likely tokens."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, idx = logp.topk(k, dim=-1)
+    return values.half(), idx.int()
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def eos_ids(target: Loaded) -> list[int]:
+    ids = set()
+    for source in (target.model.generation_config.eos_token_id, target.tokenizer.eos_token_id):
+        if source is not None:
+            ids.update(source if isinstance(source, (list, tuple)) else [source])
+    return sorted(ids)
+
+
+@torch.inference_mode()
+def generated_records(target: Loaded, prompts: list[list[int]], max_new_tokens: int, k: int, sample: bool) -> list[Record]:
+    """The target's continuations of `prompts` (one batched generate), with top-k targets per new token."""
+    from transformers import GenerationConfig
+
+    eos = eos_ids(target)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else eos[0]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # [B, P] left-padded
+    mask = torch.zeros_like(input_ids)
+    for b, p in enumerate(prompts):
+        input_ids[b, width - len(p) :] = torch.tensor(p)
+        mask[b, width - len(p) :] = 1
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        temperature=0.8 if sample else None,
+        top_p=0.95 if sample else None,
+        top_k=None,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    device = target.device
+    out = target.model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device), generation_config=config)
+    new = out.sequences[:, width:].cpu()  # [B, G]
+    logits = torch.stack(out.logits, dim=1)  # [B, G, V] raw logits of every step
+    records = []
+    for b, p in enumerate(prompts):
+        ends = [j for j, t in enumerate(new[b].tolist()) if t in eos]
+        g = ends[0] + 1 if ends else new.shape[1]
+        logp, idx = topk_logprobs(logits[b, :g], k)
+        ids = torch.tensor(p + new[b, :g].tolist(), dtype=torch.int32)
+        records.append(Record(ids, len(p) - 1, logp.cpu(), idx.cpu()))
+    return records
+
+
+@torch.inference_mode()
+def forced_records(target: Loaded, sequences: list[list[int]], k: int) -> list[Record]:
+    """Targets at every position of fixed `sequences` (one right-padded forward of the target)."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.zeros(len(sequences), width, dtype=torch.long)  # [B, T]
+    mask = torch.zeros_like(input_ids)
+    for b, s in enumerate(sequences):
+        input_ids[b, : len(s)] = torch.tensor(s)
+        mask[b, : len(s)] = 1
+    device = target.device
+    logits = target.model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits  # [B, T, V]
+    records = []
+    for b, s in enumerate(sequences):
+        logp, idx = topk_logprobs(logits[b, : len(s) - 1], k)
+        records.append(Record(torch.tensor(s, dtype=torch.int32), 0, logp.cpu(), idx.cpu()))
+    return records
+
+
+def record_dicts(records: list[Record]) -> list[dict]:
+    return [asdict(r) for r in records]
+
+
+class DataCache:
+    """The shards of one build under `work/data`: `plan.json`, `heldout.pt`, `shard-NNNNN.pt`."""
+
+    def __init__(self, work: Path, plan: DataPlan):
+        self.folder = Path(work) / "data"
+        self.plan = plan
+        plan_path = self.folder / "plan.json"
+        if plan_path.is_file():
+            try:
+                stored = json.loads(plan_path.read_text())
+            except json.JSONDecodeError as exc:
+                raise DraftVerifyError(f"{plan_path} is corrupt: delete {self.folder} and run again") from exc
+            require(
+                stored == json.loads(json.dumps(asdict(plan))),
+                f"the data cache in {self.folder} was made for another target or settings: "
+                "use another --work folder or delete it",
+            )
+        else:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = plan_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(asdict(plan), indent=1))
+            os.replace(tmp, plan_path)
+
+    def shards(self) -> list[Path]:
+        return sorted(self.folder.glob("shard-*.pt"))
+
+    def load(self, path: Path) -> list[Record]:
+        data = load_checked(path, "data shard")
+        require(isinstance(data, dict) and "records" in data, f"data shard {path} is not a make-draft shard: delete it")
+        return [Record(**r) for r in data["records"]]
+
+    def records(self) -> tuple[list[Record], dict]:
+        """Every cached training record, and per kind of shard: shards, sequences and target positions."""
+        records, summary = [], {}
+        for path in self.shards():
+            data = load_checked(path, "data shard")
+            require(isinstance(data, dict) and "records" in data, f"data shard {path} is not a make-draft shard: delete it")
+            part = [Record(**r) for r in data["records"]]
+            row = summary.setdefault(data.get("kind", "unknown"), {"shards": 0, "sequences": 0, "positions": 0})
+            row["shards"] += 1
+            row["sequences"] += len(part)
+            row["positions"] += sum(r.logp.shape[0] for r in part)
+            records += part
+        return records, summary
+
+    def heldout(self) -> list[Record]:
+        return self.load(self.folder / "heldout.pt")
+
+    def fill(
+        self,
+        target: Loaded,
+        deadline: float,
+        heldout_prompts: int,
+        gen_batch: int,
+        max_new_tokens: int,
+        text_every: int,
+        max_shards: int | None = None,
+        log=print,
+    ) -> None:
+        """Make the held-out set, then shards until `deadline` (time.monotonic) or `max_shards` exist (at least one).
+
+        Shard i is teacher-forced stdlib text when `i % text_every == text_every - 1` (never when
+        `text_every` is 0), else the target's replies to `gen_batch` template prompts.
+        """
+        plan, tok = self.plan, target.tokenizer
+        lib = Stdlib.load()
+        require(lib.functions and lib.topics, "the Python standard library sources are not installed: cannot build prompts")
+
+        def encode(texts: list[str]) -> list[list[int]]:
+            ids = [chat_ids(tok, [{"role": "user", "content": t}], True) for t in texts]
+            return sorted((i for i in ids if len(i) <= MAX_PROMPT_TOKENS), key=len)
+
+        heldout = self.folder / "heldout.pt"
+        if not heldout.is_file():
+            prompts = encode(make_prompts(heldout_prompts, plan.seed + 1_000_003, lib))
+            records = generated_records(target, prompts, max_new_tokens, plan.topk, sample=False)
+            save_atomic({"records": record_dicts(records)}, heldout)
+            log(f"held-out set: {len(records)} greedy generations")
+        i = len(self.shards())
+        while (i == 0 or time.monotonic() < deadline) and (max_shards is None or i < max_shards):  # at least one shard
+            t0 = time.monotonic()
+            if text_every and i % text_every == text_every - 1:
+                docs = make_documents(max(1, gen_batch // 2), plan.seed * 7919 + i, lib)
+                longest = min(2 * MAX_PROMPT_TOKENS, getattr(target.model.config, "max_position_embeddings", None) or 10**9)
+                seqs = [chat_ids(tok, d, False)[:longest] for d in docs]
+                records, kind = forced_records(target, seqs, plan.topk), "text"
+            else:
+                torch.manual_seed(plan.seed * 7919 + i)  # one seed per shard: a resumed build makes the same data
+                sample = i % 4 == 2
+                prompts = encode(make_prompts(gen_batch, plan.seed * 7919 + i, lib))
+                # every prompt may be too long for a tokenizer with short tokens: then the shard is empty
+                records = generated_records(target, prompts, max_new_tokens, plan.topk, sample) if prompts else []
+                kind = "chat-sampled" if sample else "chat-greedy"
+            save_atomic({"records": record_dicts(records), "kind": kind}, self.folder / f"shard-{i:05d}.pt")
+            tokens = sum(r.logp.shape[0] for r in records)
+            log(f"data shard {i} ({kind}): {tokens} target positions in {time.monotonic() - t0:.0f}s")
+            i += 1

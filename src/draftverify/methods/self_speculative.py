@@ -1,0 +1,159 @@
+"""Self-speculative decoding: the target drafts for itself by skipping some of its sub-layers.
+
+Zhang et al. 2024, "Draft & Verify: Lossless Large Language Model Acceleration via
+Self-Speculative Decoding" (ACL). No second model, no extra memory. Each round:
+1. with the skip set's attention / MLP sub-layers bypassed (`layerskip.skip_layers` around the
+   stock layers), the model drafts up to K tokens from the verified prefix in its own KV cache,
+   greedily or by sampling from its skip-draft distribution q (Alg. 4); the adaptive draft
+   exit stops once the draft's top probability falls below gamma (Sec. 3.4);
+2. the cache is rolled back to the verified prefix in every layer (skipped layers wrote nothing,
+   the others wrote K/V computed from draft hidden states) and the full model scores root +
+   drafts in one forward, which rewrites every layer;
+3. `verify_chain` accepts drafts (greedy: while equal to argmax p; sampling: min(1, p/q), a
+   rejection resampled from norm(max(p - q, 0))), plus one more token;
+4. the cache is cropped to the accepted prefix and the policy updates gamma.
+
+Cache invariant: the cache holds every token but the last emitted one (the root of the next round).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+from draftverify.errors import require
+from draftverify.layerskip import STRATEGIES, SkipRunner, SkipSet, load_skip_set, make_skip_set, shipped_skip_set
+from draftverify.methods.base import Method, register
+from draftverify.methods.speculative import verify_drafts
+from draftverify.models import Runner, model_identity
+from draftverify.policies import POLICIES, AdaptiveThreshold, DraftPolicy, make_policy
+from draftverify.sampling import sample
+from draftverify.session import Session
+
+
+@dataclass(frozen=True)
+class SelfSpeculativeConfig:
+    """Which sub-layers the draft skips:
+    strategy     searched (the skip set found by `draftverify search-layers`: skip_file, else the
+                 one shipped for this model), heuristic (paper-like, ~45% of the sub-layers),
+                 first / middle / last / random (as many sub-layers as the searched set skips, the
+                 paper's Appendix D comparison), or none (draft = the full model)
+    skip_file    a skip-set JSON from `draftverify search-layers` (refused on another model)
+    skip         a SkipSet object (Python API); overrides strategy and skip_file
+    n_attention, n_mlp   first/middle/last/random: how many attention / MLP sub-layers to skip
+    seed         random: which random layers
+    How long each draft is (Sec. 3.4):
+    policy       adaptive (gamma adapts toward alpha), confidence (static threshold gamma),
+                 constant (always k tokens) or heuristic (transformers' schedule)
+    k            K, the most tokens per draft (the fixed K of constant)
+    gamma        gamma_0 of adaptive, the threshold of confidence: stop once the draft's top
+                 probability falls below it
+    alpha        adaptive: target acceptance rate (the paper tunes it per task, 0.7..0.9)
+    epsilon      adaptive: threshold step
+    beta1, beta2 adaptive: smoothing of the acceptance rate and of the threshold
+    """
+
+    strategy: str = "searched"
+    skip_file: str | None = None
+    skip: SkipSet | None = None
+    n_attention: int | None = None  # None: as many as the searched skip set (or the heuristic one)
+    n_mlp: int | None = None
+    seed: int = 0
+    policy: str = "adaptive"
+    k: int = 12
+    gamma: float = 0.6
+    alpha: float = 0.85
+    epsilon: float = 0.01
+    beta1: float = 0.5
+    beta2: float = 0.9
+
+    def __post_init__(self):
+        require(self.strategy in STRATEGIES, f"unknown skip strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
+        require(self.policy in POLICIES, f"unknown draft policy {self.policy!r}: use one of {', '.join(POLICIES)}")
+        require(1 <= self.k <= 64, f"k={self.k} must lie in 1..64")
+        AdaptiveThreshold(self.gamma, self.alpha, self.epsilon, self.beta1, self.beta2, self.k)  # validates the rest
+
+
+@register
+class SelfSpeculative(Method):
+    name = "self-speculative"
+    Config = SelfSpeculativeConfig
+    presets = {  # Draft & Verify, Table 6 (alpha per task), Table 3 (fixed K), Table 4 (static gamma), App. D (strategies)
+        "code": {"alpha": 0.9},
+        "chat": {"alpha": 0.85},
+        "summarization": {"alpha": 0.9},
+        "k2": {"policy": "constant", "k": 2},
+        "k4": {"policy": "constant", "k": 4},
+        "k8": {"policy": "constant", "k": 8},
+        "static": {"policy": "confidence", "gamma": 0.6},
+        "static-0.4": {"policy": "confidence", "gamma": 0.4},
+        "static-0.8": {"policy": "confidence", "gamma": 0.8},
+        "first": {"strategy": "first"},
+        "middle": {"strategy": "middle"},
+        "last": {"strategy": "last"},
+        "random": {"strategy": "random"},
+        "heuristic": {"strategy": "heuristic"},
+    }
+
+    def __init__(self, target: Runner, draft: Runner | None = None, config=None):
+        super().__init__(target, draft, config)
+        c = self.config
+        if c.skip is not None:
+            self.skip = c.skip
+        else:
+            searched = load_skip_set(c.skip_file, model_identity(target.model)) if c.skip_file else shipped_skip_set(target.model)
+            self.skip = make_skip_set(c.strategy, target.model, searched, c.n_attention, c.n_mlp, c.seed)
+        self.target = SkipRunner(target.model)  # its own cache, whose layers may briefly differ in length
+
+    def make_policy(self) -> DraftPolicy:
+        c = self.config
+        if c.policy == "adaptive":
+            return AdaptiveThreshold(c.gamma, c.alpha, c.epsilon, c.beta1, c.beta2, max_k=c.k)
+        return make_policy(c.policy, c.k, c.gamma)
+
+    def run(self, s: Session) -> None:
+        policy = self.make_policy()
+        s.stats.extra.update(skipped_attention=len(self.skip.attention), skipped_mlp=len(self.skip.mlp))
+        try:
+            self.decode(s, policy)
+        finally:
+            self.target.reset()  # free the KV cache between requests
+            if isinstance(policy, AdaptiveThreshold):
+                s.stats.extra["final_gamma"] = policy.gamma
+
+    def decode(self, s: Session, policy: DraftPolicy) -> None:
+        target, stats, greedy = self.target, s.stats, s.sampling.greedy
+        logits = self.prefill(s)
+        root = self.pick(logits, s, target.device)
+        if not s.emit([root]):
+            return
+        limit = (target.max_length or 1 << 30) - len(s.prompt)
+        while True:
+            # 1. draft with the skip set, from the verified prefix in the cache
+            base = target.length  # every token but the root
+            k_max = min(policy.max_length(), s.remaining - 1, limit - len(s.output))
+            drafts, qs, feed = [], [], [root]
+            with stats.timer("draft"), target.skipping(self.skip):
+                for n in range(1, k_max + 1):
+                    dlogits = target.forward(feed, last=1).logits[-1]  # [V]
+                    stats.draft_forwards += 1
+                    if greedy:
+                        drafts.append(int(dlogits.argmax().item()))
+                    else:
+                        qs.append(s.sampling.probs(dlogits))  # [V]
+                        drafts.append(sample(qs[-1], s.generator(target.device)))
+                    feed = drafts[-1:]
+                    if not policy.keep_drafting(n, dlogits, None):
+                        break
+            # 2-3. back to the verified prefix in every layer; the full model scores root + drafts
+            target.crop(base)
+            with stats.timer("verify"):
+                tlogits = target.forward([root] + drafts).logits  # [k + 1, V]
+                verdict = verify_drafts(s, root, drafts, qs, tlogits)
+            stats.verified(len(drafts), verdict.accepted, len(verdict.tokens))
+            policy.observe(len(drafts), verdict.accepted)
+            # 4. keep the accepted prefix and emit
+            target.crop(base + 1 + verdict.accepted)
+            if not s.emit(verdict.tokens):
+                return
+            root = verdict.tokens[-1]

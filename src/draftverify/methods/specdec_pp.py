@@ -1,0 +1,120 @@
+"""SpecDec++: speculative decoding whose draft length is decided by a trained acceptance head.
+
+Huang et al. 2024, "SpecDec++: Boosting Speculative Decoding via Adaptive Candidate Lengths".
+Method `specdec-pp`, also reachable as `specdec++` (`+` is not allowed in bench method specs). Each round is the
+`speculative` round (draft, score, `verify_chain`, roll back) with one change:
+1. after each drafted token the head reads the draft's hidden state and predicts p_hat, the
+   chance that the previous draft is accepted (head.py, `AcceptanceHeadPolicy`);
+2. drafting stops as soon as 1 - prod(p_hat) > h, or at the hard cap of 20 tokens;
+3. verification is unchanged, so output stays identical (greedy) or exactly distributed (sampling).
+
+Method `ouroboros-pp` is Ouroboros with the same head as its drafting stop rule: the draft's
+phrase-by-phrase sentence draft ends at the first drafted token where 1 - prod(p_hat) > h
+(checked per token, also inside a phrase), instead of at gamma tokens.
+
+The head is trained per draft/target pair (`draftverify train-head`); `head=default` takes the
+head shipped for the default pair, and a head made for another pair is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftverify.errors import require
+from draftverify.head import DEFAULT_CAP, DEFAULT_H, AcceptanceHead, AcceptanceHeadPolicy, load_head
+from draftverify.methods.base import METHODS, register
+from draftverify.methods.ouroboros import Ouroboros, OuroborosConfig
+from draftverify.methods.speculative import Speculative
+from draftverify.models import model_identity
+from draftverify.session import Session
+
+SHIPPED_HEADS = Path(__file__).parent.parent / "assets" / "specdec-heads"
+DEFAULT_HEAD = "default"
+THRESHOLD_PRESETS = {f"h0.{h}": {"h": h / 10} for h in (1, 3, 5, 7, 9)}  # the paper's grid for h
+
+
+@dataclass(frozen=True)
+class SpecDecPPConfig:
+    """h: stop drafting once the predicted chance that a drafted token is rejected exceeds h.
+    cap: hard cap on drafted tokens per round (20 in the paper).
+    head: a head file made by `draftverify train-head`, or the name of a head shipped in
+          assets/specdec-heads/ (`default`: the one for the default target and draft)."""
+
+    h: float = DEFAULT_H
+    cap: int = DEFAULT_CAP
+    head: str = DEFAULT_HEAD
+
+    def __post_init__(self):
+        check_head_settings(self.h, self.cap)
+
+
+@register
+class SpecDecPP(Speculative):
+    name = "specdec-pp"
+    Config = SpecDecPPConfig
+    needs_draft = True
+    presets = {"paper": {"h": 0.7, "cap": 20}, **THRESHOLD_PRESETS}  # paper: best overall, with a w_rej = 6 head
+
+    def run(self, s: Session, policy=None) -> None:
+        super().run(s, policy or AcceptanceHeadPolicy(pair_head(self), self.config.h, self.config.cap))
+
+
+METHODS["specdec++"] = SpecDecPP  # the issue's name; bench specs cannot hold "+", so the method is named specdec-pp
+
+
+@dataclass(frozen=True)
+class OuroborosPPConfig(OuroborosConfig):
+    """Ouroboros settings (see `ouroboros`) with the SpecDec++ head deciding the sentence draft's
+    length: h, cap and head as in `specdec-pp`; gamma, policy and threshold are not used."""
+
+    h: float = DEFAULT_H
+    cap: int = DEFAULT_CAP
+    head: str = DEFAULT_HEAD
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_head_settings(self.h, self.cap)
+
+
+@register
+class OuroborosPP(Ouroboros):
+    name = "ouroboros-pp"
+    Config = OuroborosPPConfig
+    presets = {**Ouroboros.presets, **THRESHOLD_PRESETS}
+
+    def make_policy(self) -> AcceptanceHeadPolicy:
+        return AcceptanceHeadPolicy(pair_head(self), self.config.h, self.config.cap)
+
+
+def check_head_settings(h: float, cap: int) -> None:
+    require(0 < h < 1, f"h={h} must lie strictly between 0 and 1 (the paper tries 0.1..0.9)")
+    require(1 <= cap <= 64, f"cap={cap} must lie in 1..64")
+
+
+def pair_head(method) -> AcceptanceHead:
+    """The method's configured head, loaded once and checked against its draft/target pair."""
+    if getattr(method, "_head", None) is None:
+        method._head = load_head(
+            resolve_head(method.config.head),
+            draft_identity=model_identity(method.draft.model),
+            target_identity=model_identity(method.target.model),
+        ).to(method.draft.device)
+    return method._head
+
+
+def shipped_heads() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(SHIPPED_HEADS.glob("*.safetensors"))}
+
+
+def resolve_head(name: str) -> Path:
+    """A path to a head file, or the name of a shipped head."""
+    if name.endswith(".safetensors") or "/" in name:
+        return Path(name).expanduser()
+    heads = shipped_heads()
+    require(
+        name in heads,
+        f"no shipped acceptance head named {name!r} (shipped: {', '.join(heads) or 'none'}): "
+        "pass head=PATH to a file made by `draftverify train-head`",
+    )
+    return heads[name]

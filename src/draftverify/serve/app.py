@@ -1,0 +1,341 @@
+"""The FastAPI app: OpenAI-compatible routes over one Engine.
+
+    engine = Engine.load()
+    app = create_app(engine, ServeConfig(methods=parse_methods("speculative,autoregressive")))
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as
+server-sent events), GET /v1/models, GET /health, GET /metrics. Each request is validated
+and tokenised on the event loop, then waits in the scheduler's line for the model; see
+docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from draftverify.bench.specs import parse_spec, split_specs
+from draftverify.engine import Engine
+from draftverify.errors import DraftVerifyError, require
+from draftverify.methods import METHODS
+from draftverify.serve.metrics import Metrics
+from draftverify.serve.protocol import FINISH_REASONS, ApiError, ChatRequest, CompletionRequest, Reply, TextStream, parse_request, sse, stats_object, usage
+from draftverify.serve.scheduler import Chunk, Job, Outcome, Scheduler, Ticket, timeout_error
+
+log = logging.getLogger("draftverify.serve")
+
+POLL_S = 0.25  # how often a waiting handler checks for a gone client and its deadline
+CUT_GRACE_S = 2.0  # past the deadline, how long to wait for the worker to cut a running request
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method as the server runs it: `label` is the spec as written (what clients send as
+    `method`), e.g. `speculative[k=4]`; name, preset and options build the method instance."""
+
+    label: str
+    name: str
+    preset: str | None
+    options: tuple[tuple[str, object], ...]
+
+
+def parse_methods(text: str) -> tuple[MethodSpec, ...]:
+    """Comma-separated specs in `draftverify bench`'s syntax: `name`, `name:preset`,
+    `name[key=value,...]` or `name:preset[key=value,...]`, each validated against its method."""
+    specs = []
+    for part in split_specs(text):
+        spec = parse_spec(part)
+        require(not spec.is_peer, f"{spec.label} runs through transformers' generate and cannot be served: pick a draftverify method")
+        require(spec.warm, f"{spec.label}: warm=false is a bench setting; the server keeps every method instance across requests")
+        specs.append(MethodSpec(spec.label, spec.name, spec.preset, tuple((k, v) for k, v in spec.options if k != "warm")))
+    require(specs, "no method given: pass e.g. --methods speculative,autoregressive")
+    require(len({s.label for s in specs}) == len(specs), f"a method is listed twice in {text!r}: list each once")
+    return tuple(specs)
+
+
+def with_pool_file(specs: tuple[MethodSpec, ...], path: Path) -> tuple[MethodSpec, ...]:
+    """Give the one method that keeps a phrase pool (a `pool_file` option) the server's pool
+    file, with `reuse=True` unless the spec says otherwise, so that its pool is shared by every
+    request, saved after each and loaded at start."""
+    pooled = [s for s in specs if "pool_file" in {f.name for f in dataclasses.fields(METHODS[s.name].Config)}]
+    names = ", ".join(s.label for s in specs)
+    require(len(pooled) == 1, f"--pool-file needs exactly one loaded method with a pool (ouroboros, lookahead), found {len(pooled)} among {names}")
+    spec = pooled[0]
+    require("pool_file" not in dict(spec.options), f"{spec.label} names a pool_file and so does --pool-file: give it once")
+    options = {"reuse": True, **dict(spec.options), "pool_file": str(path)}
+    return tuple(dataclasses.replace(s, options=tuple(options.items())) if s is spec else s for s in specs)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    methods: tuple[MethodSpec, ...] = (MethodSpec("speculative", "speculative", None, ()),)  # the first is the default
+    model_name: str | None = None  # the id clients send as `model`; default: the target's name
+    max_queue: int = 16  # requests that may wait while one generates; more get 429
+    timeout_s: float = 600.0  # per request, from arrival to the last token
+    shutdown_grace_s: float = 30.0  # on shutdown, how long the running generation may go on
+    default_max_tokens: int = 256  # when a request gives no max_tokens
+    max_body_bytes: int = 4 << 20
+    pool_file: Path | None = None  # the pool of the one loaded pool method (ouroboros, lookahead): loaded at start, saved
+
+    def __post_init__(self):
+        require(self.methods, "no method given: pass e.g. --methods speculative")
+        require(self.max_queue >= 0, f"max_queue={self.max_queue} must be at least 0")
+        require(self.timeout_s > 0, f"timeout={self.timeout_s} must be positive (seconds)")
+        require(self.shutdown_grace_s >= 0, f"shutdown_grace={self.shutdown_grace_s} must be at least 0 (seconds)")
+        require(self.default_max_tokens >= 1, f"default_max_tokens={self.default_max_tokens} must be at least 1")
+
+
+class Service:
+    """What the routes share: the engine and its loaded methods, the scheduler, the metrics."""
+
+    def __init__(self, engine: Engine, config: ServeConfig):
+        self.engine, self.config = engine, config
+        self.model_name = config.model_name or engine.target.name
+        self.created = int(time.time())
+        specs = with_pool_file(config.methods, config.pool_file) if config.pool_file else config.methods
+        self.methods = {spec.label: spec for spec in specs}  # as clients name them -> what runs
+        instances = [engine.method(s.name, s.preset, **dict(s.options)) for s in specs]  # built once, reused per request
+        self.pooled = []  # methods whose phrase pool lives in a file
+        for spec, method in zip(specs, instances):
+            if getattr(method.config, "pool_file", None):
+                # a 1-token warm-up loads the pool now, so that a bad file is refused before serving
+                engine.generate([0], method=spec.name, preset=spec.preset, max_new_tokens=1, temperature=0.0, **dict(spec.options))
+                log.info("pool %s: %d phrases", method.config.pool_file, len(method.pool))
+                self.pooled.append(method)
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(engine, config.max_queue, self.metrics)
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def drain(self, grace_s: float) -> None:
+        self.scheduler.drain(grace_s)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop the worker, then save the pools (their methods also save after every request)."""
+        if not self.scheduler.stop(timeout_s):
+            log.error("a generation is still running after %.0fs: pools not saved", timeout_s)
+            return
+        for method in self.pooled:
+            if method.config.reuse:
+                method.save_pool()
+                log.info("saved pool %s (%d phrases)", method.config.pool_file, len(method.pool))
+
+    def job(self, req: CompletionRequest | ChatRequest, kind: str) -> Job:
+        """Check the request against the model and the loaded methods; tokenise its prompt."""
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(404, f"model {req.model!r} is not served here: use {self.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+        spec = self._method(req.method)
+        field = "messages" if kind == "chat" else "prompt"
+        try:
+            if kind == "chat":
+                ids = self.engine.encode([m.model_dump(exclude_none=True) for m in req.messages], chat=True)
+            else:
+                vocab = self.engine.target.model.get_input_embeddings().num_embeddings
+                bad = [t for t in req.prompt if not 0 <= t < vocab] if isinstance(req.prompt, list) else []
+                require(not bad, f"token id {bad[:1]} is outside the vocabulary 0..{vocab - 1}: send valid ids")
+                ids = self.engine.encode(req.prompt)
+        except DraftVerifyError as exc:
+            raise ApiError(400, str(exc), param=field, code="invalid_prompt") from exc
+        asked_field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        asked = getattr(req, asked_field)
+        context = self.engine.target_runner.max_length
+        room = context - len(ids) if context else None
+        if asked is not None and room is not None and asked > room:
+            raise ApiError(400, f"{asked_field}={asked} is too large: the prompt has {len(ids)} tokens and the context {context}, so at most {room} new tokens fit", param=asked_field, code="context_length_exceeded")
+        max_tokens = asked or min(self.config.default_max_tokens, room or self.config.default_max_tokens)
+        return Job(ids, spec.label, spec.name, spec.preset, dict(spec.options), max_tokens, req.temperature, req.top_p, req.top_k, req.seed, tuple(req.stop))
+
+    def _method(self, asked: str | None) -> MethodSpec:
+        """The loaded method a request asks for: by its label, by its name if only one has it, else the first."""
+        specs = list(self.methods.values())
+        by_name = [s for s in specs if s.name == asked]
+        if asked is None or asked in self.methods or len(by_name) == 1:
+            return specs[0] if asked is None else self.methods.get(asked) or by_name[0]
+        raise ApiError(400, f"unknown method {asked!r}: this server runs {', '.join(self.methods)}", param="method", code="method_not_found")
+
+    async def follow(self, ticket: Ticket, request: Request | None = None):
+        """The ticket's events as they come, ending with its Outcome; nothing more if `request`'s
+        client disconnects. Gives up with a 504 past the deadline. Always withdraws the ticket."""
+        next_check = time.monotonic() + POLL_S
+        try:
+            while True:
+                now = time.monotonic()
+                if now > ticket.deadline and (ticket.started is None or now > ticket.deadline + CUT_GRACE_S):
+                    yield Outcome(error=timeout_error(ticket))
+                    return
+                if request is not None and now >= next_check:
+                    if await request.is_disconnected():
+                        return
+                    next_check = now + POLL_S
+                try:
+                    event = await asyncio.wait_for(ticket.events.get(), POLL_S)
+                except TimeoutError:
+                    continue
+                yield event
+                if isinstance(event, Outcome):
+                    return
+        finally:
+            self.scheduler.withdraw(ticket)
+
+
+def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
+    """The OpenAI-compatible app over `engine`. Its worker thread runs while the app's lifespan does."""
+    service = Service(engine, config or ServeConfig())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(service.close)
+
+    app = FastAPI(title="draftverify", summary="Lossless draft-then-verify decoding behind the OpenAI API", lifespan=lifespan)
+    app.state.service = service
+    app.add_middleware(CountRequests, metrics=service.metrics)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        return await api_error(request, ApiError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None, headers=exc.headers))
+
+    async def generate(request: Request, kind: str):
+        req = parse_request(await read_body(request, service.config.max_body_bytes), kind)
+        job = service.job(req, kind)
+        ticket = Ticket(job, service.config.timeout_s)
+        service.scheduler.submit(ticket)
+        reply = Reply(kind, service.model_name)
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            return TicketStream(stream(reply, ticket, include_usage), ticket, service.scheduler)
+        outcome = None
+        async for event in service.follow(ticket, request):
+            outcome = event if isinstance(event, Outcome) else None
+        if outcome is None:  # the client is gone
+            return Response(status_code=499)
+        if outcome.error is not None:
+            raise outcome.error
+        result = outcome.result
+        stats = stats_object(result.stats, job.method, ticket.started - ticket.submitted)
+        return JSONResponse(reply.whole(result.text, FINISH_REASONS[result.stats.finish_reason], usage(len(result.prompt_tokens), len(result.tokens)), stats))
+
+    async def stream(reply: Reply, ticket: Ticket, include_usage: bool):
+        text = TextStream(engine.target.tokenizer, list(ticket.job.stop))
+        if reply.kind == "chat":
+            yield sse(reply.chunk(first=True))
+        async for event in service.follow(ticket):
+            if isinstance(event, Chunk):
+                delta = text.push(event.tokens)
+                if delta:
+                    yield sse(reply.chunk(delta))
+            elif event.error is not None:
+                yield sse(event.error.body())
+            else:
+                result = event.result
+                tail = text.finish(result.text)
+                if tail:
+                    yield sse(reply.chunk(tail))
+                stats = stats_object(result.stats, ticket.job.method, ticket.started - ticket.submitted)
+                yield sse(reply.chunk(finish=FINISH_REASONS[result.stats.finish_reason], draftverify=stats))
+                if include_usage:
+                    yield sse(reply.usage_chunk(usage(len(result.prompt_tokens), len(result.tokens)), stats))
+        yield sse("[DONE]")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        """OpenAI text completion (raw prompt, no chat template)."""
+        return await generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        """OpenAI chat completion: the messages go through the model's chat template."""
+        return await generate(request, "chat")
+
+    @app.get("/v1/models")
+    async def models():
+        methods = list(service.methods)
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": service.created, "owned_by": "draftverify", "methods": methods, "default_method": methods[0]}]}
+
+    @app.get("/health")
+    async def health():
+        closing = service.scheduler.closing
+        body = {"status": "shutting_down" if closing else "ok", "model": service.model_name, "methods": list(service.methods),
+                "queue_depth": service.scheduler.depth, "queue_capacity": service.config.max_queue, "busy": service.scheduler.busy}
+        return JSONResponse(body, status_code=503 if closing else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        text = service.metrics.render(service.scheduler.depth, service.config.max_queue, service.scheduler.busy)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+class TicketStream(StreamingResponse):
+    """Server-sent events that withdraw their ticket when the response ends, however it ends
+    (even if the client left before the first event was sent)."""
+
+    def __init__(self, events, ticket: Ticket, scheduler: Scheduler):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.ticket, self.scheduler = ticket, scheduler
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.scheduler.withdraw(self.ticket)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past `limit` bytes (before reading it all)."""
+    declared = request.headers.get("content-length", "")
+    too_big = ApiError(413, f"the body is larger than {limit} bytes: send a shorter prompt", code="body_too_large")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise too_big
+    return bytes(body)
+
+
+class CountRequests:
+    """ASGI middleware: count answered requests by route and status code (499: client gone)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {}
+
+        async def send_and_note(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        except BaseException:
+            status.setdefault("code", 500)
+            raise
+        finally:
+            route = scope["path"] if scope["path"] in ROUTES else "other"
+            self.metrics.request(route, status.get("code", 499))

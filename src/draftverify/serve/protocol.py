@@ -1,0 +1,250 @@
+"""The OpenAI wire format: request models, errors, response bodies and stream chunks.
+
+Requests are parsed strictly: a field of the wrong type, an unknown field (a typo such as
+`temprature` would otherwise silently decode greedily), or an OpenAI field this server cannot
+honour at a non-neutral value (`n=2`, `logprobs`, `presence_penalty`...) is a 400 naming the
+field. Extensions: `method` picks one of the server's loaded methods, `top_k` filters the
+sampling distribution, and every response carries a `draftverify` object with the request's
+speculative stats.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from draftverify.stats import Stats
+
+MIN_TEMPERATURE = 1e-6  # smaller positive temperatures overflow float32 logits (NaN); 0 means greedy
+MAX_STOPS = 16
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # Stats.finish_reason -> OpenAI
+
+# OpenAI fields the server accepts only at the value that changes nothing (clients often send them).
+NEUTRAL = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": (None,),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None, True, False),
+}
+
+
+class ApiError(Exception):
+    """An answer in the OpenAI error format: `{"error": {"message", "type", "param", "code"}}`."""
+
+    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+             429: "rate_limit_error", 500: "server_error", 503: "service_unavailable", 504: "timeout"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"), "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, content):
+        """Content is a string or a list of text parts (joined); images and audio are refused."""
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) and len(part) == 2):
+                    raise ValueError('only text parts are supported: send {"type": "text", "text": "..."}')
+                texts.append(part["text"])
+            return "".join(texts)
+        return content
+
+
+class _Common(_Strict):
+    model: str | None = None
+    method: str | None = None  # extension: which of the server's methods decodes this request
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)  # OpenAI's default; 0 = greedy
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)  # extension; 0 = off
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: list[str] = []
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_tiny(cls, t: float) -> float:
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"{t} is too small to sample with: use 0 for greedy decoding or at least {MIN_TEMPERATURE}")
+        return t
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, stop):
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)):
+            raise ValueError("give a non-empty string or a list of them")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"{len(stops)} stop strings: give at most {MAX_STOPS}")
+        return stops
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        """One prompt: text or token ids, alone or as a batch of one."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str) or (isinstance(prompt, list) and all(type(t) is int for t in prompt)):
+            return prompt
+        raise ValueError("give one prompt per request: a string or a list of token ids")
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+def parse_request(raw: bytes, kind: str) -> CompletionRequest | ChatRequest:
+    """The request body -> a validated request, or an ApiError(400) naming the field."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON ({exc}): send a JSON object", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    for field, allowed in NEUTRAL.items():
+        if field in data:
+            value = data.pop(field)
+            if not any(value == a and type(value) is type(a) for a in allowed):
+                raise ApiError(400, f"{field}={json.dumps(value)} is not supported by this server: remove the field", param=field, code="unsupported_parameter")
+    model = ChatRequest if kind == "chat" else CompletionRequest
+    try:
+        request = model.model_validate(data)
+    except ValidationError as exc:
+        raise _field_error(exc.errors()[0], model) from exc
+    if kind == "chat" and request.max_tokens is not None and request.max_completion_tokens is not None:
+        raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+    return request
+
+
+def _field_error(error: dict, model: type[BaseModel]) -> ApiError:
+    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
+    if error["type"] == "extra_forbidden":
+        return ApiError(400, f"unknown field {param!r}: remove it (fields: {', '.join(sorted(model.model_fields))})", param=param, code="unknown_field")
+    message = error["msg"].removeprefix("Value error, ")
+    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+class Reply:
+    """The bodies of one response: whole (non-streamed) or as stream chunks."""
+
+    def __init__(self, kind: str, model: str):
+        self.kind, self.model = kind, model
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _head(self, chunk: bool) -> dict:
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj + (".chunk" if chunk and self.kind == "chat" else ""), "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish: str, usage: dict, stats: dict) -> dict:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self._head(False), "choices": [choice], "usage": usage, "draftverify": stats}
+
+    def chunk(self, text: str | None = None, finish: str | None = None, first: bool = False, **extra) -> dict:
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {**self._head(True), "choices": [choice], **extra}
+
+    def usage_chunk(self, usage: dict, stats: dict) -> dict:
+        return {**self._head(True), "choices": [], "usage": usage, "draftverify": stats}
+
+
+def sse(payload: dict | str) -> str:
+    """One server-sent event: `data: {...}` and a blank line."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def stats_object(stats: Stats, method: str, queue_s: float) -> dict:
+    """The request's speculative stats as sent to the client (formulas in docs/metrics.md)."""
+    out = stats.to_dict(timings=False)
+    for name in ("steps", "finish_reason", "prompt_tokens"):
+        out.pop(name)
+    out["method"] = method
+    out["queue_s"] = queue_s
+    return out
+
+
+class TextStream:
+    """Text deltas of a growing token list, never to be taken back.
+
+    Holds back a trailing incomplete UTF-8 character (decoded as U+FFFD) and any tail that
+    could start a stop string, and cuts the text at the first stop string, so the deltas add up
+    to exactly the text the non-streamed response returns (`Session.text`).
+    """
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def push(self, tokens: list[int]) -> str:
+        self.tokens += tokens
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        text = text[: min([text.find(s) for s in self.stops if s in text], default=len(text))]
+        text = text.rstrip("\ufffd")
+        hold = max([n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])], default=0)
+        return self._advance(text[: len(text) - hold])
+
+    def finish(self, text: str) -> str:
+        """The last delta, given the final text of the request."""
+        return self._advance(text)
+
+    def _advance(self, text: str) -> str:
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
