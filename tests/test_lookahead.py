@@ -8,12 +8,12 @@ import pytest
 import phrase_sampling as ps
 from conftest import ARCHS, make_model
 from draftverify import DraftVerifyError, Engine
-from draftverify.methods.lookahead import JacobiWindow
+from draftverify.methods.lookahead import JacobiWindow, ngrams
 from draftverify.models import Loaded
 from draftverify.pool import PhrasePool
 
 PROMPTS = ["Hello there, how", "def f(x):\n    return", "1, 2, 3, 4,"]
-CONFIGS = [{}, {"W": 1, "N": 2, "G": 1}, {"W": 4, "N": 4, "G": 2}, {"W": 15, "N": 5, "G": 15}]
+CONFIGS = [{}, {"W": 1, "N": 2, "G": 1}, {"W": 4, "N": 4, "G": 2}, {"W": 15, "N": 5, "G": 15}, {"preset": "context"}, {"preset": "cpu-context"}]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -75,8 +75,8 @@ def test_bad_settings(tiny):
     engine = Engine(tiny("llama"))
     with pytest.raises(DraftVerifyError, match="N=1"):
         engine.generate("Hi", method="lookahead", N=1)
-    with pytest.raises(DraftVerifyError, match="W=0"):
-        engine.generate("Hi", method="lookahead", W=0)
+    with pytest.raises(DraftVerifyError, match="W=65"):
+        engine.generate("Hi", method="lookahead", W=65)
 
 
 def test_sampling_matches_target(tokenizer):
@@ -90,3 +90,17 @@ def test_sampling_test_catches_a_wrong_rule(tokenizer, monkeypatch):
     target = Loaded(make_model("llama", 0, layers=2, hidden=32, vocab=ps.VOCAB), tokenizer, "tiny8")
     counts = ps.sample_first_three(Engine(target), "lookahead", ps.guess_pool(3, 3), W=2, N=3, G=3, reuse=True)
     assert ps.pvalue(counts, ps.exact_first_three(target.model)) < 1e-6
+
+
+def test_context_ngrams_guess_text_that_repeats_itself(tiny):
+    """With `context`, the request's own n-grams are guesses: once a tiny model falls into a loop, whole
+    n-grams are accepted without any window; without it (W = 0) nothing is ever guessed."""
+    assert ngrams([1, 2, 3, 4], 3) == [(1, 2, 3), (2, 3, 4)]
+    engine = Engine(tiny("llama", seed=0))
+    ids = engine.encode("1, 2, 3, 4,")
+    ar = engine.generate(ids, method="autoregressive", max_new_tokens=60, eos_token_id=[])
+    ctx = engine.generate(ids, method="lookahead", preset="context", max_new_tokens=60, eos_token_id=[])
+    bare = engine.generate(ids, method="lookahead", W=0, max_new_tokens=60, eos_token_id=[])
+    assert ctx.tokens == bare.tokens == ar.tokens
+    assert bare.stats.drafted == 0 and ctx.stats.extra["context_ngrams"] > len(ids)
+    assert ctx.stats.accepted > 0 and ctx.stats.target_forwards < ar.stats.target_forwards

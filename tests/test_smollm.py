@@ -41,3 +41,18 @@ def test_speculative_equals_autoregressive_and_hf_generate(smollm):
             ids = torch.tensor([ours.prompt_tokens])
             ref = smollm.model.generate(ids, do_sample=False, max_new_tokens=64)
             assert ref[0, ids.shape[1] :].tolist() == ours.tokens, prompt
+
+
+def test_every_method_with_its_shipped_defaults_equals_autoregressive(smollm):
+    """What a user gets out of the box: the shipped draft, skip set and SpecDec++ head, each method's defaults."""
+    from draftverify.methods import METHODS
+    from draftverify.models import load_draft, shipped_draft_path
+
+    assert shipped_draft_path() is not None, "the default draft is not shipped"
+    engine = Engine(smollm, load_draft(None, smollm))
+    for prompt in PROMPTS[:2]:
+        ar = engine.generate(prompt, chat=True, method="autoregressive", max_new_tokens=40)
+        for name in sorted(set(METHODS) - {"autoregressive"}):
+            out = engine.generate(prompt, chat=True, method=name, max_new_tokens=40)
+            assert out.tokens == ar.tokens, (prompt, name)
+            assert out.stats.drafted > 0, (prompt, name)

@@ -238,7 +238,16 @@ def load_draft(spec: str | None, target: Loaded, dtype: str = "auto", device: st
         key, _, value = spec[len("self:") :].partition("=")
         require(key == "layers" and value.isdigit(), f"bad draft spec {spec!r}: use e.g. self:layers=8")
         return truncated_copy(target, int(value))
-    draft = load_model(spec, dtype=dtype, device=device)
+    from transformers.utils import logging as hf_logging
+
+    quiet = (Path(spec) / DRAFT_META_FILE).is_file()  # a slim draft: transformers would report its embeddings missing
+    level = hf_logging.get_verbosity()
+    if quiet:
+        hf_logging.set_verbosity_error()
+    try:
+        draft = load_model(spec, dtype=dtype, device=device)
+    finally:
+        hf_logging.set_verbosity(level)
     check_same_tokenizer(target.tokenizer, draft.tokenizer)
     restore_shared_embeddings(draft, target, Path(spec))
     return draft

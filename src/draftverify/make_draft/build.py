@@ -277,7 +277,7 @@ def model_card(f: dict) -> str:
     return f"""# Draft model for {f['target']}
 
 A small causal LM that proposes tokens for lossless draft-then-verify decoding of
-**{f['target']}** with [draftverify](https://example.invalid/draftverify) (speculative decoding,
+**{f['target']}** with draftverify (speculative decoding,
 Ouroboros, SpecDec++...). It shares the target's tokenizer. Made by `draftverify make-draft`;
 every number below was written by that tool.
 

@@ -195,9 +195,13 @@ class PoolMethod(Method):
 class LookaheadConfig:
     """Lookahead decoding settings (symbols of Fu et al. 2023).
 
-    W: window width, the number of Jacobi guess columns advanced in every forward.
+    W: window width, the number of Jacobi guess columns advanced in every forward (0 = no
+       window: the pool is fed only by `context`, like prompt lookup decoding).
     N: n-gram size; the window keeps N - 1 rows and every column yields an N-gram.
     G: guess set size, the most n-grams kept per first token, all verified each step.
+    context: also put the n-grams of the request's own text in the pool, the prompt's at the
+       start and each new one as tokens are emitted (the reference's POOL_FROM_PROMPT, extended
+       to the output), so text that repeats the prompt or itself is guessed.
     reuse: keep the n-gram pool across requests (the reference starts each request empty).
     pool_file: JSON file to start the pool from and (with reuse) to save it to after each request.
     A forward feeds W*(N-1) window tokens (the first is the root) and up to G*(N-1) guesses.
@@ -206,11 +210,12 @@ class LookaheadConfig:
     W: int = 3
     N: int = 3
     G: int = 3
+    context: bool = False
     reuse: bool = False
     pool_file: str | None = None
 
     def __post_init__(self):
-        require(1 <= self.W <= 64, f"window width W={self.W} must lie in 1..64")
+        require(0 <= self.W <= 64, f"window width W={self.W} must lie in 0..64")
         require(2 <= self.N <= 16, f"n-gram size N={self.N} must lie in 2..16")
         require(1 <= self.G <= 64, f"guess set size G={self.G} must lie in 1..64")
 
@@ -221,6 +226,8 @@ class Lookahead(PoolMethod):
     Config = LookaheadConfig
     presets = {
         "cpu": {"W": 3, "N": 3, "G": 3},
+        "context": {"W": 0, "N": 5, "G": 2, "context": True},  # no window: the request's own n-grams only
+        "cpu-context": {"W": 3, "N": 3, "G": 3, "context": True},
         "specbench": {"W": 15, "N": 5, "G": 15},  # the Spec-Bench setting used for Ouroboros
         "humaneval": {"W": 16, "N": 7, "G": 16},  # Ouroboros v2, Table 11, Yi-34B
         "gsm8k": {"W": 15, "N": 6, "G": 15},  # Ouroboros v2, Table 11, Yi-34B
@@ -233,6 +240,8 @@ class Lookahead(PoolMethod):
         if not s.emit([root]):
             return
         window = self.window_for(s)
+        if cfg.context:
+            add(stats.extra, context_ngrams=pool.insert_all(ngrams(s.prompt + [root], cfg.N)))
         while True:
             room = min(s.remaining - 1, self.ahead(s))  # candidate tokens worth verifying
             guesses = [c[:room] for c in pool.get(root, cfg.G)] if room > 0 else []
@@ -242,7 +251,15 @@ class Lookahead(PoolMethod):
             add(stats.extra, window_ngrams=pool.insert_all(step.grams))
             if not s.emit(step.tokens):
                 return
+            if cfg.context:  # the n-grams that end in the new tokens
+                tail = (s.prompt + s.output)[-(len(step.tokens) + cfg.N - 1) :]
+                add(stats.extra, context_ngrams=pool.insert_all(ngrams(tail, cfg.N)))
             root = step.tokens[-1]
+
+
+def ngrams(tokens: Sequence[int], n: int) -> list[tuple[int, ...]]:
+    """Every run of n consecutive tokens, in order (so the last is the newest in the pool)."""
+    return [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
 
 
 def add(counters: dict, **amounts: int) -> None:
