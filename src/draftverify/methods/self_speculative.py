@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from draftverify.errors import require
 from draftverify.layerskip import STRATEGIES, SkipRunner, SkipSet, load_skip_set, make_skip_set, shipped_skip_set
 from draftverify.methods.base import Method, register
-from draftverify.methods.speculative import verify_drafts
+from draftverify.methods.speculative import verify_round
 from draftverify.models import Runner, model_identity
 from draftverify.policies import POLICIES, AdaptiveThreshold, DraftPolicy, make_policy
 from draftverify.sampling import sample
@@ -145,15 +145,10 @@ class SelfSpeculative(Method):
                     feed = drafts[-1:]
                     if not policy.keep_drafting(n, dlogits, None):
                         break
-            # 2-3. back to the verified prefix in every layer; the full model scores root + drafts
+            # 2-4. back to the verified prefix in every layer; the full model scores root + drafts and
+            # rewrites every layer; keep the accepted prefix and emit
             target.crop(base)
-            with stats.timer("verify"):
-                tlogits = target.forward([root] + drafts).logits  # [k + 1, V]
-                verdict = verify_drafts(s, root, drafts, qs, tlogits)
-            stats.verified(len(drafts), verdict.accepted, len(verdict.tokens))
-            policy.observe(len(drafts), verdict.accepted)
-            # 4. keep the accepted prefix and emit
-            target.crop(base + 1 + verdict.accepted)
+            verdict = verify_round(s, target, root, drafts, qs, policy)
             if not s.emit(verdict.tokens):
                 return
             root = verdict.tokens[-1]

@@ -21,6 +21,7 @@ import torch
 
 from draftverify.errors import require
 from draftverify.methods.base import Method, register
+from draftverify.models import Runner
 from draftverify.policies import POLICIES, DraftPolicy, make_policy
 from draftverify.sampling import sample
 from draftverify.session import Session
@@ -85,20 +86,27 @@ class Speculative(Method):
                     feed = drafts[-1:]
                     if not policy.keep_drafting(n, dlogits, None if out.hidden is None else out.hidden[-1]):
                         break
-            # 2-3. score root + drafts with the target and verify
-            base = target.length  # = len(seq) - 1: everything but the root
-            with stats.timer("verify"):
-                tlogits = target.forward([root] + drafts).logits  # [k + 1, V]
-                verdict = verify_drafts(s, root, drafts, qs, tlogits)
-            stats.verified(len(drafts), verdict.accepted, len(verdict.tokens))
-            policy.observe(len(drafts), verdict.accepted)
-            # 4. roll back to the accepted prefix and emit
-            target.crop(base + 1 + verdict.accepted)
-            draft.crop(min(draft.length, base + 1 + verdict.accepted))
+            # 2-4. score root + drafts with the target, verify, roll back to the accepted prefix and emit
+            verdict = verify_round(s, target, root, drafts, qs, policy)
+            draft.crop(min(draft.length, target.length))
             if not s.emit(verdict.tokens):
                 return
             seq += verdict.tokens
             root = seq[-1]
+
+
+def verify_round(s: Session, target: Runner, root: int, drafts: list[int], qs: list[torch.Tensor], policy: DraftPolicy) -> Verdict:
+    """One verification: the target scores root + drafts in one forward (its cache holds everything
+    before the root), `verify_drafts` accepts, the stats and the policy are told, and the target's
+    cache is cropped to the accepted prefix (root + accepted drafts)."""
+    base = target.length
+    with s.stats.timer("verify"):
+        tlogits = target.forward([root] + drafts).logits  # [k + 1, V]
+        verdict = verify_drafts(s, root, drafts, qs, tlogits)
+    s.stats.verified(len(drafts), verdict.accepted, len(verdict.tokens))
+    policy.observe(len(drafts), verdict.accepted)
+    target.crop(base + 1 + verdict.accepted)
+    return verdict
 
 
 def verify_drafts(s: Session, root: int, drafts: list[int], qs: list[torch.Tensor], tlogits: torch.Tensor) -> Verdict:
