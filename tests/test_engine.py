@@ -154,3 +154,17 @@ def test_local_folder_load_and_cli(tmp_path, tiny):
     assert outs["speculative"]["stats"]["target_forwards"] >= 1
     res = runner.invoke(app, ["generate", "--help"])
     assert "--temperature" in res.stdout and "--max-new-tokens" in res.stdout
+
+
+def test_demo_command_compares_methods(tmp_path, tiny):
+    from typer.testing import CliRunner
+
+    from draftverify.cli import app
+
+    model = tiny("llama")
+    model.model.save_pretrained(tmp_path / "m")
+    model.tokenizer.save_pretrained(tmp_path / "m")
+    res = CliRunner().invoke(app, ["demo", "--target", str(tmp_path / "m"), "--draft", "self:layers=2", "-n", "12",
+                                   "--method", "speculative,lookahead:context"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.count("identical to autoregressive: yes") == 2 and "--- lookahead:context ---" in res.stdout

@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from draftverify.errors import DraftVerifyError
+from draftverify.errors import DraftVerifyError, require
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -143,23 +143,28 @@ def demo(
     prompt: str = typer.Option("Explain in a few sentences why the sky is blue.", help="The chat prompt to answer."),
     target: Optional[str] = TargetOpt,
     draft: Optional[str] = DraftOpt,
-    method: str = typer.Option("speculative", help="The accelerated method to compare with autoregressive decoding."),
+    method: str = typer.Option("speculative,lookahead:context", help="Accelerated methods to compare with autoregressive decoding: comma-separated NAME or NAME:PRESET."),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", help="New tokens per run."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
 ):
-    """Generate with autoregressive decoding and with METHOD on the default model; print both, whether they are identical, and the speedup."""
+    """Generate with autoregressive decoding and with each METHOD on the default model; print the outputs, whether they are identical, and the speedups."""
+    specs = [tuple(m.strip().partition(":")[::2]) for m in method.split(",") if m.strip()]
+    require(specs, "--method names no method: use e.g. speculative or lookahead:context")
     engine = _load_engine(target, draft, dtype, device)
     typer.echo(f"target: {engine.target.name}   draft: {engine.draft.name if engine.draft else 'none'}")
-    engine.generate("Hello", method=method, max_new_tokens=8, chat=True)  # warm-up
-    runs = {}
-    for name in ("autoregressive", method):
-        runs[name] = engine.generate(prompt, method=name, max_new_tokens=max_new_tokens, chat=True)
-        typer.echo(f"\n--- {name} ---\n{runs[name].text}\n[{runs[name].stats.summary()}]")
-    base, fast = runs["autoregressive"], runs[method]
-    same = base.tokens == fast.tokens
-    typer.echo(f"\nidentical output: {'yes' if same else 'NO'}")
-    typer.echo(f"speedup of {method} over autoregressive: {base.stats.wall_s / fast.stats.wall_s:.2f}x")
+    for name, preset in specs:
+        engine.generate("Hello", method=name, preset=preset or None, max_new_tokens=8, chat=True)  # warm-up
+    base = engine.generate(prompt, method="autoregressive", max_new_tokens=max_new_tokens, chat=True)
+    typer.echo(f"\n--- autoregressive ---\n{base.text}\n[{base.stats.summary()}]")
+    same = True
+    for name, preset in specs:
+        label = f"{name}:{preset}" if preset else name
+        fast = engine.generate(prompt, method=name, preset=preset or None, max_new_tokens=max_new_tokens, chat=True)
+        identical = fast.tokens == base.tokens
+        same &= identical
+        typer.echo(f"\n--- {label} ---\n{fast.text}\n[{fast.stats.summary()}]")
+        typer.echo(f"identical to autoregressive: {'yes' if identical else 'NO'};  speedup: {base.stats.wall_s / fast.stats.wall_s:.2f}x")
     if not same:
         raise typer.Exit(1)
 
