@@ -65,7 +65,8 @@ def test_cache_matches_a_plain_forward_at_every_step(tiny, arch):
 def second_token_counts(engine, prompt, sampling, n, **options):
     counts: dict[int, int] = {}
     for seed in range(n):
-        r = engine.generate(prompt, method="self-speculative", max_new_tokens=2, temperature=sampling.temperature,
+        # 3 tokens: the prefill gives the 1st, one draft is verified for the 2nd (with 2 the round could draft nothing)
+        r = engine.generate(prompt, method="self-speculative", max_new_tokens=3, temperature=sampling.temperature,
                             top_k=sampling.top_k, seed=seed, eos_token_id=[], **options)
         counts[r.tokens[1]] = counts.get(r.tokens[1], 0) + 1
     return counts
@@ -73,7 +74,9 @@ def second_token_counts(engine, prompt, sampling, n, **options):
 
 def wrong_verify_chain(root, draft, p, q=None, generator=None, greedy=True):
     """A common bug: on rejection, resample from p instead of the residual norm(max(p - q, 0))."""
-    assert not greedy and draft.shape[0] == 1
+    assert not greedy and draft.shape[0] <= 1
+    if draft.shape[0] == 0:  # a round with no room to draft: a plain sample
+        return Verdict([], [int(torch.multinomial(p[0], 1, generator=generator))])
     x = int(draft[0])
     if torch.rand((), generator=generator) * q[0, x] <= p[0, x]:
         return Verdict([1], [x, int(torch.multinomial(p[1], 1, generator=generator))])
@@ -153,9 +156,9 @@ def test_fixed_k_and_static_threshold_variants(tiny):
     skip = SkipSet((), (3,))
     fixed = engine.generate(ids, method="self-speculative", preset="k4", skip=skip, max_new_tokens=41, eos_token_id=[]).stats
     rounds = len(fixed.steps)
-    assert 4 * (rounds - 1) < fixed.drafted <= 4 * rounds  # every round drafts K = 4 but the last one
+    assert 4 * (rounds - 1) <= fixed.drafted <= 4 * rounds  # every round drafts K = 4 but the last one (as many as fit)
     never = engine.generate(ids, method="self-speculative", policy="confidence", gamma=1.0, skip=skip, max_new_tokens=20, eos_token_id=[]).stats
-    assert never.drafted == len(never.steps)  # a threshold of 1 stops after every first draft token
+    assert len(never.steps) - 1 <= never.drafted <= len(never.steps)  # a threshold of 1 stops after every first draft token (the last round may have no room)
     adaptive = engine.generate(ids, method="self-speculative", skip=skip, max_new_tokens=20, eos_token_id=[]).stats
     assert 0 < adaptive.extra["final_gamma"] < 1 and adaptive.extra["skipped_mlp"] == 1
 
