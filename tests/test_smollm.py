@@ -55,4 +55,5 @@ def test_every_method_with_its_shipped_defaults_equals_autoregressive(smollm):
         for name in sorted(set(METHODS) - {"autoregressive"}):
             out = engine.generate(prompt, chat=True, method=name, max_new_tokens=40)
             assert out.tokens == ar.tokens, (prompt, name)
-            assert out.stats.drafted > 0, (prompt, name)
+            if METHODS[name].needs_draft:  # lookahead's pool may still be empty after a short answer
+                assert out.stats.drafted > 0, (prompt, name)

@@ -405,7 +405,7 @@ def test_sampling_matches_the_target_distribution(tiny, tmp_path, monkeypatch):
     import draftverify.methods.speculative as speculative
 
     monkeypatch.setattr(speculative, "verify_chain", resample_from_p)
-    assert second_token_pvalue(engine, target, head, 3000) < 1e-4
+    assert second_token_pvalue(engine, target, head, 8000) < 1e-4  # more samples: the broken rule is only slightly off here
 
 
 # -- files ----------------------------------------------------------------------------------
