@@ -543,3 +543,11 @@ def test_pareto_view_of_a_bench_run(tmp_path):
     assert (tmp_path / "pareto.png").stat().st_size > 0 and "| `specdec-pp:h0.3` | 0.400 | 0.200 |" in (tmp_path / "pareto.md").read_text()
     path.write_text('{"records": []}')
     assert "is not a bench results.json" in str(CliRunner().invoke(app, ["pareto", str(path)]).exception)
+
+
+def test_specdec_plus_plus_is_another_name_of_the_method():
+    from draftverify.methods import METHODS
+    from draftverify.methods.specdec_pp import SpecDecPP
+
+    assert METHODS["specdec++"] is METHODS["specdec-pp"] is SpecDecPP
+    assert all(cls.name == name or name in cls.aliases for name, cls in METHODS.items())

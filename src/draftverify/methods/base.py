@@ -17,7 +17,9 @@ METHODS: dict[str, type["Method"]] = {}
 
 
 def register(cls: type["Method"]) -> type["Method"]:
-    METHODS[cls.name] = cls
+    """Add `cls` to `METHODS` under its name and under the other names it declares itself (not inherited)."""
+    for name in (cls.name, *cls.__dict__.get("aliases", ())):
+        METHODS[name] = cls
     return cls
 
 
@@ -30,13 +32,15 @@ class Method(ABC):
     """A decoding method: `run(session)` decodes one request and emits its tokens.
 
     Subclasses set `name`, `Config` (a frozen dataclass validated in `__post_init__`),
-    `presets` (named Config settings, e.g. the papers' hyperparameters) and `needs_draft`.
+    `presets` (named Config settings, e.g. the papers' hyperparameters) and `needs_draft`;
+    optionally `aliases`, other names the method is found by.
     """
 
     name: ClassVar[str]
     Config: ClassVar[type] = NoConfig
     presets: ClassVar[dict[str, dict]] = {}
     needs_draft: ClassVar[bool] = False
+    aliases: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, target: Runner, draft: Runner | None = None, config=None):
         require(

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from draftverify.errors import require
 from draftverify.head import DEFAULT_CAP, DEFAULT_H, AcceptanceHead, AcceptanceHeadPolicy, load_head
-from draftverify.methods.base import METHODS, register
+from draftverify.methods.base import register
 from draftverify.methods.ouroboros import Ouroboros, OuroborosConfig
 from draftverify.methods.speculative import Speculative
 from draftverify.models import model_identity
@@ -52,15 +52,13 @@ class SpecDecPPConfig:
 @register
 class SpecDecPP(Speculative):
     name = "specdec-pp"
+    aliases = ("specdec++",)  # the name; bench specs cannot hold "+"
     Config = SpecDecPPConfig
     needs_draft = True
     presets = {"paper": {"h": 0.7, "cap": 20}, **THRESHOLD_PRESETS}  # paper: best overall, with a w_rej = 6 head
 
     def run(self, s: Session, policy=None) -> None:
         super().run(s, policy or AcceptanceHeadPolicy(pair_head(self), self.config.h, self.config.cap))
-
-
-METHODS["specdec++"] = SpecDecPP  # the name; bench specs cannot hold "+", so the method is named specdec-pp
 
 
 @dataclass(frozen=True)
