@@ -10,9 +10,10 @@ import pytest
 
 from draftverify.bench import metrics
 from draftverify.bench.datasets import DATASETS, load_prompts, resolve_data_dir, select
-from draftverify.bench.oracle import forward_time, oracle_rounds, oracle_times
+from draftverify.bench.oracle import oracle_rounds, oracle_times
 from draftverify.bench.runner import RecordLog, schedule
 from draftverify.bench.specs import AssistedConfig, parse_specs, split_specs
+from draftverify.costs import forward_time
 from draftverify.errors import DraftVerifyError
 from draftverify.methods.speculative import SpeculativeConfig
 
@@ -120,11 +121,16 @@ def test_method_specs():
     assert split_specs("a,b[k=1,x=2], c:p[y=3]") == ["a", "b[k=1,x=2]", "c:p[y=3]"]
     specs = parse_specs("speculative[k=6,policy=heuristic],speculative:k2,hf-assisted[num_assistant_tokens=5,warm=false],hf-prompt-lookup")
     assert [s.label for s in specs] == ["autoregressive", "speculative[k=6,policy=heuristic]", "speculative:k2", "hf-assisted[num_assistant_tokens=5,warm=false]", "hf-prompt-lookup"]
-    assert specs[1].config == SpeculativeConfig(policy="heuristic", k=6) and specs[2].config == SpeculativeConfig(k=2)
+    assert specs[1].config == SpeculativeConfig(policy="heuristic", k=6) and specs[2].config == SpeculativeConfig(policy="constant", k=2)
     assert specs[3].config == AssistedConfig(num_assistant_tokens=5) and not specs[3].warm and specs[3].needs_draft
     assert specs[4].config.prompt_lookup_num_tokens == 10 and not specs[4].needs_draft and specs[4].is_peer
     assert parse_specs("hf-prompt-lookup,autoregressive")[0].label == "autoregressive"  # the baseline goes first
     assert not parse_specs("autoregressive")[1:]
+    peers = parse_specs("hf-autoregressive,llamacpp,llamacpp-prompt-lookup[num_pred_tokens=4]")
+    assert [s.engine for s in peers] == ["draftverify", "transformers", "llama.cpp", "llama.cpp"]
+    assert peers[3].config.num_pred_tokens == 4 and not any(s.needs_draft for s in peers)
+    with pytest.raises(DraftVerifyError, match="num_pred_tokens=0 must be an integer >= 1"):
+        parse_specs("llamacpp-prompt-lookup[num_pred_tokens=0]")
 
 
 @pytest.mark.parametrize(

@@ -117,6 +117,18 @@ def test_methods_needing_a_draft_are_refused_without_one(tiny, tmp_path):
         Bench(Engine(tiny("llama")), PROMPTS, parse_specs("hf-assisted"), Settings(), tmp_path)
 
 
+def test_llamacpp_peers_say_what_they_need(tiny, tmp_path, monkeypatch):
+    from draftverify.bench import llamacpp
+
+    engine = Engine(tiny("llama"))
+    monkeypatch.setattr(llamacpp, "available", lambda: False)
+    with pytest.raises(DraftVerifyError, match=r"need llama-cpp-python: run `bash scripts/install-llamacpp.sh`"):
+        Bench(engine, PROMPTS, parse_specs("llamacpp"), Settings(), tmp_path)
+    monkeypatch.setattr(llamacpp, "available", lambda: True)
+    with pytest.raises(DraftVerifyError, match="llama.cpp peers need a .gguf target"):
+        Bench(engine, PROMPTS, parse_specs("llamacpp-prompt-lookup"), Settings(), tmp_path)
+
+
 def test_quick_through_the_cli(tiny, tmp_path):
     from typer.testing import CliRunner
 
@@ -129,11 +141,13 @@ def test_quick_through_the_cli(tiny, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in (("Hello", "x"), ("abc abc abc", "y"), ("never used", "y"))))
     args = [
         "bench", "--datasets", "", "--prompts", str(prompts), "--target", str(tmp_path / "m"), "--draft", "self:layers=2",
-        "--methods", "speculative[k=2],hf-assisted,hf-prompt-lookup", "--quick", "--out", str(tmp_path / "out"), "--no-progress",
+        "--methods", "speculative[k=2],hf-assisted,hf-prompt-lookup,hf-autoregressive", "--quick", "--out", str(tmp_path / "out"), "--no-progress",
     ]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert "Headline (all prompts)" in res.stdout and "report:" in res.stdout
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Forward cost curve" in report and "target t(w) / t(1)" in report and "Forward path: target: static" in report
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["config"]["max_new_tokens"] == 16 and results["config"]["repeats"] == 1
     assert [p["id"] for p in results["prompts"]] == ["prompts/1", "prompts/2"]  # --quick: 2 prompts

@@ -34,7 +34,7 @@ def test_speculative_greedy_equals_autoregressive(tiny, arch, draft_kind):
         ids = engine.encode(prompt)
         ar = engine.generate(ids, method="autoregressive", max_new_tokens=40, eos_token_id=[])
         assert ar.tokens == hf_greedy(target.model, ids, 40)
-        for options in ({"k": 1}, {"k": 4}, {"policy": "heuristic"}, {"policy": "confidence", "threshold": 0.3}):
+        for options in ({"k": 1}, {"policy": "constant", "k": 4}, {"k": 4}, {"policy": "heuristic"}, {"policy": "confidence", "threshold": 0.3}):
             spec = engine.generate(ids, method="speculative", max_new_tokens=40, eos_token_id=[], **options)
             assert spec.tokens == ar.tokens, (arch, draft_kind, prompt, options)
     if draft_kind == "self":

@@ -98,7 +98,7 @@ def test_cache_after_verification_equals_a_plain_forward(tiny, arch):
     K/V equals the cache of a plain runner that saw the same tokens in the same chunks."""
     model = tiny(arch).model
     prompt, root, drafts = [5, 17, 9, 33, 2], 41, [8, 12, 3]
-    runner = SkipRunner(model)
+    runner = SkipRunner(model, "eager")
     runner.forward(prompt)
     base = runner.length
     with runner.skipping(SkipSet(attention=(0, 2), mlp=(1,))):
@@ -111,30 +111,32 @@ def test_cache_after_verification_equals_a_plain_forward(tiny, arch):
     verify = runner.forward([root] + drafts).logits
     runner.crop(base + 2)  # accept one draft
 
-    plain = Runner(model)
+    plain = Runner(model, "eager")
     plain.forward(prompt)
     assert torch.equal(plain.forward([root] + drafts).logits, verify)
     plain.crop(base + 2)
     for ours, theirs in zip(runner.cache.layers, plain.cache.layers):
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
-    one_shot = Runner(model)
+    one_shot = Runner(model, "eager")
     one_shot.forward(prompt + [root, drafts[0]])
     for ours, theirs in zip(runner.cache.layers, one_shot.cache.layers):
         assert torch.allclose(ours.keys, theirs.keys, atol=1e-5) and torch.allclose(ours.values, theirs.values, atol=1e-5)
 
 
-def test_drafting_with_layer0_skipped_matches_the_skipped_model(tiny):
+@pytest.mark.parametrize("backend", ["eager", "static"])
+def test_drafting_with_layer0_skipped_matches_the_skipped_model(tiny, backend):
     """Drafting token by token in the shared cache gives the logits of the skipped model run on the whole
-    sequence (positions and masks must not come from the stale layer-0 cache)."""
+    sequence (positions and masks must not come from the stale layer-0 cache). The static backend's
+    own skipping agrees with the stock modules swapped out."""
     model = tiny("llama").model
     skip = SkipSet(attention=(0,), mlp=(3,))
     prompt, extra = [5, 17, 9, 33], [2, 41, 8]
-    runner = SkipRunner(model)
+    runner = SkipRunner(model, backend)
     runner.forward(prompt)
     with runner.skipping(skip):
         steps = [runner.forward([t], last=1).logits[-1] for t in extra]
-    # reference: full model on the prompt, skipped model on the new tokens, in a plain cache
-    ref = Runner(model)
+    # reference: full model on the prompt, skipped model on the new tokens, in a plain (eager) cache
+    ref = Runner(model, "eager")
     ref.forward(prompt)
     with skip_layers(model, skip):
         expected = ref.forward(extra).logits

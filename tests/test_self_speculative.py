@@ -39,12 +39,12 @@ def test_greedy_equals_autoregressive(tiny, arch):
     assert none.stats.acceptance_rate == 1.0  # skipping nothing drafts the target's own tokens
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
-def test_cache_matches_a_plain_forward_at_every_step(tiny, arch):
+@pytest.mark.parametrize("arch,backend", [("llama", "eager"), ("llama", "static"), ("gpt_neox", "eager")])
+def test_cache_matches_a_plain_forward_at_every_step(tiny, arch, backend):
     """Whenever tokens are emitted, every layer holds K/V for exactly prompt + output[:-1], equal to a
     plain forward of those tokens, although drafting skipped layer 0's attention."""
     target = tiny(arch)
-    engine = Engine(target)
+    engine = Engine(target, backend=backend)
     ids = engine.encode(PROMPTS[0])
     skip = SkipSet((0, 2), (1,))
     method = engine.method("self-speculative", skip=skip, k=4)
@@ -52,11 +52,11 @@ def test_cache_matches_a_plain_forward_at_every_step(tiny, arch):
 
     def check(chunk):
         emitted.extend(chunk)
-        plain = Runner(target.model)
+        plain = Runner(target.model, backend)
         plain.forward((ids + emitted)[:-1])
-        for ours, theirs in zip(method.target.cache.layers, plain.cache.layers, strict=True):
-            assert ours.keys.shape == theirs.keys.shape
-            assert torch.allclose(ours.keys, theirs.keys, atol=1e-4) and torch.allclose(ours.values, theirs.values, atol=1e-4)
+        for (keys, values), (ref_keys, ref_values) in zip(method.target.cached_kv(), plain.cached_kv(), strict=True):
+            assert keys.shape == ref_keys.shape
+            assert torch.allclose(keys, ref_keys, atol=1e-4) and torch.allclose(values, ref_values, atol=1e-4)
 
     r = engine.generate(ids, method="self-speculative", skip=skip, k=4, max_new_tokens=20, eos_token_id=[], on_tokens=check)
     assert emitted == r.tokens and len(r.stats.steps) >= 3 and r.stats.drafted > 0

@@ -35,12 +35,19 @@ DraftOpt = typer.Option(
 )
 DtypeOpt = typer.Option("auto", help="Weights dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16.")
 DeviceOpt = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N.")
+BackendOpt = typer.Option(
+    "auto", help="Forward path: auto (static where the architecture allows, else eager), static (static KV cache, "
+    "prepacked fused linears: Llama, Mistral, Qwen2, Qwen3) or eager (the stock transformers model, any causal LM)."
+)
 
 
-def _load_engine(target, draft, dtype, device, draft_device=None, device_map=None):
+def _load_engine(target, draft, dtype, device, draft_device=None, device_map=None, backend="auto"):
     from draftverify.engine import Engine
 
-    return Engine.load(target, draft, dtype=dtype, device=device, draft_device=draft_device, device_map=device_map)
+    engine = Engine.load(target, draft, dtype=dtype, device=device, draft_device=draft_device, device_map=device_map, backend=backend)
+    if any(r is not None and r.fallback_reason for r in (engine.target_runner, engine.draft_runner)):
+        typer.echo(f"backend: {engine.describe_backend()}", err=True)
+    return engine
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -77,6 +84,7 @@ def generate(
     stop: list[str] = typer.Option([], help="Stop when the output contains this text (repeatable); the text is cut before it."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
+    backend: str = BackendOpt,
     stream: bool = typer.Option(False, help="Print tokens as they are accepted."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, tokens and stats."),
 ):
@@ -86,7 +94,7 @@ def generate(
     if prompt is None:
         raise DraftVerifyError("no prompt: pass PROMPT or --prompt-file FILE")
     needs_draft = method not in ("autoregressive",) and _method_needs_draft(method)
-    engine = _load_engine(target, draft if needs_draft else "none", dtype, device)
+    engine = _load_engine(target, draft if needs_draft else "none", dtype, device, backend=backend)
     streamer = None
     if stream and not as_json:
         from transformers import TextStreamer
@@ -147,12 +155,13 @@ def demo(
     max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", help="New tokens per run."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
+    backend: str = BackendOpt,
 ):
     """Generate with autoregressive decoding and with each METHOD on the default model; print the outputs, whether they are identical, and the speedups."""
     specs = [tuple(m.strip().partition(":")[::2]) for m in method.split(",") if m.strip()]
     require(specs, "--method names no method: use e.g. speculative or lookahead:context")
-    engine = _load_engine(target, draft, dtype, device)
-    typer.echo(f"target: {engine.target.name}   draft: {engine.draft.name if engine.draft else 'none'}")
+    engine = _load_engine(target, draft, dtype, device, backend=backend)
+    typer.echo(f"target: {engine.target.name}   draft: {engine.draft.name if engine.draft else 'none'}   backend: {engine.describe_backend()}")
     for name, preset in specs:
         engine.generate("Hello", method=name, preset=preset or None, max_new_tokens=8, chat=True)  # warm-up
     base = engine.generate(prompt, method="autoregressive", max_new_tokens=max_new_tokens, chat=True)

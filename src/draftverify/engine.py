@@ -35,11 +35,12 @@ class Engine:
     One request at a time per engine: methods share the models' KV caches.
     """
 
-    def __init__(self, target: Loaded, draft: Loaded | None = None):
+    def __init__(self, target: Loaded, draft: Loaded | None = None, backend: str = "auto"):
         self.target = target
         self.draft = draft
-        self.target_runner = Runner(target.model)
-        self.draft_runner = Runner(draft.model) if draft is not None else None
+        self.backend = backend
+        self.target_runner = Runner(target.model, backend)
+        self.draft_runner = Runner(draft.model, backend) if draft is not None else None
         self._methods: dict[tuple, Method] = {}
 
     @classmethod
@@ -51,10 +52,24 @@ class Engine:
         device: str = "auto",
         draft_device: str | None = None,
         device_map: str | None = None,
+        backend: str = "auto",
     ) -> "Engine":
-        """Load the target (default: SmolLM2-135M-Instruct) and a draft spec (see `load_draft`)."""
+        """Load the target (default: SmolLM2-135M-Instruct) and a draft spec (see `load_draft`).
+
+        `backend`: `auto` (the static fast path where the architecture allows, else eager),
+        `static` or `eager`; see `draftverify.models.choose_backend`.
+        """
         loaded = load_model(target, dtype=dtype, device=device, device_map=device_map)
-        return cls(loaded, load_draft(draft, loaded, dtype=dtype, device=draft_device or device))
+        return cls(loaded, load_draft(draft, loaded, dtype=dtype, device=draft_device or device), backend=backend)
+
+    def describe_backend(self) -> str:
+        """One line: the forward path each model runs on, and why `auto` fell back to eager."""
+        parts = []
+        for role, runner in (("target", self.target_runner), ("draft", self.draft_runner)):
+            if runner is not None:
+                why = f" ({runner.fallback_reason})" if runner.fallback_reason else ""
+                parts.append(f"{role}: {runner.backend}{why}")
+        return "; ".join(parts)
 
     def method(self, name: str, preset: str | None = None, **options) -> Method:
         """The method `name` configured by `preset` and `options`, built once and reused."""

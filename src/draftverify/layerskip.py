@@ -23,6 +23,7 @@ import operator
 import os
 import random
 import tempfile
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,20 +270,24 @@ def skip_layers(model: torch.nn.Module, skip: SkipSet):
 class SkipRunner(Runner):
     """A Runner that can also draft with a skip set in the same KV cache.
 
-    Skipped attention layers write no K/V, so while drafting the layers' caches have different
-    lengths. `length` is therefore counted here (Runner reads layer 0's, which may be skipped),
-    forwards inside `skipping()` get explicit positions and a causal mask (the model would size
-    both from layer 0), and `crop` cuts every layer to the same absolute length.
+    On the static backend the skip set is passed to the decoder, which bypasses those
+    sub-layers (a skipped attention leaves its slots stale until the verifying forward rewrites
+    them; one length serves every layer). On the eager backend the stock modules are swapped
+    (`skip_layers`): skipped attention layers write no K/V, so while drafting the layers'
+    caches have different lengths. `length` is therefore counted here (Runner reads layer 0's,
+    which may be skipped), forwards inside `skipping()` get explicit positions and a causal
+    mask (the model would size both from layer 0), and `crop` cuts every layer to the same
+    absolute length.
     """
 
-    def __init__(self, model: torch.nn.Module):
-        super().__init__(model)
+    def __init__(self, model: torch.nn.Module, backend: str = "auto"):
+        super().__init__(model, backend)
         self._length = 0
-        self._drafting = False
+        self._skip: SkipSet | None = None
 
     @property
     def length(self) -> int:
-        return self._length
+        return super().length if self.static is not None else self._length
 
     def reset(self) -> None:
         super().reset()
@@ -291,16 +296,20 @@ class SkipRunner(Runner):
     @contextmanager
     def skipping(self, skip: SkipSet):
         """Draft inside this block: `skip`'s sub-layers are bypassed."""
-        with skip_layers(self.model, skip):
-            self._drafting = True
+        with contextlib.ExitStack() as stack:
+            if self.static is None:
+                stack.enter_context(skip_layers(self.model, skip))
+            self._skip = skip
             try:
                 yield
             finally:
-                self._drafting = False
+                self._skip = None
 
-    def forward(self, tokens, positions=None, tree_mask=None, last=None, hidden=False) -> Forward:
+    def forward(self, tokens, positions=None, tree_mask=None, last=None, hidden=False, skip=None) -> Forward:
+        if self.static is not None:
+            return super().forward(tokens, positions, tree_mask, last, hidden, skip=skip or self._skip)
         n = len(tokens)
-        if self._drafting and positions is None and tree_mask is None:
+        if self._skip is not None and positions is None and tree_mask is None:
             positions = torch.arange(self._length, self._length + n, device=self.device)  # [n]
             tree_mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()  # [n, n] causal
         out = super().forward(tokens, positions, tree_mask, last, hidden)
@@ -309,6 +318,8 @@ class SkipRunner(Runner):
 
     def crop(self, length: int) -> None:
         """Keep the first `length` tokens in every layer, whatever each layer holds now."""
+        if self.static is not None:
+            return super().crop(length)
         for layer in self.cache.layers:  # per layer: skipped layers hold fewer tokens than the others
             extra = layer.get_seq_length() - length
             if extra > 0:

@@ -37,6 +37,7 @@ class Loaded:
     model: torch.nn.Module
     tokenizer: object
     name: str
+    source: Path | None = None  # the folder or .gguf file it was loaded from
 
     @property
     def device(self) -> torch.device:
@@ -135,7 +136,7 @@ def load_model(
     if device_map is None:
         model.to(device)
     model.eval().requires_grad_(False)
-    return Loaded(model, tokenizer, name=path.name)
+    return Loaded(model, tokenizer, name=path.name, source=path)
 
 
 def gguf_to_folder(path: Path) -> Path:
@@ -310,20 +311,44 @@ class Forward:
     hidden: torch.Tensor | None = None
 
 
+BACKENDS = ("auto", "static", "eager")
+
+
+def choose_backend(model: torch.nn.Module, backend: str = "auto") -> tuple[str, str | None]:
+    """The backend a Runner of `model` uses, and why `auto` fell back to eager (None if it did not).
+
+    `static` is the fast path (draftverify.static: static KV cache, prepacked fused linears);
+    `eager` calls the stock transformers model with a dynamic cache and works for any causal LM.
+    """
+    from draftverify.static import unsupported_reason
+
+    require(backend in BACKENDS, f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    if backend == "eager":
+        return "eager", None
+    reason = unsupported_reason(model)
+    if backend == "static":
+        require(reason is None, f"backend 'static' cannot run this model ({reason}): use --backend eager or auto")
+        return "static", None
+    return ("eager", reason) if reason else ("static", None)
+
+
 class Runner:
     """One sequence, one KV cache: feed new tokens, read logits, roll back.
 
     The cache holds `length` tokens at cache slots 0..length-1. `forward` appends new tokens;
     by default they sit at the next positions with causal attention. For a tree or a Jacobi
     window pass `positions` [n] (their position ids) and `tree_mask` [n, n] (bool, True =
-    token i may attend new token j); every new token attends the whole cached prefix.
+    token i may attend new token j); every new token attends the whole cached prefix (within
+    each layer's sliding window, if it has one).
     Rollback is `crop(length)` (drop everything after) or `select(keep, slots)` (keep the
     first `keep` slots and then the given slots, in order: one accepted path of a tree).
+
+    `backend` (see `choose_backend`): `static` runs `draftverify.static.StaticDecoder` over a
+    preallocated cache; `eager` runs the stock model over a transformers `DynamicCache`.
+    `fallback_reason` says why `auto` chose eager.
     """
 
-    def __init__(self, model: torch.nn.Module):
-        from transformers import DynamicCache
-
+    def __init__(self, model: torch.nn.Module, backend: str = "auto"):
         impl = getattr(model.config, "_attn_implementation", None)
         require(
             impl in MASKABLE_ATTENTION,
@@ -334,20 +359,37 @@ class Runner:
             getattr(model.config, "is_encoder_decoder", False) is False,
             f"{type(model).__name__} is an encoder-decoder model: draftverify needs a decoder-only causal LM",
         )
+        from draftverify.static import StaticDecoder, layer_windows, unsupported_layer_types
+
+        odd = unsupported_layer_types(model.config)
+        require(not odd, f"{type(model).__name__} has layer types {odd} that draftverify cannot mask: use a model with full or sliding-window attention")
         self.model = model
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
-        self._cache_class = DynamicCache
-        self.cache = DynamicCache(config=model.config)
+        self.backend, self.fallback_reason = choose_backend(model, backend)
+        self.static = StaticDecoder(model) if self.backend == "static" else None
+        # Eager: every layer keeps its full history (a sliding layer's own cache would drop keys a
+        # rollback needs), and sliding windows are applied through explicit per-layer-type masks.
+        self.windows = layer_windows(model.config)
+        self._dict_masks = isinstance(getattr(model.config, "layer_types", None), (list, tuple))
+        self.cache = self._new_cache()
         self.max_length = getattr(model.config, "max_position_embeddings", None)
         self.forwards = 0  # forward calls since construction (all callers)
 
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache() if self.static is None else None
+
     @property
     def length(self) -> int:
-        return self.cache.get_seq_length()
+        return self.static.length if self.static is not None else self.cache.get_seq_length()
 
     def reset(self) -> None:
-        self.cache = self._cache_class(config=self.model.config)
+        if self.static is not None:
+            self.static.reset()
+        else:
+            self.cache = self._new_cache()
 
     @torch.inference_mode()
     def forward(
@@ -357,19 +399,31 @@ class Runner:
         tree_mask: torch.Tensor | None = None,
         last: int | None = None,
         hidden: bool = False,
+        skip=None,
     ) -> Forward:
-        """Append `tokens` [n] to the cache and return logits for the last `last` of them (all if None)."""
-        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(1, -1)  # [1, n]
-        n, past = tokens.shape[1], self.length
+        """Append `tokens` [n] to the cache and return logits for the last `last` of them (all if None).
+
+        `skip` (a layerskip.SkipSet) bypasses sub-layers; only the static backend takes it here
+        (`SkipRunner` swaps modules for the eager one).
+        """
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)  # [n]
+        if self.static is not None:
+            logits, states = self.static.forward(tokens, positions, tree_mask, last, hidden, skip)
+            self.forwards += 1
+            return Forward(logits, states)
+        require(skip is None, "layer skipping on the eager backend goes through layerskip.SkipRunner")
+        n, past = tokens.shape[0], self.length
         kwargs = {}
-        if positions is not None or tree_mask is not None:
+        sliding = any(w is not None for w in self.windows)
+        if positions is not None or tree_mask is not None or sliding:
             if positions is None:
                 positions = torch.arange(past, past + n, device=self.device)
             kwargs["position_ids"] = positions.to(self.device).view(1, n)
-            if tree_mask is not None:
-                kwargs["attention_mask"] = self._full_mask(tree_mask, past)
+            if tree_mask is None:
+                tree_mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            kwargs["attention_mask"] = self._masks(tree_mask, positions.to(self.device), past)
         out = self.model(
-            input_ids=tokens,
+            input_ids=tokens.view(1, n),
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=last or 0,
@@ -381,23 +435,45 @@ class Runner:
         states = out.hidden_states[-1][0, -logits.shape[0] :] if hidden else None  # [m, H]
         return Forward(logits, states)
 
-    def _full_mask(self, tree_mask: torch.Tensor, past: int) -> torch.Tensor:
-        """[n, n] bool over new tokens -> additive [1, 1, n, past + n] mask over cache + new tokens."""
+    def _masks(self, tree_mask: torch.Tensor, positions: torch.Tensor, past: int):
+        """Additive [1, 1, n, past + n] mask(s) over cache + new tokens: one tensor, or one per layer type."""
         n = tree_mask.shape[0]
         allowed = torch.ones(n, past + n, dtype=torch.bool, device=self.device)
         allowed[:, past:] = tree_mask.to(self.device)
-        mask = torch.zeros(n, past + n, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return mask.view(1, 1, n, past + n)
+        key_pos = torch.cat([torch.arange(past, device=self.device), positions])  # slot i of the prefix holds position i
+
+        def additive(ok: torch.Tensor) -> torch.Tensor:
+            mask = torch.zeros(n, past + n, dtype=self.dtype, device=self.device)
+            return mask.masked_fill_(~ok, torch.finfo(self.dtype).min).view(1, 1, n, past + n)
+
+        def windowed(w: int | None) -> torch.Tensor:
+            return allowed if w is None else allowed & (positions.view(n, 1) - key_pos.view(1, -1) < w)
+
+        if self._dict_masks:
+            sliding = next((w for w in self.windows if w is not None), None)
+            return {"full_attention": additive(allowed), "sliding_attention": additive(windowed(sliding))}
+        return additive(windowed(self.windows[0]))
+
+    def cached_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the cached keys and values of the slots in use: [kv heads, slots, head dim] each
+        (a layer skipped while drafting on the eager backend may hold fewer slots)."""
+        if self.static is not None:
+            n = self.static.length
+            return [(k[:, :n], v[:, :n]) for k, v in zip(self.static.keys, self.static.values)]
+        return [(layer.keys[0], layer.values[0]) for layer in self.cache.layers]
 
     def crop(self, length: int) -> None:
         """Keep the first `length` cached tokens."""
+        if self.static is not None:
+            return self.static.crop(length)
         extra = self.length - length
         if extra > 0:
             self.cache.crop(-extra)
 
     def select(self, keep: int, slots: list[int]) -> None:
         """Keep cache slots 0..keep-1 followed by `slots` (each >= keep), dropping the rest."""
+        if self.static is not None:
+            return self.static.select(keep, slots)
         if slots == list(range(keep, keep + len(slots))):
             return self.crop(keep + len(slots))
         index = torch.tensor(list(range(keep)) + list(slots), device=self.device)

@@ -138,12 +138,74 @@ class WholePhrases(DraftPolicy):
         return True
 
 
+@dataclass
+class CostAware(DraftPolicy):
+    """Draft the length with the most expected tokens per second under the measured cost curve.
+
+    With per-token acceptance alpha, k drafts give E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens
+    per round (the accepted prefix and the target's own next token) for k t_D(1) + t_T(k + 1)
+    seconds, t_D and t_T the draft's and the target's measured forward times (`costs.curve`).
+    alpha = (accepted + 1) / (accepted + rejections + 2) over rounds, older rounds weighted down
+    by `decay` (a rejection: a round that kept fewer drafts than it had). The draft length is
+    the k in 0..max_k with the most tokens per second; k = 0 (a plain target step) when nothing
+    pays, and then every `probe`-th round still drafts one token so alpha keeps being measured.
+    Which tokens are kept is the verifier's business: sampling stays exact.
+    """
+
+    target_costs: dict
+    draft_costs: dict
+    max_k: int = 8
+    decay: float = 0.8
+    probe: int = 8
+    accepted: float = 0.0
+    rejections: float = 0.0
+    _k: int = 0
+    _idle: int = 0
+
+    def __post_init__(self):
+        require(self.max_k >= 1, f"max draft length k={self.max_k} must be at least 1")
+
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + 1.0) / (self.accepted + self.rejections + 2.0)
+
+    def best(self) -> int:
+        from draftverify.costs import forward_time
+
+        a, t_draft = min(self.alpha, 0.999), forward_time(self.draft_costs, 1)
+        rates = [(1 - a ** (k + 1)) / (1 - a) / (k * t_draft + forward_time(self.target_costs, k + 1)) for k in range(self.max_k + 1)]
+        return max(range(self.max_k + 1), key=rates.__getitem__)
+
+    def max_length(self) -> int:
+        self._k = self.best()
+        self._idle = self._idle + 1 if self._k == 0 else 0
+        if self._idle >= self.probe:
+            self._k, self._idle = 1, 0
+        return self._k
+
+    def keep_drafting(self, n: int, logits: torch.Tensor, hidden: torch.Tensor | None) -> bool:
+        return n < self._k
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.accepted = self.decay * self.accepted + accepted
+        self.rejections = self.decay * self.rejections + (accepted < drafted)
+
+
 POLICIES = {"constant": ConstantK, "heuristic": Heuristic, "confidence": Confidence, "phrases": WholePhrases}
 POLICIES["adaptive"] = AdaptiveThreshold
+POLICIES["cost"] = CostAware
 
 
-def make_policy(name: str, k: int, threshold: float) -> DraftPolicy:
+def make_policy(name: str, k: int, threshold: float, target=None, draft=None) -> DraftPolicy:
+    """The policy `name`; `cost` measures the target's and the draft's cost curves (Runners `target`, `draft`)."""
     require(name in POLICIES, f"unknown draft policy {name!r}: use one of {', '.join(POLICIES)}")
+    if name == "cost":
+        from draftverify import costs
+
+        require(target is not None and draft is not None, "the cost policy needs the target and draft runners")
+        return CostAware(costs.curve(target), costs.curve(draft, all_logits=False), max_k=k)
     if name == "constant":
         return ConstantK(k)
     if name == "heuristic":

@@ -39,6 +39,7 @@ def bench(
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model for the methods that need one (see `draftverify generate --help`). Default: the shipped draft, else self:layers=8."),
     dtype: str = typer.Option("auto", help="Weights dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16."),
     device: str = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N."),
+    backend: str = typer.Option("auto", help="Forward path of draftverify's methods: auto, static or eager (see `draftverify generate --help`)."),
     out: Path = typer.Option(Path("runs/bench"), "--out", help="Output folder; rerunning the same command there resumes an interrupted run."),
     overwrite: bool = typer.Option(False, help="Start over, discarding the records already in --out."),
     quick: bool = typer.Option(False, help="Smoke test: 2 rows per prompt set, first turns only, 16 new tokens, 1 repeat (explicit options still win)."),
@@ -63,9 +64,13 @@ def bench(
     prompt_list = load_prompts(
         names, resolve_data_dir(data_dir) if names else None, prompts, limit=limit, per_category=per_category, turns=turns or "all"
     )
+    from draftverify.bench import llamacpp
+
+    if not llamacpp.available() and not any(s.engine == "llama.cpp" for s in specs):
+        typer.echo(f"note: {llamacpp.INSTALL_HINT} (then add llamacpp,llamacpp-prompt-lookup to --methods)", err=True)
     needs_draft = any(s.needs_draft for s in specs)
-    engine = Engine.load(target, draft if needs_draft else "none", dtype=dtype, device=device)
-    typer.echo(f"target {engine.target.name}, draft {engine.draft.name if engine.draft else 'none'}; {len(prompt_list)} prompts x {len(specs)} methods x {settings.repeats} repeat(s)", err=True)
+    engine = Engine.load(target, draft if needs_draft else "none", dtype=dtype, device=device, backend=backend)
+    typer.echo(f"target {engine.target.name}, draft {engine.draft.name if engine.draft else 'none'}, backend {engine.describe_backend()}; {len(prompt_list)} prompts x {len(specs)} methods x {settings.repeats} repeat(s)", err=True)
     command = "draftverify " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else ""  # empty when not run from a shell
     Bench(engine, prompt_list, specs, settings, out).run(command=command, overwrite=overwrite, progress=progress)
     report = (out / "report.md").read_text()

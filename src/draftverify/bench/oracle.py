@@ -27,64 +27,20 @@ import time
 
 import torch
 
+from draftverify.costs import sync_device, forward_time
 from draftverify.models import Runner
 
-WIDTHS = (1, 2, 4, 8, 16)
 TEACHER_CHUNK = 256  # tokens per teacher-forced draft forward (bounds the logits' memory)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure_forward_times(
-    model: torch.nn.Module, context: list[int], widths=WIDTHS, reps: int = 5, all_logits: bool = True
-) -> dict[int, float]:
-    """Seconds of one forward of w new tokens after `context`, for each w in `widths`: the
-    fastest of `reps` runs (the least disturbed by the rest of the machine).
-
-    `all_logits`: compute logits for every new token (the target verifying drafts) or only
-    the last one (the draft proposing).
-    """
-    runner = Runner(model)
-    runner.forward(context, last=1)
-    base = runner.length
-    tokens = (context * (max(widths) // max(1, len(context)) + 1))[: max(widths)]
-    times = {}
-    for w in widths:
-        samples = []
-        for rep in range(reps + 1):  # the first run of each width is a warm-up
-            _sync(runner.device)
-            t = time.perf_counter()
-            runner.forward(tokens[:w], last=None if all_logits else 1)
-            _sync(runner.device)
-            if rep:
-                samples.append(time.perf_counter() - t)
-            runner.crop(base)
-        times[w] = min(samples)
-    return times
-
-
-def forward_time(table: dict[int, float], width: int) -> float:
-    """t(width) from a table of measured widths: linear between points, extended linearly beyond."""
-    points = sorted((int(w), t) for w, t in table.items())
-    if len(points) == 1:
-        return points[0][1]
-    for (w0, t0), (w1, t1) in zip(points, points[1:]):
-        if width <= w1 or (w1, t1) == points[-1]:
-            return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
-    raise AssertionError("unreachable")
 
 
 def teacher_forced_disagreements(model: torch.nn.Module, prompt: list[int], output: list[int]) -> tuple[list[int], float]:
     """Positions i (1-based) where the draft's greedy token given prompt + X_<i differs from X_i,
     and the seconds of the draft's forward over the prompt."""
     runner = Runner(model)
-    _sync(runner.device)
+    sync_device(runner.device)
     t = time.perf_counter()
     logits = runner.forward(prompt, last=1).logits  # [1, V]: Y_1
-    _sync(runner.device)
+    sync_device(runner.device)
     prefill_s = time.perf_counter() - t
     guesses = [int(logits[-1].argmax())]
     for start in range(0, len(output) - 1, TEACHER_CHUNK):

@@ -79,7 +79,7 @@ def run_peer(
         sync(device)
         wall = time.perf_counter() - start
     tokens = out[0, len(ids) :].tolist()
-    if spec.name == "hf-prompt-lookup":
+    if spec.name in ("hf-prompt-lookup", "hf-autoregressive"):
         draft_forwards = 0
     else:
         draft_forwards = draft_calls.calls if draft_calls is not None else None

@@ -60,7 +60,7 @@ def to_csv(results: dict) -> str:
     for r in results["records"]:
         row = dict(r)
         row["tokens_per_s"] = r["new_tokens"] / r["wall_s"] if r["wall_s"] else None
-        row["steps"] = " ".join(map(str, r["steps"]))
+        row["steps"] = "" if r["steps"] is None else " ".join(map(str, r["steps"]))
         reference = base.get((r["prompt_id"], r["repeat"]))
         if results["greedy"] and reference is not None:
             row["first_divergence"] = first_divergence(reference, r["tokens"])
@@ -167,7 +167,8 @@ def to_markdown(results: dict) -> str:
     )
     if mem_kind in ("process_peak_rss", "process_max_rss_growth"):
         out += ["", "Peak memory on CPU is process-wide (both models, the Python heap and every method that ran before), not the method's own."]
-    out += ["", "## Per category", ""]
+    out += [""] + cost_curve_section(results)
+    out += ["## Per category", ""]
     for key, summary in results["summary"]["categories"].items():
         n = len({r["prompt_id"] for r in results["records"] if category_key(r["dataset"], r["category"]) == key})
         out += [f"### {key} ({n} prompt{'s' if n != 1 else ''})", ""]
@@ -181,13 +182,43 @@ def to_markdown(results: dict) -> str:
     return "\n".join(out)
 
 
+def cost_curve_section(results: dict) -> list[str]:
+    """The measured forward times per new-token count: the path in use, the draft, and llama.cpp."""
+    costs = results["cost_model"]
+    if not costs or "target" not in costs:
+        return []
+    widths = list(costs["target"])
+    t1 = costs["target"][widths[0]]
+    out = [
+        "## Forward cost curve",
+        "",
+        f"One forward of w new tokens after {costs['context_tokens']} tokens of context, fastest of 5 runs (target and llama.cpp:",
+        "logits for every new token, as when verifying a draft; draft: for the last one)."
+        + (f" Forward path: {costs['backend']}." if costs.get("backend") else ""),
+        "",
+    ]
+    rows = [["target forward (ms)", *(f"{t * 1000:.1f}" for t in costs["target"].values())],
+            ["target t(w) / t(1)", *(f"{t / t1:.2f}" for t in costs["target"].values())]]
+    if "draft" in costs:
+        rows.append(["draft forward (ms)", *(f"{t * 1000:.1f}" for t in costs["draft"].values())])
+    if "llamacpp" in costs:
+        ref = costs["llamacpp"]
+        rows.append(["llama.cpp forward (ms)", *(f"{ref[w] * 1000:.1f}" if w in ref else "-" for w in widths)])
+        rows.append(["target / llama.cpp", *(f"{costs['target'][w] / ref[w]:.2f}" if w in ref else "-" for w in widths)])
+    return out + _table(["new tokens per forward", *map(str, widths)], rows) + [""]
+
+
 def exactness_section(results: dict) -> list[str]:
     out = ["## Exactness", ""]
     exact = results["exactness"]
     if exact is None:
         return out + ["Sampling run: outputs differ from autoregressive decoding by design. Exactness of the sampled",
                       "distribution is checked statistically by the test suite.", ""]
-    failing = {label: e for label, e in exact.items() if e["differ"]}
+    other_kernels = {m["label"] for m in results["methods"] if m.get("engine") == "llama.cpp"}
+    failing = {label: e for label, e in exact.items() if e["differ"] and label not in other_kernels}
+    if other_kernels:
+        out += [f"llama.cpp ({', '.join(f'`{x}`' for x in sorted(other_kernels))}) runs the same weights with its own kernels, which round",
+                "differently: where two tokens nearly tie its greedy choice may differ. Those rows measure speed, not exactness.", ""]
     if failing:
         names = ", ".join(f"`{label}` ({e['differ']} prompts)" for label, e in failing.items())
         out += [f"**RED FLAG: output differs from autoregressive decoding for {names}.** Expected: no difference in fp32.", ""]

@@ -25,10 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from draftverify.bench import metrics
+import torch
+
+from draftverify.bench import llamacpp, metrics
 from draftverify.bench.datasets import Prompt, category_key
 from draftverify.bench.measure import environment, peak_memory
-from draftverify.bench.oracle import measure_forward_times, teacher_forced_disagreements
+from draftverify.bench.oracle import teacher_forced_disagreements
+from draftverify.costs import WIDTHS, forward_times
 from draftverify.bench.peers import PeerState, run_peer
 from draftverify.bench.report import jsonable, write_all
 from draftverify.bench.specs import MethodSpec
@@ -163,6 +166,9 @@ class Bench:
                 engine.draft is not None or not spec.needs_draft,
                 f"method {spec.label!r} needs a draft model: pass --draft (e.g. self:layers=8) or drop it from --methods",
             )
+        if any(s.engine == "llama.cpp" for s in specs):
+            llamacpp.require_llamacpp()
+            llamacpp.gguf_for(engine.target.source, engine.target.name)  # converted once, cached
         self.engine, self.prompts, self.specs, self.settings = engine, prompts, specs, settings
         self.out_dir = Path(out_dir)
         self.device = engine.target.device
@@ -187,6 +193,7 @@ class Bench:
             "draft": draft.name if draft is not None else None,
             "draft_identity": draft.identity if draft is not None else None,
             "dtype": str(self.engine.target.model.dtype),
+            "backend": self.engine.target_runner.backend,
             "device": str(self.device),
             "prompts": len(self.prompts),
             "prompts_sha1": ids,
@@ -237,14 +244,19 @@ class Bench:
         """Run one generation of `spec`; returns the measured fields with `tokens` and memory."""
         engine, sampling = self.engine, self.settings.sampling(seed)
         with peak_memory(self.device) as memory:
-            if spec.is_peer:
+            if spec.engine == "llama.cpp":
+                state = self.peer_states.get(spec.label)
+                if state is None or not spec.warm:
+                    state = self.peer_states[spec.label] = llamacpp.peer(spec, engine.target.source, engine.target.name, self.n_ctx())
+                fields = state.generate(ids, sampling, max_new_tokens, engine.eos_ids())
+            elif spec.is_peer:
                 draft = engine.draft.model if engine.draft is not None else None
                 state = self.peer_states.get(spec.label)
                 if state is None or not spec.warm:
                     state = self.peer_states[spec.label] = PeerState(spec, draft)
                 fields = run_peer(spec, state, engine.target.model, draft, ids, sampling, max_new_tokens, engine.eos_ids())
             else:
-                runner = engine if spec.warm else Engine(engine.target, engine.draft)  # fresh method instance
+                runner = engine if spec.warm else Engine(engine.target, engine.draft, engine.backend)  # fresh method instance
                 result = runner.generate(
                     ids, method=spec.name, preset=spec.preset, max_new_tokens=max_new_tokens,
                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed,
@@ -252,6 +264,11 @@ class Bench:
                 )
                 fields = {"tokens": result.tokens, **{k: getattr(result.stats, k) for k in STAT_FIELDS}}
         return {**fields, **memory}
+
+    def n_ctx(self) -> int:
+        """A context long enough for every prompt of the run plus its new tokens (llama.cpp peers)."""
+        longest = max([len(ids) for ids in self.ids.values()] + [COST_CONTEXT])
+        return longest + max(self.settings.max_new_tokens, max(WIDTHS)) + 16
 
     def seed(self, prompt_index: int, repeat: int) -> int | None:
         """The sampling seed of one prompt and repeat (the same for every method)."""
@@ -297,9 +314,21 @@ class Bench:
     def measure_costs(self, ids: list[int]) -> dict:
         """Forward times per number of new tokens, for the target (all logits) and the draft (last)."""
         context = (ids * (COST_CONTEXT // len(ids) + 1))[:COST_CONTEXT]
-        costs = {"context_tokens": COST_CONTEXT, "target": measure_forward_times(self.engine.target.model, context)}
+        backend = self.engine.backend
+        costs = {
+            "context_tokens": COST_CONTEXT,
+            "backend": self.engine.describe_backend(),
+            "target": forward_times(self.engine.target.model, context, backend=backend),
+        }
         if self.engine.draft is not None:
-            costs["draft"] = measure_forward_times(self.engine.draft.model, context, all_logits=False)
+            costs["draft"] = forward_times(self.engine.draft.model, context, all_logits=False, backend=backend)
+        if any(s.engine == "llama.cpp" for s in self.specs):  # the same buckets, all logits, on llama.cpp
+            model = llamacpp.LlamaCpp(
+                llamacpp.gguf_for(self.engine.target.source, self.engine.target.name), self.n_ctx(),
+                torch.get_num_threads(), logits_all=True,
+            )
+            costs["llamacpp"] = model.forward_times(context, WIDTHS)
+            del model
         return costs
 
     def add_oracles(self, log: RecordLog) -> None:
@@ -335,7 +364,7 @@ class Bench:
             "baseline": baseline,
             "greedy": self.settings.greedy,
             "methods": [
-                {"label": s.label, "name": s.name, "preset": s.preset, "options": dict(s.options), "peer": s.is_peer,
+                {"label": s.label, "name": s.name, "preset": s.preset, "options": dict(s.options), "peer": s.is_peer, "engine": s.engine,
                  "needs_draft": s.needs_draft, "warm": s.warm, "config": dataclasses.asdict(s.config)}
                 for s in self.specs
             ],

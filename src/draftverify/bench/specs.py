@@ -9,7 +9,11 @@ string itself is the label in every report. `name` is any method in
   options `num_assistant_tokens`, `num_assistant_tokens_schedule`, `assistant_confidence_threshold`
   (unset ones keep transformers' defaults, read from the draft's generation config);
 - `hf-prompt-lookup`: prompt lookup decoding, `generate(prompt_lookup_num_tokens=...)`;
-  options `prompt_lookup_num_tokens` (default 10) and `max_matching_ngram_size`.
+  options `prompt_lookup_num_tokens` (default 10) and `max_matching_ngram_size`;
+- `hf-autoregressive`: plain `generate()` (the stock model, transformers' own decoding loop);
+- `llamacpp`: llama.cpp's plain decoding of an F32 GGUF of the target's weights, and
+  `llamacpp-prompt-lookup`: its prompt-lookup speculative decoding, option `num_pred_tokens`
+  (default 10); both need the optional llama-cpp-python (bench/llamacpp.py).
 
 The bench option `warm=false` (any spec) builds a fresh method instance for every
 generation instead of keeping one across prompts (warm start, e.g. an n-gram pool).
@@ -57,18 +61,36 @@ class PromptLookupConfig:
 
 
 @dataclass(frozen=True)
+class NoOptions:
+    pass
+
+
+@dataclass(frozen=True)
+class LlamaCppLookupConfig:
+    num_pred_tokens: int = 10
+
+    def __post_init__(self):
+        n = self.num_pred_tokens
+        require(isinstance(n, int) and n >= 1, f"num_pred_tokens={n} must be an integer >= 1")
+
+
+@dataclass(frozen=True)
 class Peer:
-    """A decoding method that transformers implements, run through `model.generate`."""
+    """A decoding method another engine implements: transformers' `generate` or llama.cpp."""
 
     name: str
     Config: type
     needs_draft: bool
     presets: dict = dataclasses.field(default_factory=dict)
+    engine: str = "transformers"  # transformers | llama.cpp (other kernels: exactness not expected)
 
 
 PEERS = {
     "hf-assisted": Peer("hf-assisted", AssistedConfig, needs_draft=True, presets={"heuristic": {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic"}}),
     "hf-prompt-lookup": Peer("hf-prompt-lookup", PromptLookupConfig, needs_draft=False),
+    "hf-autoregressive": Peer("hf-autoregressive", NoOptions, needs_draft=False),
+    "llamacpp": Peer("llamacpp", NoOptions, needs_draft=False, engine="llama.cpp"),
+    "llamacpp-prompt-lookup": Peer("llamacpp-prompt-lookup", LlamaCppLookupConfig, needs_draft=False, engine="llama.cpp"),
 }
 
 
@@ -84,6 +106,11 @@ class MethodSpec:
     @property
     def is_peer(self) -> bool:
         return self.name in PEERS
+
+    @property
+    def engine(self) -> str:
+        """Who decodes: draftverify, transformers or llama.cpp."""
+        return PEERS[self.name].engine if self.is_peer else "draftverify"
 
     @property
     def needs_draft(self) -> bool:

@@ -103,7 +103,7 @@ class SelfSpeculative(Method):
         else:
             searched = load_skip_set(c.skip_file, model_identity(target.model)) if c.skip_file else shipped_skip_set(target.model)
             self.skip = make_skip_set(c.strategy, target.model, searched, c.n_attention, c.n_mlp, c.seed)
-        self.target = SkipRunner(target.model)  # its own cache, whose layers may briefly differ in length
+        self.target = SkipRunner(target.model, target.backend)  # its own cache, whose layers may briefly differ in length
 
     def make_policy(self) -> DraftPolicy:
         c = self.config

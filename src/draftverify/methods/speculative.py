@@ -2,7 +2,9 @@
 
 Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding") and
 Chen et al. 2023 ("Accelerating LLM Decoding with Speculative Sampling"). Each round:
-1. the draft proposes up to K tokens autoregressively (K chosen by a draft-length policy),
+1. the draft proposes up to K tokens autoregressively (K chosen by a draft-length policy: by
+   default `cost`, the K with the most expected tokens per second under the measured cost
+   curves of target and draft, possibly 0 when no draft pays; see policies.CostAware),
    sampling them from q with the same temperature/top-k/top-p as the target;
 2. the target scores root + drafts in one forward, giving p at every drafted position;
 3. `verify_chain` accepts drafts (greedy: while they equal argmax p; sampling: with
@@ -30,8 +32,8 @@ from draftverify.verify import Verdict, verify_chain
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    policy: str = "constant"  # constant | heuristic | confidence
-    k: int = 4  # draft length (constant), start length (heuristic) or cap (confidence)
+    policy: str = "cost"  # cost (the measured cost curve) | constant | heuristic | confidence
+    k: int = 8  # cap (cost, confidence), draft length (constant) or start length (heuristic)
     threshold: float = 0.4  # confidence: stop when the draft's top probability is below it
 
     def __post_init__(self):
@@ -46,15 +48,15 @@ class Speculative(Method):
     Config = SpeculativeConfig
     needs_draft = True
     presets = {
-        "k2": {"k": 2},
-        "k4": {"k": 4},
-        "k6": {"k": 6},
+        "k2": {"policy": "constant", "k": 2},
+        "k4": {"policy": "constant", "k": 4},
+        "k6": {"policy": "constant", "k": 6},
         "heuristic": {"policy": "heuristic", "k": 5},
         "confidence": {"policy": "confidence", "k": 10, "threshold": 0.4},
     }
 
     def make_policy(self) -> DraftPolicy:
-        return make_policy(self.config.policy, self.config.k, self.config.threshold)
+        return make_policy(self.config.policy, self.config.k, self.config.threshold, self.target, self.draft)
 
     def run(self, s: Session, policy: DraftPolicy | None = None) -> None:
         policy = policy or self.make_policy()

@@ -28,6 +28,7 @@ def serve(
     dtype: str = typer.Option("auto", help="Weights dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16."),
     device: str = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N."),
     device_map: Optional[str] = typer.Option(None, help="Spread the target over several GPUs with accelerate, e.g. 'auto' (then --device is ignored for the target)."),
+    backend: str = typer.Option("auto", help="Forward path: auto, static or eager (see `draftverify generate --help`)."),
     log_level: str = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug."),
 ):
     """Serve the target behind an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming, /metrics)."""
@@ -42,7 +43,7 @@ def serve(
         default_max_tokens=default_max_tokens, pool_file=pool_file,
     )
     needs_draft = any(METHODS[s.name].needs_draft for s in specs)
-    engine = Engine.load(target, draft if needs_draft else "none", dtype=dtype, device=device, device_map=device_map)
+    engine = Engine.load(target, draft if needs_draft else "none", dtype=dtype, device=device, device_map=device_map, backend=backend)
     app = create_app(engine, config)
     name = app.state.service.model_name
 

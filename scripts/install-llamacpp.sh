@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Add the optional llama.cpp bench peers (`llamacpp`, `llamacpp-prompt-lookup`) to .venv.
+# llama-cpp-python ships as source only: the first run compiles it (10-20 minutes on 2 cores)
+# into a wheel kept under ~/.cache/draftverify/wheels, so later installs take seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+VERSION=0.3.36
+wheels="${XDG_CACHE_HOME:-$HOME/.cache}/draftverify/wheels"
+mkdir -p "$wheels"
+if ! ls "$wheels"/llama_cpp_python-"$VERSION"-*.whl >/dev/null 2>&1; then
+  echo "building llama-cpp-python $VERSION from source once (10-20 minutes on 2 cores)..." >&2
+  CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" python -m pip wheel --no-deps "llama-cpp-python==$VERSION" -w "$wheels"
+fi
+python -m pip install -q --no-deps "$wheels"/llama_cpp_python-"$VERSION"-*.whl
+python -m pip install -q "diskcache>=5.6.1" "jinja2>=2.11.3"  # its runtime needs
+python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'ready: add llamacpp,llamacpp-prompt-lookup to draftverify bench --methods')"

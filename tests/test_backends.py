@@ -1,0 +1,141 @@
+"""Forward paths: the static backend against the stock model, and sliding-window / hybrid attention
+(Mistral, Qwen2 with sliding layers, Gemma 2, Gemma 3) through trees, selects and crops in every
+backend, down to every method's greedy output and a tree path's sampling law."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import phrase_sampling as ps
+from conftest import ARCHS, SLIDING_ARCHS, STATIC_ARCHS, WINDOW, make_model
+from draftverify import DraftVerifyError, Engine, Loaded, Runner
+
+ALL_ARCHS = ARCHS + ("qwen3",) + SLIDING_ARCHS[2:]  # mistral and qwen2-sliding are static archs too
+
+
+@pytest.mark.parametrize("arch", sorted(set(ALL_ARCHS + SLIDING_ARCHS)))
+def test_auto_picks_static_where_it_can_and_says_why_not(tiny, arch):
+    runner = Runner(tiny(arch).model)
+    if arch in STATIC_ARCHS:
+        assert (runner.backend, runner.fallback_reason) == ("static", None)
+    else:
+        assert runner.backend == "eager" and "\n" not in runner.fallback_reason
+        assert runner.model.config.model_type in runner.fallback_reason
+
+
+def test_bad_backends_are_refused_in_one_line(tiny):
+    with pytest.raises(DraftVerifyError, match="backend 'static' cannot run this model .*gpt2.*: use --backend eager"):
+        Runner(tiny("gpt2").model, "static")
+    with pytest.raises(DraftVerifyError, match="unknown backend 'fast': use one of auto, static, eager"):
+        Runner(tiny("llama").model, "fast")
+
+
+def plain_logits(model, seq: list[int]) -> torch.Tensor:
+    """The stock model over the whole sequence, its own masks and no cache: [len(seq), V]."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([seq])).logits[0]
+
+
+def random_tree(rng: random.Random, root: int, size: int) -> tuple[list[int], list[int]]:
+    tokens = [root] + [rng.randrange(2, 100) for _ in range(size - 1)]
+    parents = [-1] + [rng.randrange(0, i) for i in range(1, size)]
+    return tokens, parents
+
+
+@pytest.mark.parametrize("arch", STATIC_ARCHS + SLIDING_ARCHS[2:])
+@pytest.mark.parametrize("backend", ["eager", "static"])
+def test_random_trees_selects_and_crops_match_plain_forwards(tiny, arch, backend):
+    """Rounds of tree forwards, a random accepted path kept with `select`, sometimes a `crop`: every
+    logit of the kept path equals the stock model's over the whole sequence (windows of 6 tokens
+    against sequences of up to 40, so the windows bite; the static cache's in-place gather and the
+    dynamic cache's rebuild are both checked against the same ground truth)."""
+    if backend == "static" and arch not in STATIC_ARCHS:
+        pytest.skip("no static path for this architecture")
+    model = tiny(arch).model
+    runner = Runner(model, backend)
+    rng = random.Random(arch + backend)
+    seq = [rng.randrange(2, 100) for _ in range(9)]  # the runner holds all but the last token (the root)
+    runner.forward(seq[:-1])
+    for _ in range(10):
+        tokens, parents = random_tree(rng, seq[-1], rng.randint(1, 7))
+        depth, mask = [0] * len(tokens), torch.eye(len(tokens), dtype=torch.bool)
+        for i in range(1, len(tokens)):
+            depth[i] = depth[parents[i]] + 1
+            mask[i] |= mask[parents[i]]
+        base = runner.length
+        logits = runner.forward(tokens, positions=torch.tensor(depth) + base, tree_mask=mask).logits
+        path, node = [], rng.randrange(len(tokens))
+        while node >= 0:
+            path.insert(0, node)
+            node = parents[node]
+        kept = seq[:-1] + [tokens[i] for i in path]
+        torch.testing.assert_close(logits[path], plain_logits(model, kept)[-len(path):], atol=1e-4, rtol=1e-4)
+        runner.select(base, [base + i for i in path])
+        seq = kept + [rng.randrange(2, 100)]
+        if rng.random() < 0.3:
+            back = rng.randint(1, 3)
+            runner.crop(runner.length - back)
+            seq = seq[: len(seq) - back]
+        assert runner.length == len(seq) - 1
+    assert len(seq) > 3 * WINDOW
+
+
+@pytest.mark.parametrize("arch", STATIC_ARCHS)
+def test_static_cache_grows_and_resets(tiny, arch):
+    model = tiny(arch).model
+    runner = Runner(model, "static")
+    seq = [random.Random(1).randrange(2, 100) for _ in range(300)]
+    runner.forward(seq[:200])
+    first = runner.static.capacity
+    got = runner.forward(seq[200:]).logits  # past the first 256 slots: the buffers double
+    assert runner.static.capacity > first and runner.length == 300
+    torch.testing.assert_close(got, plain_logits(model, seq)[200:], atol=1e-4, rtol=1e-4)
+    runner.reset()
+    assert runner.length == 0
+    torch.testing.assert_close(runner.forward(seq[:5]).logits, plain_logits(model, seq[:5]), atol=1e-4, rtol=1e-4)
+
+
+def test_runners_of_one_model_share_packed_weights(tiny):
+    model = tiny("llama").model
+    a, b = Runner(model, "static"), Runner(model, "static")
+    assert a.static.layers[0].qkv is b.static.layers[0].qkv and a.static.head is b.static.head
+    a.forward([5, 6, 7])
+    assert b.length == 0  # each runner has its own cache
+
+
+PROMPTS = ["Hello there, how are you doing", "def f(x):\n    return f(x - 1) + f(x - 2)"]
+METHODS = [("speculative", None), ("lookahead", None), ("lookahead", "context"), ("ouroboros", None)]
+
+
+@pytest.mark.parametrize("arch", STATIC_ARCHS + SLIDING_ARCHS[2:])
+def test_every_method_on_every_backend_matches_eager_autoregressive(tiny, arch):
+    """Greedy tokens of each method, on each backend the architecture has, equal plain autoregressive
+    decoding on the stock model (and the static backend's own autoregressive decoding)."""
+    target, draft = tiny(arch), tiny(arch, seed=1, layers=2)
+    backends = ["eager", "static"] if arch in STATIC_ARCHS else ["eager"]
+    reference = Engine(target, draft, backend="eager")
+    for prompt in PROMPTS:
+        ids = reference.encode(prompt)
+        assert len(ids) > WINDOW
+        ar = reference.generate(ids, method="autoregressive", max_new_tokens=30, eos_token_id=[]).tokens
+        for backend in backends:
+            engine = Engine(target, draft, backend=backend)
+            runs = METHODS + [("autoregressive", None), ("self-speculative", None)]
+            for method, preset in runs:
+                options = {"strategy": "heuristic"} if method == "self-speculative" else {}
+                out = engine.generate(ids, method=method, preset=preset, max_new_tokens=30, eos_token_id=[], **options)
+                assert out.tokens == ar, (arch, backend, method, preset, prompt)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_tree_sampling_on_sliding_models_matches_the_target(tokenizer, arch):
+    """Multi-draft rejection sampling through tree-masked forwards on a model whose window (2 tokens)
+    is shorter than the prompt: the first three tokens follow the target's exact law (chi-square).
+    Mistral runs on the static backend, Gemma 3 (hybrid) on the eager one."""
+    model = make_model(arch, 0, layers=2, hidden=32, vocab=ps.VOCAB, window=2)
+    target = Loaded(model, tokenizer, f"tiny-{arch}")
+    counts = ps.sample_first_three(Engine(target), "lookahead", ps.guess_pool(3, 3), W=2, N=3, G=3, reuse=True)
+    assert ps.pvalue(counts, ps.exact_first_three(model)) > 1e-3

@@ -1,0 +1,52 @@
+"""The cost-aware draft length: it reads the measured cost curve and the acceptance seen so far."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftverify import Engine
+from draftverify.policies import CostAware
+
+FLAT = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.6}  # a static-path-like curve: verifying 8 costs 1.2 forwards
+STEEP = {1: 1.0, 2: 1.8, 4: 3.4, 8: 6.6, 16: 13.0}  # verification costs as much as decoding
+
+
+def rounds(policy: CostAware, drafted: int, accepted: int, n: int = 20) -> None:
+    for _ in range(n):
+        policy.observe(drafted, accepted)
+
+
+def test_a_good_cheap_draft_drafts_long():
+    policy = CostAware(FLAT, {1: 0.02}, max_k=8)
+    rounds(policy, 8, 8)
+    assert policy.alpha > 0.9 and policy.max_length() == 8
+
+
+def test_nothing_pays_then_no_draft_but_a_probe_every_few_rounds():
+    policy = CostAware(STEEP, {1: 0.4}, max_k=8, probe=4)
+    rounds(policy, 2, 0)
+    lengths = [policy.max_length() for _ in range(8)]
+    assert lengths == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert policy.max_length() == 0 and not policy.keep_drafting(0, torch.zeros(3), None)
+
+
+def test_the_length_follows_the_acceptance():
+    policy = CostAware(FLAT, {1: 0.1}, max_k=8)
+    rounds(policy, 4, 1)
+    low = policy.max_length()
+    rounds(policy, 4, 4, n=40)
+    assert 1 <= low < policy.max_length()
+
+
+def test_a_steeper_curve_drafts_less():
+    assert CostAware(STEEP, {1: 0.1}, accepted=3, rejections=1).best() < CostAware(FLAT, {1: 0.1}, accepted=3, rejections=1).best()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_default_cost_policy_is_lossless(tiny, arch):
+    engine = Engine(tiny(arch), tiny(arch, seed=1, layers=2))
+    ids = engine.encode("Hello there, how are")
+    ar = engine.generate(ids, method="autoregressive", max_new_tokens=40, eos_token_id=[]).tokens
+    out = engine.generate(ids, method="speculative", max_new_tokens=40, eos_token_id=[])
+    assert out.tokens == ar and engine.method("speculative").config.policy == "cost"
