@@ -139,3 +139,20 @@ def test_tree_sampling_on_sliding_models_matches_the_target(tokenizer, arch):
     target = Loaded(model, tokenizer, f"tiny-{arch}")
     counts = ps.sample_first_three(Engine(target), "lookahead", ps.guess_pool(3, 3), W=2, N=3, G=3, reuse=True)
     assert ps.pvalue(counts, ps.exact_first_three(model)) > 1e-3
+
+
+def test_one_row_kernel_matches_matmul_and_serves_the_static_path(tiny):
+    from draftverify.kernels import gemv, gemv_unavailable
+
+    kernel = gemv()
+    if kernel is None:  # no compiler / AVX2 here: the static path runs on oneDNN alone
+        pytest.skip(gemv_unavailable())
+    torch.manual_seed(0)
+    for n, k in ((100, 64), (3072, 576), (576, 1536)):
+        w, x, bias = torch.randn(n, k), torch.randn(1, k), torch.randn(n)
+        torch.testing.assert_close(kernel.linear(x, w, torch.empty(0)), x @ w.T, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kernel.linear(x, w, bias), x @ w.T + bias, atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="one row"):
+        kernel.linear(torch.randn(2, 64), torch.randn(8, 64), torch.empty(0))
+    layer = Runner(tiny("qwen2").model, "static").static.layers[0]
+    assert layer.qkv.kernel is kernel and layer.qkv.bias is not None  # Qwen2's q/k/v biases ride along

@@ -33,7 +33,7 @@ def test_stop_string_inside_accepted_chunk(engine):
     first = full.text.find(stop)
     results = [
         engine.generate("Hello", method="autoregressive", max_new_tokens=30, eos_token_id=[], stop=stop),
-        engine.generate("Hello", method="speculative", max_new_tokens=30, eos_token_id=[], stop=stop, k=8),
+        engine.generate("Hello", method="speculative", max_new_tokens=30, eos_token_id=[], stop=stop, policy="constant", k=8),
     ]
     assert results[0].tokens == results[1].tokens
     assert results[1].text == full.text[:first] and results[1].stats.finish_reason == "stop"
@@ -41,7 +41,7 @@ def test_stop_string_inside_accepted_chunk(engine):
 
 def test_max_new_tokens_inside_chunk(engine):
     for n in (1, 2, 5, 9):
-        r = engine.generate("Hello", method="speculative", max_new_tokens=n, eos_token_id=[], k=8)
+        r = engine.generate("Hello", method="speculative", max_new_tokens=n, eos_token_id=[], policy="constant", k=8)
         assert len(r.tokens) == n and r.stats.finish_reason == "length"
 
 
@@ -59,7 +59,7 @@ def test_text_iterator_streamer(engine):
 
 def test_on_tokens_receives_chunks_and_can_cancel(engine):
     chunks = []
-    r = engine.generate("Hello", method="speculative", max_new_tokens=30, eos_token_id=[], k=4, on_tokens=lambda c: chunks.append(c))
+    r = engine.generate("Hello", method="speculative", max_new_tokens=30, eos_token_id=[], policy="constant", k=4, on_tokens=lambda c: chunks.append(c))
     assert sum(chunks, []) == r.tokens and max(map(len, chunks)) > 1
     r = engine.generate("Hello", method="speculative", max_new_tokens=30, eos_token_id=[], on_tokens=lambda c: False)
     assert r.stats.finish_reason == "cancelled" and len(r.tokens) <= 5

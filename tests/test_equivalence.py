@@ -44,7 +44,7 @@ def test_speculative_greedy_equals_autoregressive(tiny, arch, draft_kind):
 def test_stats_are_consistent(tiny):
     target = tiny("llama")
     engine = Engine(target, tiny("llama", seed=1, layers=2))
-    r = engine.generate("Hello", method="speculative", max_new_tokens=30, eos_token_id=[], k=3)
+    r = engine.generate("Hello", method="speculative", max_new_tokens=30, eos_token_id=[], policy="constant", k=3)
     s = r.stats
     assert s.new_tokens == len(r.tokens) == 30
     assert sum(s.steps) + 1 >= s.new_tokens  # the first token comes from the prefill

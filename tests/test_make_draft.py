@@ -92,7 +92,7 @@ def test_built_draft_is_lossless_in_the_engine(built, tmp_path, slim):
     engine = Engine(target, load_draft(str(out), target))
     for prompt in PROMPTS:
         ar = engine.generate(prompt, method="autoregressive", max_new_tokens=16)
-        spec = engine.generate(prompt, method="speculative", max_new_tokens=16, k=3)
+        spec = engine.generate(prompt, method="speculative", max_new_tokens=16, policy="constant", k=3)
         assert spec.tokens == ar.tokens
         assert spec.stats.draft_forwards > 0
 

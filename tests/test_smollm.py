@@ -34,10 +34,10 @@ def test_speculative_equals_autoregressive_and_hf_generate(smollm):
     engine = Engine(smollm, truncated_copy(smollm, 8))
     for i, prompt in enumerate(PROMPTS):
         ar = engine.generate(prompt, chat=True, method="autoregressive", max_new_tokens=64, eos_token_id=[])
-        spec = engine.generate(prompt, chat=True, method="speculative", max_new_tokens=64, eos_token_id=[], k=3)
+        spec = engine.generate(prompt, chat=True, method="speculative", max_new_tokens=64, eos_token_id=[], policy="constant", k=3)
         assert spec.tokens == ar.tokens, prompt
         if i < 3:  # transformers' own greedy loop agrees too (stopping at EOS as it does by default)
-            ours = engine.generate(prompt, chat=True, method="speculative", max_new_tokens=64, k=3)
+            ours = engine.generate(prompt, chat=True, method="speculative", max_new_tokens=64, policy="constant", k=3)
             ids = torch.tensor([ours.prompt_tokens])
             ref = smollm.model.generate(ids, do_sample=False, max_new_tokens=64)
             assert ref[0, ids.shape[1] :].tolist() == ours.tokens, prompt
@@ -55,5 +55,7 @@ def test_every_method_with_its_shipped_defaults_equals_autoregressive(smollm):
         for name in sorted(set(METHODS) - {"autoregressive"}):
             out = engine.generate(prompt, chat=True, method=name, max_new_tokens=40)
             assert out.tokens == ar.tokens, (prompt, name)
-            if METHODS[name].needs_draft:  # lookahead's pool may still be empty after a short answer
+            # lookahead's pool may still be empty after a short answer; the cost policy (speculative's
+            # default) may find that no draft pays on this machine and not draft at all
+            if METHODS[name].needs_draft and getattr(engine.method(name).config, "policy", None) != "cost":
                 assert out.stats.drafted > 0, (prompt, name)

@@ -38,18 +38,27 @@ def forward_times(
     runner = Runner(model, backend)
     runner.forward(context, last=1)
     base = runner.length
+
+    def forward(tokens: list[int]) -> None:
+        runner.forward(tokens, last=None if all_logits else 1)
+        sync_device(runner.device)
+
+    return time_widths(forward, lambda: runner.crop(base), context, widths, reps)
+
+
+def time_widths(forward, rollback, context: list[int], widths=WIDTHS, reps: int = 5) -> dict[int, float]:
+    """Seconds of `forward(tokens)` for w tokens (taken from `context`, repeated), per w in `widths`:
+    the fastest of `reps` runs after a warm-up, `rollback()` after each. Any engine's forward."""
     tokens = (context * (max(widths) // max(1, len(context)) + 1))[: max(widths)]
     times = {}
     for w in widths:
         samples = []
         for rep in range(reps + 1):  # the first run of each width is a warm-up
-            sync_device(runner.device)
             t = time.perf_counter()
-            runner.forward(tokens[:w], last=None if all_logits else 1)
-            sync_device(runner.device)
+            forward(tokens[:w])
             if rep:
                 samples.append(time.perf_counter() - t)
-            runner.crop(base)
+            rollback()
         times[w] = min(samples)
     return times
 

@@ -329,6 +329,8 @@ def choose_backend(model: torch.nn.Module, backend: str = "auto") -> tuple[str, 
     if backend == "static":
         require(reason is None, f"backend 'static' cannot run this model ({reason}): use --backend eager or auto")
         return "static", None
+    if reason is None and model.get_input_embeddings().weight.device.type != "cpu":
+        reason = "the static path is measured on CPU only so far; pass --backend static to use it on this device"
     return ("eager", reason) if reason else ("static", None)
 
 

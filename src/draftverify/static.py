@@ -6,15 +6,22 @@ the same arithmetic with three changes that matter on a CPU:
 
 - **Prepacked, fused linears.** q/k/v become one matmul and gate/up another; on a CPU each
   weight is reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._linear_pointwise`,
-  what inductor emits under `freezing=True`). Measured on the 2-core test machine for the
-  SmolLM2 LM head (576 -> 49,152, fp32): eager `F.linear` 10 / 16 / 24 / 31 ms for 1 / 4 / 16 / 32
-  rows, prepacked 3.9 / 2.8 / 5.5 / 9.7 ms. This flat small-M curve is what makes verifying
-  a draft nearly free, and it needs no compile step (see docs/backends.md).
+  what inductor emits for a frozen fp32 linear), whose time barely grows from 1 to 16 rows,
+  where eager `F.linear` doubles: verifying a draft costs little more than one step, with no
+  compile step. One row (autoregressive decoding, drafting) goes to our own AVX2 kernel
+  (kernels/gemv.cpp), which streams the fp32 weights faster still. docs/backends.md has the
+  measured curves.
 - **A static KV cache.** One preallocated buffer per layer, written by slot; `crop` only moves
   the length, `select` gathers the accepted tree slots in place; capacity doubles when full.
 - **Explicit masks and positions.** Every forward builds its boolean mask from the tree mask
   and the per-layer sliding window (key positions are known: slot i of the committed prefix
   holds position i), so full, sliding and mixed layers all take the same path.
+
+This is the one place where draftverify runs a decoder loop of its own instead of the stock
+class (as gpt-fast does): the stock forward allocates per step and pays framework overhead that
+hides the flat matmul curve. It reads the stock modules' weights and rotary embedding, and
+tests/test_backends.py checks it against the stock model's own full-sequence forward for every
+supported architecture, so a transformers change that moves the arithmetic shows up there.
 
 Supported: decoders whose layers are pre-norm RMSNorm -> attention (q/k/v/o, optional bias,
 optional per-head q/k norm, grouped-query) -> RMSNorm -> gated SiLU MLP, with the model's own

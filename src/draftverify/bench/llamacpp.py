@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from draftverify.costs import time_widths
 from draftverify.errors import require
 from draftverify.models import cache_root
 
@@ -110,9 +111,11 @@ class LlamaCpp:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup) if prompt_lookup else None
+        # With a draft model llama-cpp-python keeps every row's logits but sizes its buffer from
+        # the `logits_all` argument (0.3.36): say True, or a context past 512 tokens overflows it.
         self.llm = Llama(
             model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
-            logits_all=logits_all, draft_model=draft, verbose=False,
+            logits_all=logits_all or draft is not None, draft_model=draft, verbose=False,
         )
 
     def generate(self, ids: list[int], sampling, max_new_tokens: int, eos: tuple[int, ...]) -> dict:
@@ -146,15 +149,8 @@ class LlamaCpp:
         llm.reset()
         llm.eval(context)
         base = llm.n_tokens
-        tokens = (context * (max(widths) // max(1, len(context)) + 1))[: max(widths)]
-        times = {}
-        for w in widths:
-            samples = []
-            for rep in range(reps + 1):  # the first run of each width is a warm-up
-                llm.n_tokens = base  # eval() drops the cache past n_tokens first
-                t = time.perf_counter()
-                llm.eval(tokens[:w])
-                if rep:
-                    samples.append(time.perf_counter() - t)
-            times[w] = min(samples)
-        return times
+
+        def rollback() -> None:
+            llm.n_tokens = base  # eval() drops the cache past n_tokens first
+
+        return time_widths(llm.eval, rollback, context, widths, reps)
