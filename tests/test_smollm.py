@@ -30,6 +30,23 @@ def test_gguf_converted_once_and_cached(smollm):
     assert smollm.name == DEFAULT_MODEL_FILE and smollm.model.config.num_hidden_layers == 30
 
 
+def test_llamacpp_gets_an_f32_gguf_of_exactly_the_target_weights(smollm):
+    """The llama.cpp peers' file: every tensor F32, every metadata key kept, values equal to what the target runs."""
+    import gguf
+
+    from draftverify.bench.llamacpp import f32_gguf
+
+    path = f32_gguf(smollm.source)
+    assert f32_gguf(smollm.source) == path  # cached
+    source, copy = gguf.GGUFReader(smollm.source), gguf.GGUFReader(path)
+    assert {t.name for t in copy.tensors} == {t.name for t in source.tensors}
+    assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in copy.tensors)
+    assert set(source.fields) == set(copy.fields) and copy.fields["general.file_type"].contents() == int(gguf.LlamaFileType.ALL_F32)
+    embd = next(t for t in copy.tensors if t.name == "token_embd.weight")
+    ours = smollm.model.get_input_embeddings().weight
+    assert torch.equal(torch.from_numpy(embd.data.reshape(ours.shape).copy()), ours)
+
+
 def test_speculative_equals_autoregressive_and_hf_generate(smollm):
     engine = Engine(smollm, truncated_copy(smollm, 8))
     for i, prompt in enumerate(PROMPTS):
