@@ -141,12 +141,12 @@ def test_tree_sampling_on_sliding_models_matches_the_target(tokenizer, arch):
     assert ps.pvalue(counts, ps.exact_first_three(model)) > 1e-3
 
 
-def test_one_row_kernel_matches_matmul_and_serves_the_static_path(tiny):
-    from draftverify.kernels import gemv, gemv_unavailable
+def test_cpu_kernels_match_aten_and_serve_the_static_path(tiny):
+    from draftverify.kernels import cpu, unavailable
 
-    kernel = gemv()
-    if kernel is None:  # no compiler / AVX2 here: the static path runs on oneDNN alone
-        pytest.skip(gemv_unavailable())
+    kernel = cpu()
+    if kernel is None:  # no compiler / AVX2 here: the static path runs on oneDNN and ATen alone
+        pytest.skip(unavailable())
     torch.manual_seed(0)
     for n, k in ((100, 64), (3072, 576), (576, 1536)):
         w, x, bias = torch.randn(n, k), torch.randn(1, k), torch.randn(n)
@@ -154,5 +154,10 @@ def test_one_row_kernel_matches_matmul_and_serves_the_static_path(tiny):
         torch.testing.assert_close(kernel.linear(x, w, bias), x @ w.T + bias, atol=1e-4, rtol=1e-4)
     with pytest.raises(RuntimeError, match="one row"):
         kernel.linear(torch.randn(2, 64), torch.randn(8, 64), torch.empty(0))
+    for shape in ((1, 576), (5, 576), (3, 4, 100), (2, 7)):  # rows of any width, vector part and tail
+        x, w = torch.randn(shape), torch.rand(shape[-1])
+        torch.testing.assert_close(kernel.rms_norm(x, w, 1e-5), torch.rms_norm(x, w.shape, w, 1e-5))
+    rows = torch.randn(8, 576)  # each row alone: its result does not depend on the rows beside it
+    assert torch.equal(kernel.rms_norm(rows, w := torch.rand(576), 1e-5)[3], kernel.rms_norm(rows[3:4], w, 1e-5)[0])
     layer = Runner(tiny("qwen2").model, "static").static.layers[0]
     assert layer.qkv.kernel is kernel and layer.qkv.bias is not None  # Qwen2's q/k/v biases ride along

@@ -9,8 +9,8 @@ the same arithmetic with three changes that matter on a CPU:
   what inductor emits for a frozen fp32 linear), whose time barely grows from 1 to 16 rows,
   where eager `F.linear` doubles: verifying a draft costs little more than one step, with no
   compile step. One row (autoregressive decoding, drafting) goes to our own AVX2 kernel
-  (kernels/gemv.cpp), which streams the fp32 weights faster still. docs/backends.md has the
-  measured curves.
+  (kernels/cpu.cpp), which streams the fp32 weights faster still; two rows are padded to three,
+  which oneDNN multiplies faster. docs/backends.md has the measured curves.
 - **A static KV cache.** One preallocated buffer per layer, written by slot; `crop` only moves
   the length, `select` gathers the accepted tree slots in place; capacity doubles when full.
 - **Explicit masks and positions.** Every forward builds its boolean mask from the tree mask
@@ -114,7 +114,7 @@ class PackedLinear:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS) if self.packed else weight
         self.out_features = weight.shape[0]
         # One row (autoregressive decoding, drafting) goes to our own kernel when it is built:
-        # it streams the plain fp32 weight faster than oneDNN (kernels/gemv.cpp).
+        # it streams the plain fp32 weight faster than oneDNN (kernels/cpu.cpp).
         self.kernel = one_row_kernel(weight)
         self.dense = weight.contiguous() if self.kernel is not None else None
         self._no_bias = torch.empty(0, dtype=weight.dtype, device=weight.device)
@@ -123,17 +123,27 @@ class PackedLinear:
         if self.kernel is not None and x.shape[0] == 1:
             return self.kernel.linear(x.contiguous(), self.dense, self.bias if self.bias is not None else self._no_bias)
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            if x.shape[0] == 2:  # oneDNN's AVX2 kernel takes longer for 2 rows than for 3 (~25%)
+                return self._onednn(torch.cat([x, x[1:]]))[:2]
+            return self._onednn(x)
         return F.linear(x, self.weight, self.bias)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 def one_row_kernel(weight: torch.Tensor):
-    """The compiled one-row kernel if it serves this weight (fp32 on CPU, in-features a multiple of 32)."""
+    """The compiled kernels if their one-row product serves this weight (fp32 on CPU, in-features a multiple of 32)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.shape[1] % 32:
         return None
-    from draftverify.kernels import gemv
+    return cpu_kernels()
 
-    return gemv()
+
+def cpu_kernels():
+    """kernels/cpu.cpp compiled (None where it cannot be: kernels.unavailable() says why)."""
+    from draftverify.kernels import cpu
+
+    return cpu()
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -146,9 +156,12 @@ def packable(weight: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: normalise in fp32, scale in the input dtype (one fused op in fp32,
-    where both orders of rounding agree)."""
+    where both orders of rounding agree; our one-pass kernel on a CPU)."""
     dtype = x.dtype
     if dtype == torch.float32 and weight.dtype == torch.float32:
+        kernels = cpu_kernels() if x.device.type == "cpu" and x.is_contiguous() else None
+        if kernels is not None:
+            return kernels.rms_norm(x, weight, eps)
         return torch.rms_norm(x, weight.shape, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)

@@ -1,8 +1,9 @@
-"""The static path's one-row matmul kernel (gemv.cpp), compiled once per machine and cached.
+"""The static path's CPU kernels (cpu.cpp: the one-row matmul, RMSNorm), compiled once per machine and cached.
 
-`gemv()` returns the compiled module, or None with `gemv_unavailable()` saying why in one line
+`cpu()` returns the compiled module, or None with `unavailable()` saying why in one line
 (not x86-64 with AVX2 + FMA, no C++ compiler or ninja, a failed build, or
-`DRAFTVERIFY_KERNELS=0`); the static path then uses oneDNN for every row count. The build
+`DRAFTVERIFY_KERNELS=0`); the static path then uses oneDNN for every row count and ATen's
+RMSNorm. The build
 takes about 30 s on 2 cores, says so on stderr, and lands in `~/.cache/draftverify/kernels/`
 under a name that changes with the source, so later processes only load it.
 """
@@ -17,12 +18,12 @@ import shutil
 import sys
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("gemv.cpp")
+SOURCE = Path(__file__).with_name("cpu.cpp")
 _why_not: str | None = None
 
 
-def gemv_unavailable() -> str | None:
-    """Why `gemv()` is None (None when it loaded or was not asked for yet)."""
+def unavailable() -> str | None:
+    """Why `cpu()` is None (None when it loaded or was not asked for yet)."""
     return _why_not
 
 
@@ -36,37 +37,37 @@ def _cpu_flags() -> set[str]:
 
 
 @functools.cache
-def gemv():
+def cpu():
     global _why_not
     if os.environ.get("DRAFTVERIFY_KERNELS", "1") == "0":
         _why_not = "DRAFTVERIFY_KERNELS=0"
         return None
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
-        _why_not = "the one-row kernel needs an x86-64 CPU with AVX2 and FMA"
+        _why_not = "the CPU kernels need an x86-64 CPU with AVX2 and FMA"
         return None
     if shutil.which(os.environ.get("CXX", "c++")) is None:
-        _why_not = "no C++ compiler (c++) on PATH to build the one-row kernel"
+        _why_not = "no C++ compiler (c++) on PATH to build the CPU kernels"
         return None
     try:
         import ninja  # noqa: F401  (torch's extension builder needs it)
         from torch.utils.cpp_extension import load
     except ImportError:
-        _why_not = "ninja is not installed (pip install ninja) to build the one-row kernel"
+        _why_not = "ninja is not installed (pip install ninja) to build the CPU kernels"
         return None
     from draftverify.models import cache_root
 
     tag = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:12]
-    name = f"draftverify_gemv_{tag}"
+    name = f"draftverify_cpu_{tag}"
     folder = cache_root() / "kernels" / name
     fresh = not any(folder.glob("*.so"))
     if fresh:
-        print("draftverify: compiling the one-row CPU matmul kernel once (about 30 s)...", file=sys.stderr, flush=True)
+        print("draftverify: compiling the CPU kernels (one-row matmul, RMSNorm) once (about 30 s)...", file=sys.stderr, flush=True)
     folder.mkdir(parents=True, exist_ok=True)
     try:
         module = load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
                       extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False)
     except Exception as exc:  # a compiler error, a missing header: run without the kernel
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        _why_not = f"the one-row kernel did not build ({first[:160]})"
+        _why_not = f"the CPU kernels did not build ({first[:160]})"
         return None
     return module
