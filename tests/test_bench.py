@@ -12,9 +12,10 @@ from draftverify.bench import metrics
 from draftverify.bench.datasets import DATASETS, load_prompts, resolve_data_dir, select
 from draftverify.bench.oracle import oracle_rounds, oracle_times
 from draftverify.bench.runner import RecordLog, schedule
-from draftverify.bench.specs import AssistedConfig, parse_specs, split_specs
+from draftverify.bench.specs import AssistedConfig, parse_specs
 from draftverify.costs import forward_time
 from draftverify.errors import DraftVerifyError
+from draftverify.methods.spec import split_specs
 from draftverify.methods.speculative import SpeculativeConfig
 
 

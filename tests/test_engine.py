@@ -146,11 +146,11 @@ def test_local_folder_load_and_cli(tmp_path, tiny):
     assert torch.equal(loaded.model.get_input_embeddings().weight, target.model.get_input_embeddings().weight)
     runner = CliRunner()
     outs = {}
-    for method in ("autoregressive", "speculative"):
+    for method in ("autoregressive", "speculative", "speculative:k2[policy=constant]"):  # any method spec
         res = runner.invoke(app, ["generate", "Hello", "--target", str(tmp_path / "m"), "--draft", "self:layers=2", "--method", method, "-n", "12", "--json", "--no-chat"])
         assert res.exit_code == 0, res.output
         outs[method] = json.loads(res.stdout.strip().splitlines()[-1])
-    assert outs["autoregressive"]["tokens"] == outs["speculative"]["tokens"]
+    assert outs["autoregressive"]["tokens"] == outs["speculative"]["tokens"] == outs["speculative:k2[policy=constant]"]["tokens"]
     assert outs["speculative"]["stats"]["target_forwards"] >= 1
     res = runner.invoke(app, ["generate", "--help"])
     assert "--temperature" in res.stdout and "--max-new-tokens" in res.stdout

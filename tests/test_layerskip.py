@@ -1,4 +1,4 @@
-"""Layer skipping: the context manager, the skip-aware runner's cache, skip-set files and strategies."""
+"""Layer skipping: the context manager, drafting with a skip set in a runner's cache, skip-set files and strategies."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 from conftest import ARCHS
 from draftverify.errors import DraftVerifyError
 from draftverify.layerskip import (
-    SkipRunner,
     SkipSet,
     load_skip_set,
     make_skip_set,
@@ -98,12 +97,11 @@ def test_cache_after_verification_equals_a_plain_forward(tiny, arch):
     K/V equals the cache of a plain runner that saw the same tokens in the same chunks."""
     model = tiny(arch).model
     prompt, root, drafts = [5, 17, 9, 33, 2], 41, [8, 12, 3]
-    runner = SkipRunner(model, "eager")
+    runner = Runner(model, "eager")
     runner.forward(prompt)
     base = runner.length
-    with runner.skipping(SkipSet(attention=(0, 2), mlp=(1,))):
-        for token in [root] + drafts[:-1]:
-            runner.forward([token], last=1)
+    for token in [root] + drafts[:-1]:
+        runner.forward([token], last=1, skip=SkipSet(attention=(0, 2), mlp=(1,)))
     lengths = [layer.get_seq_length() for layer in runner.cache.layers]
     assert lengths[0] == base and lengths[1] == base + len(drafts) and runner.length == base + len(drafts)
     runner.crop(base)
@@ -131,10 +129,9 @@ def test_drafting_with_layer0_skipped_matches_the_skipped_model(tiny, backend):
     model = tiny("llama").model
     skip = SkipSet(attention=(0,), mlp=(3,))
     prompt, extra = [5, 17, 9, 33], [2, 41, 8]
-    runner = SkipRunner(model, backend)
+    runner = Runner(model, backend)
     runner.forward(prompt)
-    with runner.skipping(skip):
-        steps = [runner.forward([t], last=1).logits[-1] for t in extra]
+    steps = [runner.forward([t], last=1, skip=skip).logits[-1] for t in extra]
     # reference: full model on the prompt, skipped model on the new tokens, in a plain (eager) cache
     ref = Runner(model, "eager")
     ref.forward(prompt)

@@ -8,7 +8,7 @@ import pytest
 import phrase_sampling as ps
 from conftest import ARCHS, make_model
 from draftverify import DraftVerifyError, Engine
-from draftverify.methods.lookahead import JacobiWindow, ngrams
+from draftverify.drafters.lookahead import JacobiWindow, ngrams
 from draftverify.models import Loaded
 from draftverify.pool import PhrasePool
 

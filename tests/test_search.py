@@ -83,6 +83,6 @@ def test_search_layers_command(tiny, tmp_path):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "best of 2 trials" in result.output and out.is_file() and study_path(out).is_file()
-    result = CliRunner().invoke(app, ["generate", "Hello", "--target", str(folder), "-m", "self-speculative", "--skip-file", str(out), "-n", "8", "--json"])
+    result = CliRunner().invoke(app, ["generate", "Hello", "--target", str(folder), "-m", "self-speculative", "-o", f"skip_file={out}", "-n", "8", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout.splitlines()[-1])["stats"]["method"] == "self-speculative"

@@ -9,14 +9,13 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import ARCHS
+from phrase_sampling import broken_rule
 from draftverify import Engine
 from draftverify.errors import DraftVerifyError
 from draftverify.layerskip import SkipSet, save_skip_set
-from draftverify.methods import speculative
 from draftverify.models import Runner
 from draftverify.policies import POLICIES, AdaptiveThreshold, make_policy
 from draftverify.sampling import Sampling
-from draftverify.verify import Verdict
 
 PROMPTS = ["Hello there, how", "def f(x):\n    return", "1, 2, 3, 4,"]
 SKIPS = [SkipSet((0,), (1,)), SkipSet((1, 2), ()), SkipSet((), (0, 3)), SkipSet((0, 1, 2, 3), (0, 1, 2, 3)), SkipSet()]
@@ -72,17 +71,6 @@ def second_token_counts(engine, prompt, sampling, n, **options):
     return counts
 
 
-def wrong_verify_chain(root, draft, p, q=None, generator=None, greedy=True):
-    """A common bug: on rejection, resample from p instead of the residual norm(max(p - q, 0))."""
-    assert not greedy and draft.shape[0] <= 1
-    if draft.shape[0] == 0:  # a round with no room to draft: a plain sample
-        return Verdict([], [int(torch.multinomial(p[0], 1, generator=generator))])
-    x = int(draft[0])
-    if torch.rand((), generator=generator) * q[0, x] <= p[0, x]:
-        return Verdict([1], [x, int(torch.multinomial(p[1], 1, generator=generator))])
-    return Verdict([], [int(torch.multinomial(p[0], 1, generator=generator))])
-
-
 def test_sampling_matches_the_target_distribution_and_a_wrong_rule_fails(tiny, monkeypatch):
     """The second token (the first that goes through verification) follows the target's exact
     marginal sum_x1 p(x1) p(x2 | x1); the same harness rejects a broken acceptance rule."""
@@ -104,7 +92,7 @@ def test_sampling_matches_the_target_distribution_and_a_wrong_rule_fails(tiny, m
 
     exact = second_token_counts(engine, prompt, sampling, n, **options)
     assert pvalue(exact) > 1e-3
-    monkeypatch.setattr(speculative, "verify_chain", wrong_verify_chain)  # verify_drafts, shared with speculative
+    broken_rule(monkeypatch)  # on rejection, resample from p instead of the residual norm(max(p - q, 0))
     wrong = second_token_counts(engine, prompt, sampling, n, **options)
     assert pvalue(wrong) < 1e-6
 

@@ -50,31 +50,18 @@ def _load_engine(target, draft, dtype, device, draft_device=None, device_map=Non
     return engine
 
 
-def parse_options(pairs: list[str]) -> dict:
-    """`key=value` strings -> dict, values parsed as JSON when they can be (ints, floats, bools)."""
-    options = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise DraftVerifyError(f"bad option {pair!r}: write key=value, e.g. -o k=4")
-        try:
-            options[key.replace("-", "_")] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key.replace("-", "_")] = value
-    return options
-
-
 @app.command()
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="The prompt text (or use --prompt-file)."),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file ('-' for stdin)."),
     target: Optional[str] = TargetOpt,
     draft: Optional[str] = DraftOpt,
-    method: str = typer.Option("speculative", "--method", "-m", help="Decoding method (see `draftverify methods`)."),
+    method: str = typer.Option(
+        "speculative", "--method", "-m",
+        help="Decoding method (see `draftverify methods`), as a method spec: name, name:preset or name\\[key=value,...], e.g. speculative:k2.",
+    ),
     preset: Optional[str] = typer.Option(None, help="A named parameter preset of the method (see `draftverify methods`)."),
-    option: list[str] = typer.Option([], "--option", "-o", help="A method option as key=value, e.g. -o k=4 -o policy=heuristic. Repeatable."),
-    pool_file: Optional[Path] = typer.Option(None, help="lookahead/ouroboros: phrase pool file to start from and save to after the request (warm start; see docs/ouroboros.md)."),
-    skip_file: Optional[Path] = typer.Option(None, help="self-speculative: skip set from `draftverify search-layers` (default: the one shipped for the model; see docs/self-speculative.md)."),
+    option: list[str] = typer.Option([], "--option", "-o", help="A method option as key=value, e.g. -o k=4 -o policy=heuristic, -o pool_file=pools/code.json (lookahead, ouroboros), -o skip_file=skip.json (self-speculative). Repeatable."),
     chat: bool = typer.Option(True, help="Wrap the prompt in the model's chat template as one user turn (--no-chat for raw completion)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Stop after this many new tokens."),
     temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples (exactly the target's distribution)."),
@@ -93,7 +80,16 @@ def generate(
         prompt = sys.stdin.read() if str(prompt_file) == "-" else prompt_file.read_text()
     if prompt is None:
         raise DraftVerifyError("no prompt: pass PROMPT or --prompt-file FILE")
-    needs_draft = method not in ("autoregressive",) and _method_needs_draft(method)
+    from draftverify.methods.spec import method_class, parse_options, parse_spec
+
+    spec = parse_spec(method)
+    require(preset is None or spec.preset is None, f"--method {method} names a preset and so does --preset: give it once")
+    flags = parse_options(option)
+    options = dict(spec.options)
+    for key, value in flags.items():
+        require(key not in options, f"option {key} is given in --method {method} and again as a flag: give it once")
+        options[key] = value
+    needs_draft = method_class(spec.name).needs_draft
     engine = _load_engine(target, draft if needs_draft else "none", dtype, device, backend=backend)
     streamer = None
     if stream and not as_json:
@@ -101,10 +97,8 @@ def generate(
 
         streamer = TextStreamer(engine.target.tokenizer, skip_prompt=True, skip_special_tokens=True)
     result = engine.generate(
-        prompt, method=method, preset=preset, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, streamer=streamer, **parse_options(option),
-        **({"pool_file": str(pool_file)} if pool_file is not None else {}),
-        **({"skip_file": str(skip_file)} if skip_file is not None else {}),
+        prompt, method=spec.name, preset=spec.preset or preset, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
+        top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, streamer=streamer, **options,
     )
     if as_json:
         typer.echo(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats.to_dict(timings=False)}))
@@ -112,14 +106,6 @@ def generate(
     if streamer is None:
         typer.echo(result.text)
     typer.echo("\n" + result.stats.summary(), err=True)
-
-
-def _method_needs_draft(name: str) -> bool:
-    from draftverify.methods import METHODS
-
-    if name not in METHODS:
-        raise DraftVerifyError(f"unknown method {name!r}: use one of {', '.join(sorted(METHODS))}")
-    return METHODS[name].needs_draft
 
 
 @app.command()
@@ -131,9 +117,10 @@ def methods(
     import inspect
 
     from draftverify.methods import METHODS
+    from draftverify.methods.spec import method_class
 
     if name is not None:
-        cls = METHODS.get(name) or _method_needs_draft(name)  # the latter raises the unknown-method error
+        cls = method_class(name)
         typer.echo(inspect.getdoc(sys.modules[cls.__module__]) + "\n\nOptions:\n" + inspect.getdoc(cls.Config) + "\n")
     for name, cls in sorted(METHODS.items()) if name is None else [(name, METHODS[name])]:
         if name != cls.name:
@@ -151,28 +138,29 @@ def demo(
     prompt: str = typer.Option("Explain in a few sentences why the sky is blue.", help="The chat prompt to answer."),
     target: Optional[str] = TargetOpt,
     draft: Optional[str] = DraftOpt,
-    method: str = typer.Option("speculative,lookahead:context", help="Accelerated methods to compare with autoregressive decoding: comma-separated NAME or NAME:PRESET."),
+    method: str = typer.Option("speculative,lookahead:context", help="Accelerated methods to compare with autoregressive decoding: comma-separated method specs, NAME, NAME:PRESET or NAME\\[key=value,...]."),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", help="New tokens per run."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     backend: str = BackendOpt,
 ):
     """Generate with autoregressive decoding and with each METHOD on the default model; print the outputs, whether they are identical, and the speedups."""
-    specs = [tuple(m.strip().partition(":")[::2]) for m in method.split(",") if m.strip()]
+    from draftverify.methods.spec import parse_specs
+
+    specs = parse_specs(method)
     require(specs, "--method names no method: use e.g. speculative or lookahead:context")
     engine = _load_engine(target, draft, dtype, device, backend=backend)
     typer.echo(f"target: {engine.target.name}   draft: {engine.draft.name if engine.draft else 'none'}   backend: {engine.describe_backend()}")
-    for name, preset in specs:
-        engine.generate("Hello", method=name, preset=preset or None, max_new_tokens=8, chat=True)  # warm-up
+    for spec in specs:
+        engine.generate("Hello", method=spec.name, preset=spec.preset, max_new_tokens=8, chat=True, **dict(spec.options))  # warm-up
     base = engine.generate(prompt, method="autoregressive", max_new_tokens=max_new_tokens, chat=True)
     typer.echo(f"\n--- autoregressive ---\n{base.text}\n[{base.stats.summary()}]")
     same = True
-    for name, preset in specs:
-        label = f"{name}:{preset}" if preset else name
-        fast = engine.generate(prompt, method=name, preset=preset or None, max_new_tokens=max_new_tokens, chat=True)
+    for spec in specs:
+        fast = engine.generate(prompt, method=spec.name, preset=spec.preset, max_new_tokens=max_new_tokens, chat=True, **dict(spec.options))
         identical = fast.tokens == base.tokens
         same &= identical
-        typer.echo(f"\n--- {label} ---\n{fast.text}\n[{fast.stats.summary()}]")
+        typer.echo(f"\n--- {spec.label} ---\n{fast.text}\n[{fast.stats.summary()}]")
         typer.echo(f"identical to autoregressive: {'yes' if identical else 'NO'};  speedup: {base.stats.wall_s / fast.stats.wall_s:.2f}x")
     if not same:
         raise typer.Exit(1)

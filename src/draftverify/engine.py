@@ -14,11 +14,13 @@ from typing import Callable
 import torch
 
 from draftverify.errors import require
-from draftverify.methods import METHODS, Method
+from draftverify.methods import Method
+from draftverify.methods.spec import method_class
 from draftverify.models import Loaded, Runner, load_draft, load_model
 from draftverify.sampling import Sampling
 from draftverify.session import Session, Stopping
 from draftverify.stats import Stats
+from draftverify.util import eos_ids
 
 
 @dataclass
@@ -73,8 +75,7 @@ class Engine:
 
     def method(self, name: str, preset: str | None = None, **options) -> Method:
         """The method `name` configured by `preset` and `options`, built once and reused."""
-        require(name in METHODS, f"unknown method {name!r}: use one of {', '.join(sorted(METHODS))}")
-        cls = METHODS[name]
+        cls = method_class(name)
         config = cls.make_config(preset, **options)
         key = (name, config)
         if key not in self._methods:
@@ -103,11 +104,8 @@ class Engine:
         return ids
 
     def eos_ids(self) -> tuple[int, ...]:
-        ids = set()
-        for source in (self.target.model.generation_config.eos_token_id, self.target.tokenizer.eos_token_id):
-            if source is not None:
-                ids.update(source if isinstance(source, (list, tuple)) else [source])
-        return tuple(sorted(ids))
+        """The target's stop tokens (`util.eos_ids`)."""
+        return eos_ids(self.target)
 
     def generate(
         self,

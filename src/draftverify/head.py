@@ -15,9 +15,6 @@ loading it for another pair is refused.
 from __future__ import annotations
 
 import json
-import math
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -25,11 +22,11 @@ from torch import nn
 
 from draftverify.errors import DraftVerifyError, require
 from draftverify.policies import DraftPolicy
+from draftverify.util import atomic_path, describe_identity, same_weights
 
 HEAD_FORMAT = "draftverify.specdec-head.v1"
 DEFAULT_H = 0.7  # the paper's best single setting (with w_rej = 6, D = 3)
 DEFAULT_CAP = 20  # the paper's hard cap on the number of candidate tokens
-FINGERPRINT_TOLERANCE = 0.05  # the same weights in bf16 or fp32 give fingerprints this close
 
 
 class ResBlock(nn.Module):
@@ -104,8 +101,6 @@ def save_head(path: str | Path, head: AcceptanceHead, draft_identity: dict, targ
     """Write the head, its settings and the pair's identity to one safetensors file, atomically."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {
         "format": HEAD_FORMAT,
         "hidden_size": str(head.hidden_size),
@@ -115,15 +110,9 @@ def save_head(path: str | Path, head: AcceptanceHead, draft_identity: dict, targ
         "target": json.dumps(target_identity),
     }
     state = {k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         save_file(state, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return Path(path)
 
 
 def load_head(path: str | Path, draft_identity: dict | None = None, target_identity: dict | None = None) -> AcceptanceHead:
@@ -149,31 +138,10 @@ def load_head(path: str | Path, draft_identity: dict | None = None, target_ident
     for role, identity in (("draft", draft_identity), ("target", target_identity)):
         if identity is not None:
             require(
-                same_identity(trained_for[role], identity),
+                same_weights(trained_for[role], identity),
                 f"acceptance head {path} was trained for another {role} model "
-                f"({describe(trained_for[role])}, here {describe(identity)}): train a head for this pair with "
+                f"({describe_identity(trained_for[role])}, here {describe_identity(identity)}): train a head for this pair with "
                 "`draftverify train-head --target ... --draft ...`",
             )
     head.trained_for = trained_for
     return head.eval().requires_grad_(False)
-
-
-def same_identity(trained: dict, given: dict) -> bool:
-    """Does `given` (all its keys; `model_identity` has no tokenizer key) match the identity a head
-    was trained for? The fingerprint may differ by rounding across dtypes (bf16 vs fp32)."""
-    for key, value in given.items():
-        if key not in trained:
-            return False
-        if key == "embedding_fingerprint":
-            if not math.isclose(float(trained[key]), float(value), abs_tol=FINGERPRINT_TOLERANCE):
-                return False
-        elif trained[key] != value:
-            return False
-    return True
-
-
-def describe(identity: dict) -> str:
-    return (
-        f"{identity.get('model_type')}, {identity.get('num_hidden_layers')} layers, hidden {identity.get('hidden_size')}, "
-        f"fingerprint {identity.get('embedding_fingerprint')}"
-    )

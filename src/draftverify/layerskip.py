@@ -6,10 +6,11 @@ a stand-in that returns zeros, so it adds nothing to the residual stream (and a 
 attention writes no K/V); on exit, even after an exception, the original modules are put
 back. No model code is forked and the config is never edited.
 
-Because skipped attention layers write no cache, per-layer cache lengths diverge while
-drafting. `SkipRunner` counts its length itself (Runner reads layer 0, which may be
-skipped), gives drafting forwards explicit positions and masks, and crops every layer to
-the same absolute length, after which a full forward rewrites every layer.
+`Runner.forward(tokens, skip=skip)` drafts with a skip set in the runner's own cache (the
+static decoder skips the sub-layers itself; the eager model runs inside `skip.applied(model)`).
+Skipped attention layers write no cache, so per-layer cache lengths diverge while drafting;
+the Runner counts its length itself, gives such forwards explicit positions and masks, and
+crops every layer to the same absolute length, after which a full forward rewrites them all.
 
 Skip-set files (JSON, written by `draftverify search-layers`) carry the identity of the
 model they were made for and are refused on any other model.
@@ -18,12 +19,8 @@ model they were made for and are refused on any other model.
 from __future__ import annotations
 
 import json
-import math
 import operator
-import os
 import random
-import tempfile
-import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +28,8 @@ from pathlib import Path
 import torch
 
 from draftverify.errors import DraftVerifyError, require
-from draftverify.models import Forward, Runner, decoder_layers, model_identity
+from draftverify.models import decoder_layers, model_identity
+from draftverify.util import atomic_write, describe_identity, same_weights
 
 SKIP_FORMAT = "draftverify-skipset"
 SKIP_VERSION = 1
@@ -58,6 +56,10 @@ class SkipSet:
     def size(self) -> int:
         """Number of skipped sub-layers."""
         return len(self.attention) + len(self.mlp)
+
+    def applied(self, model: torch.nn.Module):
+        """`skip_layers(model, self)`: the context in which the stock model runs with these sub-layers bypassed."""
+        return skip_layers(model, self)
 
     def check(self, n_layers: int) -> None:
         for kind, layers in (("attention", self.attention), ("mlp", self.mlp)):
@@ -141,21 +143,10 @@ def make_skip_set(strategy: str, model: torch.nn.Module, searched: SkipSet | Non
 
 def save_skip_set(path: str | Path, skip: SkipSet, identity: dict, search: dict | None = None) -> Path:
     """Write a skip set with the identity of its model (and how it was found) as JSON, atomically."""
-    path = Path(path)
     doc = {"format": SKIP_FORMAT, "version": SKIP_VERSION, "model": identity, "attention": list(skip.attention), "mlp": list(skip.mlp)}
     if search is not None:
         doc["search"] = search
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return atomic_write(path, json.dumps(doc, indent=1) + "\n")
 
 
 def load_skip_set(path: str | Path, identity: dict | None = None) -> SkipSet:
@@ -175,31 +166,12 @@ def load_skip_set(path: str | Path, identity: dict | None = None) -> SkipSet:
         raise DraftVerifyError(f"skip file {path} is corrupt ({type(exc).__name__}): {fix}") from None
     if identity is not None:
         require(
-            same_model(made_for, identity),
-            f"skip file {path} was made for another model ({describe_model(made_for)}; this one is {describe_model(identity)}): "
+            same_weights(made_for, identity),
+            f"skip file {path} was made for another model ({describe_identity(made_for)}; this one is {describe_identity(identity)}): "
             "run `draftverify search-layers` for this model",
         )
         skip.check(identity["num_hidden_layers"])
     return skip
-
-
-def same_model(a: dict, b: dict) -> bool:
-    """Same weights by the keys both identities have (a method sees no tokenizer); the embedding
-    fingerprint is compared loosely because bf16 and fp32 copies of one model round it differently."""
-    shared = set(a) & set(b)
-    if not {"model_type", "num_hidden_layers", "embedding_fingerprint"} <= shared:
-        return False
-    for key in shared:
-        if key == "embedding_fingerprint":
-            if not math.isclose(float(a[key]), float(b[key]), rel_tol=1e-2, abs_tol=0.05):
-                return False
-        elif a[key] != b[key]:
-            return False
-    return True
-
-
-def describe_model(identity: dict) -> str:
-    return f"{identity.get('model_type')}, {identity.get('num_hidden_layers')} layers, fingerprint {identity.get('embedding_fingerprint')}"
 
 
 def shipped_skip_set(model: torch.nn.Module) -> SkipSet | None:
@@ -265,67 +237,3 @@ def skip_layers(model: torch.nn.Module, skip: SkipSet):
     finally:
         for layer, attribute, original in reversed(swapped):
             setattr(layer, attribute, original)
-
-
-class SkipRunner(Runner):
-    """A Runner that can also draft with a skip set in the same KV cache.
-
-    On the static backend the skip set is passed to the decoder, which bypasses those
-    sub-layers (a skipped attention leaves its slots stale until the verifying forward rewrites
-    them; one length serves every layer). On the eager backend the stock modules are swapped
-    (`skip_layers`): skipped attention layers write no K/V, so while drafting the layers'
-    caches have different lengths. `length` is therefore counted here (Runner reads layer 0's,
-    which may be skipped), forwards inside `skipping()` get explicit positions and a causal
-    mask (the model would size both from layer 0), and `crop` cuts every layer to the same
-    absolute length.
-    """
-
-    def __init__(self, model: torch.nn.Module, backend: str = "auto"):
-        super().__init__(model, backend)
-        self._length = 0
-        self._skip: SkipSet | None = None
-
-    @property
-    def length(self) -> int:
-        return super().length if self.static is not None else self._length
-
-    def reset(self) -> None:
-        super().reset()
-        self._length = 0
-
-    @contextmanager
-    def skipping(self, skip: SkipSet):
-        """Draft inside this block: `skip`'s sub-layers are bypassed."""
-        with contextlib.ExitStack() as stack:
-            if self.static is None:
-                stack.enter_context(skip_layers(self.model, skip))
-            self._skip = skip
-            try:
-                yield
-            finally:
-                self._skip = None
-
-    def forward(self, tokens, positions=None, tree_mask=None, last=None, hidden=False, skip=None) -> Forward:
-        if self.static is not None:
-            return super().forward(tokens, positions, tree_mask, last, hidden, skip=skip or self._skip)
-        n = len(tokens)
-        if self._skip is not None and positions is None and tree_mask is None:
-            positions = torch.arange(self._length, self._length + n, device=self.device)  # [n]
-            tree_mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()  # [n, n] causal
-        out = super().forward(tokens, positions, tree_mask, last, hidden)
-        self._length += n
-        return out
-
-    def crop(self, length: int) -> None:
-        """Keep the first `length` tokens in every layer, whatever each layer holds now."""
-        if self.static is not None:
-            return super().crop(length)
-        for layer in self.cache.layers:  # per layer: skipped layers hold fewer tokens than the others
-            extra = layer.get_seq_length() - length
-            if extra > 0:
-                layer.crop(-extra)
-        self._length = min(self._length, length)
-
-    def select(self, keep: int, slots: list[int]) -> None:
-        super().select(keep, slots)
-        self._length = keep + len(slots)

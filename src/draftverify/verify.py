@@ -92,6 +92,14 @@ def _normalise(dist: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     return dist / total if total > 0 else fallback
 
 
+def fit_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft probabilities [..., Vd] -> [..., vocab], the target's vocabulary: zeros for the tokens the
+    draft lacks, or a padded draft vocabulary cut to the target's (tokenizers are checked equal)."""
+    if q.shape[-1] >= vocab:
+        return q[..., :vocab]
+    return torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
+
+
 def chain_parents(k: int) -> list[int]:
     """Parents of a chain root -> d1 -> ... -> dk."""
     return [-1] + list(range(k))

@@ -21,8 +21,6 @@ there for speed, not as a reference for exactness.
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +28,7 @@ import numpy as np
 
 from draftverify.costs import time_widths
 from draftverify.errors import require
-from draftverify.models import cache_root
+from draftverify.util import atomic_path, cache_root
 
 INSTALL_HINT = "llama.cpp peers need llama-cpp-python: run `bash scripts/install-llamacpp.sh` (builds it once, ~10-20 min on 2 cores)"
 
@@ -59,9 +57,7 @@ def f32_gguf(source: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     reader = gguf.GGUFReader(source)
     arch = str(reader.fields["general.architecture"].contents())
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".converting-", suffix=".gguf")
-    os.close(fd)
-    try:
+    with atomic_path(out) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
         for name, field in reader.fields.items():
             if name.startswith("GGUF.") or name == "general.architecture":
@@ -77,10 +73,6 @@ def f32_gguf(source: Path) -> Path:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return out
 
 

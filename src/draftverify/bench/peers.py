@@ -19,7 +19,7 @@ from contextlib import ExitStack
 import torch
 
 from draftverify.bench.measure import ChunkClock, ForwardCounter, sync
-from draftverify.bench.specs import MethodSpec
+from draftverify.bench.specs import BenchSpec
 from draftverify.sampling import Sampling
 
 
@@ -27,7 +27,7 @@ class PeerState:
     """What a peer keeps across prompts: the assistant's generation config (transformers'
     "heuristic" schedule stores the adapted number of assistant tokens there between calls)."""
 
-    def __init__(self, spec: MethodSpec, draft: torch.nn.Module | None):
+    def __init__(self, spec: BenchSpec, draft: torch.nn.Module | None):
         self.assistant_config = None
         if spec.name == "hf-assisted":
             self.assistant_config = copy.deepcopy(draft.generation_config)
@@ -37,7 +37,7 @@ class PeerState:
 
 
 def run_peer(
-    spec: MethodSpec,
+    spec: BenchSpec,
     state: PeerState,
     target: torch.nn.Module,
     draft: torch.nn.Module | None,

@@ -10,11 +10,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 from pathlib import Path
 
 from draftverify.bench.datasets import category_key
 from draftverify.bench.metrics import first_divergence
+from draftverify.util import atomic_write
 
 CSV_FIELDS = (
     "prompt_id", "dataset", "category", "turn", "repeat", "label", "method", "prompt_tokens", "new_tokens", "wall_s",
@@ -26,12 +26,6 @@ CSV_FIELDS = (
 def jsonable(value):
     """JSON fallback for what methods may leave in `Stats.extra`: tensors and numpy values, else text."""
     return value.tolist() if hasattr(value, "tolist") else str(value)
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
 
 
 def write_all(results: dict, out_dir: Path) -> list[Path]:
@@ -47,7 +41,7 @@ def write_all(results: dict, out_dir: Path) -> list[Path]:
         "accepted_hist.png": accepted_histogram(results),
     }
     for name, data in files.items():
-        write_atomic(out_dir / name, data)
+        atomic_write(out_dir / name, data)
     return [out_dir / name for name in files]
 
 

@@ -34,10 +34,11 @@ from draftverify.bench.oracle import teacher_forced_disagreements
 from draftverify.costs import WIDTHS, forward_times
 from draftverify.bench.peers import PeerState, run_peer
 from draftverify.bench.report import jsonable, write_all
-from draftverify.bench.specs import MethodSpec
+from draftverify.bench.specs import BenchSpec
 from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError, require
 from draftverify.sampling import Sampling
+from draftverify.util import atomic_write
 
 FORMATS = ("auto", "chat", "raw")
 WARMUP_PROMPT = "Hello! Say one sentence about the weather."
@@ -94,10 +95,7 @@ class RecordLog:
         if path.exists() and not overwrite:
             self._load(config)
         else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps({"type": "config", "config": config}) + "\n")
-            os.replace(tmp, path)
+            atomic_write(path, json.dumps({"type": "config", "config": config}) + "\n")
 
     def _load(self, config: dict) -> None:
         raw = self.path.read_bytes()
@@ -158,7 +156,7 @@ def messages_for(prompt: Prompt, answers: list[str]) -> list[dict]:
 class Bench:
     """One benchmark run over `prompts` with `specs` (the baseline first) on `engine`."""
 
-    def __init__(self, engine: Engine, prompts: list[Prompt], specs: list[MethodSpec], settings: Settings, out_dir: Path):
+    def __init__(self, engine: Engine, prompts: list[Prompt], specs: list[BenchSpec], settings: Settings, out_dir: Path):
         require(prompts, "no prompts to benchmark: check --datasets, --prompts, --limit and --per-category")
         require(specs and specs[0].is_baseline, "the autoregressive baseline must come first")
         for spec in specs:
@@ -240,7 +238,7 @@ class Bench:
 
     # -- one generation ---------------------------------------------------------------------
 
-    def generate(self, spec: MethodSpec, ids: list[int], max_new_tokens: int, seed: int | None) -> dict:
+    def generate(self, spec: BenchSpec, ids: list[int], max_new_tokens: int, seed: int | None) -> dict:
         """Run one generation of `spec`; returns the measured fields with `tokens` and memory."""
         engine, sampling = self.engine, self.settings.sampling(seed)
         with peak_memory(self.device) as memory:

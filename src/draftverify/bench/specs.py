@@ -1,9 +1,7 @@
-"""Method specs on the bench command line, and the transformers peers.
+"""The bench's method specs: the shared grammar (`draftverify.methods.spec`) plus the peers.
 
-A spec is `name`, `name:preset`, `name[key=value,...]` or `name:preset[key=value,...]`;
-several are separated by commas (commas inside brackets belong to the spec). The spec
-string itself is the label in every report. `name` is any method in
-`draftverify.methods.METHODS` or a peer run through transformers' own `generate`:
+A bench spec is any method spec (`name`, `name:preset`, `name[key=value,...]`, ...) whose
+`name` is a method in `draftverify.methods.METHODS` or a peer, a decoding another engine runs:
 
 - `hf-assisted`: assisted generation, `generate(assistant_model=<the engine's draft>)`;
   options `num_assistant_tokens`, `num_assistant_tokens_schedule`, `assistant_confidence_threshold`
@@ -22,14 +20,12 @@ generation instead of keeping one across prompts (warm start, e.g. an n-gram poo
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 from dataclasses import dataclass
 
 from draftverify.errors import DraftVerifyError, require
 from draftverify.methods import METHODS
+from draftverify.methods.spec import MethodSpec, read_spec, refuse_duplicates, split_specs
 
-SPEC = re.compile(r"^(?P<name>[A-Za-z0-9_\-]+)(?::(?P<preset>[A-Za-z0-9_\-.]+))?(?:\[(?P<options>[^\[\]]*)\])?$")
 BASELINE = "autoregressive"
 
 
@@ -95,12 +91,10 @@ PEERS = {
 
 
 @dataclass(frozen=True)
-class MethodSpec:
-    label: str  # the spec string as written: the name in every report
-    name: str
-    preset: str | None
-    options: tuple[tuple[str, object], ...]  # explicit options, in the order written
-    config: object  # the method's (or peer's) validated Config
+class BenchSpec(MethodSpec):
+    """A spec as the bench runs it: `options` as written (`warm` included), the validated Config."""
+
+    config: object = None  # the method's (or peer's) validated Config
     warm: bool = True  # keep one method instance across prompts
 
     @property
@@ -121,50 +115,19 @@ class MethodSpec:
         return self.name == BASELINE and self.preset is None and not self.options
 
 
-def split_specs(text: str) -> list[str]:
-    """'a,b[k=1,x=2],c' -> ['a', 'b[k=1,x=2]', 'c'] (commas inside brackets stay)."""
-    parts, depth, current = [], 0, ""
-    for ch in text:
-        depth += (ch == "[") - (ch == "]")
-        require(depth in (0, 1), f"bad brackets in --methods {text!r}: write e.g. speculative[k=4,policy=heuristic]")
-        if ch == "," and depth == 0:
-            parts.append(current.strip())
-            current = ""
-        else:
-            current += ch
-    require(depth == 0, f"unclosed '[' in --methods {text!r}: write e.g. speculative[k=4]")
-    parts.append(current.strip())
-    return [p for p in parts if p]
-
-
-def _value(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def parse_spec(text: str) -> MethodSpec:
-    match = SPEC.match(text.strip())
-    require(match is not None, f"bad method spec {text!r}: write name, name:preset, name[key=value,...] or name:preset[key=value]")
-    name, preset, option_text = match["name"], match["preset"], match["options"]
-    options = []
-    for pair in (option_text or "").split(","):
-        if not pair.strip():
-            continue
-        key, sep, value = pair.partition("=")
-        require(sep and key.strip(), f"bad option {pair!r} in method spec {text!r}: write key=value")
-        options.append((key.strip().replace("-", "_"), _value(value.strip())))
-    settings = dict(options)
+def parse_spec(text: str) -> BenchSpec:
+    """One bench spec: a method's or a peer's, with the bench option `warm`."""
+    spec = read_spec(text)
+    settings = dict(spec.options)
     warm = settings.pop("warm", True)
     require(isinstance(warm, bool), f"warm={warm!r} in {text!r} must be true or false")
-    if name in PEERS:
-        config = peer_config(PEERS[name], preset, settings)
-    elif name in METHODS:
-        config = METHODS[name].make_config(preset, **settings)
+    if spec.name in PEERS:
+        config = peer_config(PEERS[spec.name], spec.preset, settings)
+    elif spec.name in METHODS:
+        config = METHODS[spec.name].make_config(spec.preset, **settings)
     else:
-        raise DraftVerifyError(f"unknown method {name!r} in --methods: use one of {', '.join(sorted([*METHODS, *PEERS]))}")
-    return MethodSpec(text.strip(), name, preset, tuple(options), config, warm)
+        raise DraftVerifyError(f"unknown method {spec.name!r} in --methods: use one of {', '.join(sorted([*METHODS, *PEERS]))}")
+    return BenchSpec(spec.label, spec.name, spec.preset, spec.options, config, warm)
 
 
 def peer_config(peer: Peer, preset: str | None, settings: dict):
@@ -179,11 +142,9 @@ def peer_config(peer: Peer, preset: str | None, settings: dict):
     return peer.Config(**values)
 
 
-def parse_specs(text: str) -> list[MethodSpec]:
+def parse_specs(text: str) -> list[BenchSpec]:
     """The comma-separated specs, with the autoregressive baseline first (added when missing)."""
     specs = [parse_spec(part) for part in split_specs(text)]
-    labels = [s.label for s in specs]
-    duplicate = next((label for label in labels if labels.count(label) > 1), None)
-    require(duplicate is None, f"method spec {duplicate!r} is listed twice in --methods: drop one")
+    refuse_duplicates(specs)
     base = [s for s in specs if s.is_baseline]
     return (base or [parse_spec(BASELINE)]) + [s for s in specs if not s.is_baseline]

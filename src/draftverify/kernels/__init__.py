@@ -54,7 +54,7 @@ def cpu():
     except ImportError:
         _why_not = "ninja is not installed (pip install ninja) to build the CPU kernels"
         return None
-    from draftverify.models import cache_root
+    from draftverify.util import cache_root
 
     tag = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:12]
     name = f"draftverify_cpu_{tag}"

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
-import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,10 +22,11 @@ from pathlib import Path
 import torch
 
 from draftverify.errors import require
-from draftverify.make_draft.data import DataCache, DataPlan, load_checked, save_atomic
+from draftverify.make_draft.data import DataCache, DataPlan, load_checked
 from draftverify.make_draft.prompts import TEXT_LICENSE
 from draftverify.make_draft.train import batches, choose_layers, collate, distill_loss, evaluate, init_draft, trainable
 from draftverify.models import DRAFT_META_FILE, Loaded, Runner, tokenizer_fingerprint
+from draftverify.util import atomic_path
 
 DATA_SOURCES = {"chat": 0, "text": 1, "chat+text": 2}  # -> text_every: every n-th new shard is stdlib text
 
@@ -159,7 +157,8 @@ def train(model, records, heldout, config, layer_ids, layer_scores, plan, checkp
 
     def save() -> None:
         params_state = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
-        save_atomic({**state, "model": params_state, "optimizer": optimizer.state_dict(), "names": names}, checkpoint_path)
+        with atomic_path(checkpoint_path) as tmp:
+            torch.save({**state, "model": params_state, "optimizer": optimizer.state_dict(), "names": names}, tmp)
 
     budget = max(1e-9, deadline - time.monotonic() + state["train_seconds"])  # training seconds this build may spend in all
     autocast = torch.autocast("cuda", torch.bfloat16) if model.device.type == "cuda" else torch.autocast("cpu", enabled=False)
@@ -238,8 +237,7 @@ def write_folder(model, target: Loaded, out: Path, facts: dict, share_embeddings
     facts = {**facts, "share_embeddings": share_embeddings, "save_dtype": save_dtype,
              "parameters": sum(p.numel() for p in model.parameters()),
              "own_parameters": sum(p.numel() for p in model.parameters() if id(p) not in embeddings)}
-    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".writing-"))
-    try:
+    with atomic_path(out, folder=True) as tmp:
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         facts["file_mb"] = round((tmp / "model.safetensors").stat().st_size / 2**20, 1)
         config = model.config
@@ -251,10 +249,6 @@ def write_folder(model, target: Loaded, out: Path, facts: dict, share_embeddings
                 "tokenizer": tokenizer_fingerprint(target.tokenizer), "facts": facts}
         (tmp / DRAFT_META_FILE).write_text(json.dumps(meta, indent=1))
         (tmp / "README.md").write_text(model_card(facts))
-        for item in sorted(tmp.iterdir()):
-            os.replace(item, out / item.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _weight_name(model: torch.nn.Module, module: torch.nn.Module) -> str:

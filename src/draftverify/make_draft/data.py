@@ -12,8 +12,6 @@ build keeps every finished shard and `--resume` never redoes them):
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +21,7 @@ import torch
 from draftverify.errors import DraftVerifyError, require
 from draftverify.make_draft.prompts import Stdlib, make_documents, make_prompts
 from draftverify.models import Loaded
+from draftverify.util import atomic_path, atomic_write, eos_ids
 
 MAX_PROMPT_TOKENS = 256  # longer template prompts are skipped: padding them costs more than they teach
 
@@ -50,19 +49,6 @@ class DataPlan:
     topk: int
 
 
-def save_atomic(obj, path: Path) -> None:
-    """torch.save to a temporary file in the same folder, then rename over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def load_checked(path: Path, what: str) -> dict:
     """torch.load a file this module wrote, refusing a corrupt one with a one-line error."""
     try:
@@ -83,20 +69,12 @@ def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> li
     return list(out["input_ids"])
 
 
-def eos_ids(target: Loaded) -> list[int]:
-    ids = set()
-    for source in (target.model.generation_config.eos_token_id, target.tokenizer.eos_token_id):
-        if source is not None:
-            ids.update(source if isinstance(source, (list, tuple)) else [source])
-    return sorted(ids)
-
-
 @torch.inference_mode()
 def generated_records(target: Loaded, prompts: list[list[int]], max_new_tokens: int, k: int, sample: bool) -> list[Record]:
     """The target's continuations of `prompts` (one batched generate), with top-k targets per new token."""
     from transformers import GenerationConfig
 
-    eos = eos_ids(target)
+    eos = list(eos_ids(target))
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else eos[0]
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # [B, P] left-padded
@@ -169,10 +147,7 @@ class DataCache:
                 "use another --work folder or delete it",
             )
         else:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            tmp = plan_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(asdict(plan), indent=1))
-            os.replace(tmp, plan_path)
+            atomic_write(plan_path, json.dumps(asdict(plan), indent=1))
 
     def shards(self) -> list[Path]:
         return sorted(self.folder.glob("shard-*.pt"))
@@ -227,7 +202,8 @@ class DataCache:
         if not heldout.is_file():
             prompts = encode(make_prompts(heldout_prompts, plan.seed + 1_000_003, lib))
             records = generated_records(target, prompts, max_new_tokens, plan.topk, sample=False)
-            save_atomic({"records": record_dicts(records)}, heldout)
+            with atomic_path(heldout) as tmp:
+                torch.save({"records": record_dicts(records)}, tmp)
             log(f"held-out set: {len(records)} greedy generations")
         i = len(self.shards())
         while (i == 0 or time.monotonic() < deadline) and (max_shards is None or i < max_shards):  # at least one shard
@@ -244,7 +220,8 @@ class DataCache:
                 # every prompt may be too long for a tokenizer with short tokens: then the shard is empty
                 records = generated_records(target, prompts, max_new_tokens, plan.topk, sample) if prompts else []
                 kind = "chat-sampled" if sample else "chat-greedy"
-            save_atomic({"records": record_dicts(records), "kind": kind}, self.folder / f"shard-{i:05d}.pt")
+            with atomic_path(self.folder / f"shard-{i:05d}.pt") as tmp:
+                torch.save({"records": record_dicts(records), "kind": kind}, tmp)
             tokens = sum(r.logp.shape[0] for r in records)
             log(f"data shard {i} ({kind}): {tokens} target positions in {time.monotonic() - t0:.0f}s")
             i += 1

@@ -1,16 +1,19 @@
-"""What every decoding method shares: a registry, configs with presets, and the prefill step."""
+"""What every decoding method shares: a registry, configs with presets, and the one round.
+
+A method is a named configuration: its Config (with presets) says which drafter proposes and
+how long its drafts are; `run` hands that drafter to `round.decode`, the loop every method shares.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from abc import ABC, abstractmethod
+from abc import ABC
 from typing import ClassVar
 
-import torch
-
+from draftverify.drafters.base import Drafter
 from draftverify.errors import require
 from draftverify.models import Runner
-from draftverify.sampling import sample
+from draftverify.round import decode
 from draftverify.session import Session
 
 METHODS: dict[str, type["Method"]] = {}
@@ -33,7 +36,7 @@ class Method(ABC):
 
     Subclasses set `name`, `Config` (a frozen dataclass validated in `__post_init__`),
     `presets` (named Config settings, e.g. the papers' hyperparameters) and `needs_draft`;
-    optionally `aliases`, other names the method is found by.
+    optionally `aliases`, other names the method is found by; and `drafter(s)`.
     """
 
     name: ClassVar[str]
@@ -65,22 +68,20 @@ class Method(ABC):
                 values[key] = value
         return cls.Config(**values)
 
-    @abstractmethod
+    def drafter(self, s: Session) -> Drafter | None:
+        """What proposes candidates for request `s` (None: nothing, plain autoregressive decoding)."""
+        return None
+
     def run(self, s: Session) -> None:
         """Decode one request, handing accepted tokens to `s.emit` until it returns False."""
+        decode(s, self.target, self.drafter(s))
 
-    # -- shared steps ---------------------------------------------------------------------
 
-    def prefill(self, s: Session) -> torch.Tensor:
-        """Reset the target cache, run the prompt, return the logits [V] for the first new token."""
-        self.target.reset()
-        with s.stats.timer("verify"):
-            logits = self.target.forward(s.prompt, last=1).logits[-1]
-        s.stats.target_forwards += 1
-        return logits
+def standalone_method(name: str, drafter: type[Drafter], config: type, presets: dict) -> type[Method]:
+    """The method that runs a standalone drafter (`drafters.base.standalone`) built from its config."""
 
-    def pick(self, logits: torch.Tensor, s: Session, device: torch.device) -> int:
-        """Next token from logits [V]: argmax when greedy, else a sample after the shared processing."""
-        if s.sampling.greedy:
-            return int(logits.argmax().item())
-        return sample(s.sampling.probs(logits), s.generator(device))
+    def make(self, s: Session) -> Drafter:
+        return drafter(self.config)
+
+    doc = f"Drafting with `{drafter.__module__}.{drafter.__name__}`."
+    return type(drafter.__name__ + "Method", (Method,), {"name": name, "Config": config, "presets": presets, "drafter": make, "__doc__": doc})

@@ -18,23 +18,20 @@ Each round:
    target's predictions become phrases; *refinement*: every verified suffix is replaced in
    the pool by the target's version of it, whether or not the draft was accepted;
 5. both caches roll back to the accepted tokens. The pool outlives the request (`reuse`).
+Drafting (1, 2, 4) is `drafters.phrases.Phrases`; the rest is the shared round (`round.decode`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from draftverify.drafters.phrases import Phrases
 from draftverify.errors import require
 from draftverify.methods.base import register
-from draftverify.methods.lookahead import JacobiWindow, PoolMethod, add, speculate
-from draftverify.methods.speculative import _fit_vocab
+from draftverify.methods.lookahead import PoolMethod
 from draftverify.policies import POLICIES, DraftPolicy, make_policy
-from draftverify.pool import PhrasePool, inspirations
+from draftverify.pool import PhrasePool
 from draftverify.session import Session
-from draftverify.tree import build_tree, layout
-from draftverify.verify import verify_tree
 
 
 @dataclass(frozen=True)
@@ -98,92 +95,5 @@ class Ouroboros(PoolMethod):
     def make_policy(self) -> DraftPolicy:
         return make_policy(self.config.policy, self.config.gamma, self.config.threshold)
 
-    def decode(self, s: Session, pool: PhrasePool) -> None:
-        cfg, target, stats = self.config, self.target, s.stats
-        policy = self.make_policy()
-        logits = self.prefill(s)
-        root = self.pick(logits, s, target.device)
-        if not s.emit([root]):
-            return
-        seq = s.prompt + [root]
-        self.draft.reset()
-        window = self.window_for(s) if cfg.phrase_drafting else None
-        while True:
-            room = min(s.remaining - 1, self.ahead(s))  # drafted tokens worth verifying
-            # 1. the sentence draft, phrase by phrase
-            with stats.timer("draft"):
-                draft, q = self.draft_sentence(s, seq, pool, window, policy, room)
-            # 2. lengthen it with the K newest phrases of its last token
-            key = draft[-1] if draft else root
-            suffixes = [c[: room - len(draft)] for c in pool.get(key, cfg.K)] if cfg.lengthening and room > len(draft) else []
-            tree = build_tree(root, [draft + list(c) for c in suffixes] or [draft])  # draft = nodes 1..g
-            # 3. one target forward over root + draft + suffixes, then verify
-            base = target.length
-            with stats.timer("verify"):
-                lay = layout(tree)
-                tlogits = target.forward(lay.tokens, positions=torch.tensor(lay.offsets) + base, tree_mask=lay.mask).logits
-                verdict = self.verify(s, tree.tokens, tree.parents, tlogits, q)
-            target.select(base, [base + node for node in [0] + verdict.path])
-            accepted = min(verdict.accepted, len(draft))  # of the sentence draft
-            # 4. feed the pool from the verification
-            predicted = tlogits.argmax(-1).tolist()  # [n] the target's next token after each node
-            if cfg.inspiration and accepted < len(draft):
-                add(stats.extra, inspired=pool.insert_all(inspirations(draft, predicted[: len(draft) + 1], accepted, cfg.N)))
-            if cfg.refinement:
-                for old, path in zip(suffixes, tree.paths):
-                    if len(old) == cfg.N - 1:
-                        fixed = [predicted[node] for node in [len(draft)] + path[len(draft) : -1]]
-                        add(stats.extra, refined=int(pool.replace(key, old, fixed)))
-            # 5. bookkeeping, rollback, emit
-            stats.verified(tree.size - 1, verdict.accepted, len(verdict.tokens))
-            add(stats.extra, draft_tokens=len(draft), draft_accepted=accepted, suffix_accepted=verdict.accepted - accepted)
-            policy.observe(len(draft), accepted)
-            self.draft.crop(min(self.draft.length, len(seq) + accepted))
-            if not s.emit(verdict.tokens):
-                return
-            seq += verdict.tokens
-            root = seq[-1]
-
-    def draft_sentence(
-        self, s: Session, seq: list[int], pool: PhrasePool, window: JacobiWindow | None, policy: DraftPolicy, room: int
-    ) -> tuple[list[int], torch.Tensor | None]:
-        """Draft phrase by phrase after `seq` until the policy stops or `room` tokens are drafted.
-
-        Returns the draft d_1..d_g and (sampling) the draft distributions q [g, V] they were
-        drawn from. Afterwards the draft cache holds seq + d_1..d_{g-1}.
-        """
-        cfg, runner, stats = self.config, self.draft, s.stats
-        draft: list[int] = []
-        qs: list[torch.Tensor] = []
-        going = True
-        while going and len(draft) < min(policy.max_length(), room):
-            context = seq + draft
-            left = room - len(draft) - 1  # candidate tokens that could still be used
-            guesses = [c[:left] for c in pool.get(context[-1], cfg.G)] if cfg.phrase_drafting and left > 0 else []
-            use_window = window if left > cfg.W + cfg.N else None
-            step = speculate(runner, s, context[-1], context[runner.length : -1], guesses, use_window, policy.needs_hidden)
-            stats.draft_forwards += 1
-            add(stats.extra, window_ngrams=pool.insert_all(step.grams), phrase_tokens=step.accepted)
-            for j, token in enumerate(step.tokens):
-                draft.append(token)
-                if step.probs is not None:
-                    qs.append(step.probs[j])
-                hidden = None if step.hidden is None else step.hidden[j]
-                if len(draft) >= room or not policy.keep_drafting(len(draft), step.logits[j], hidden):
-                    going = False
-                    break
-        runner.crop(min(runner.length, len(seq) + len(draft) - 1))
-        return draft, (torch.stack(qs) if qs else None)
-
-    def verify(self, s: Session, tokens: list[int], parents: list[int], tlogits: torch.Tensor, q: torch.Tensor | None):
-        """verify_tree over root + draft (nodes 1..g, sampled from q [g, V]) + suffixes (deterministic)."""
-        node_tokens = torch.tensor(tokens, device=tlogits.device)
-        if s.sampling.greedy:
-            return verify_tree(node_tokens, parents, tlogits, greedy=True)
-        p = s.sampling.probs(tlogits)  # [n, V]
-        g = 0 if q is None else q.shape[0]
-        q_nodes = torch.zeros_like(p)
-        if g:
-            q_nodes[1 : g + 1] = _fit_vocab(q, p.shape[-1]).to(p.device)
-        sampled = [0 < i <= g for i in range(len(tokens))]
-        return verify_tree(node_tokens, parents, p, q_nodes, sampled, s.generator(self.target.device), greedy=False)
+    def pool_drafter(self, s: Session, pool: PhrasePool) -> Phrases:
+        return Phrases(self.draft, pool, self.make_policy(), self.config)

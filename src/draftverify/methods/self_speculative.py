@@ -2,32 +2,30 @@
 
 Zhang et al. 2024, "Draft & Verify: Lossless Large Language Model Acceleration via
 Self-Speculative Decoding" (ACL). No second model, no extra memory. Each round:
-1. with the skip set's attention / MLP sub-layers bypassed (`layerskip.skip_layers` around the
-   stock layers), the model drafts up to K tokens from the verified prefix in its own KV cache,
+1. with the skip set's attention / MLP sub-layers bypassed (`Runner.forward(skip=...)`), the
+   model drafts up to K tokens from the verified prefix in its own KV cache,
    greedily or by sampling from its skip-draft distribution q (Alg. 4); the adaptive draft
    exit stops once the draft's top probability falls below gamma (Sec. 3.4);
 2. the cache is rolled back to the verified prefix in every layer (skipped layers wrote nothing,
    the others wrote K/V computed from draft hidden states) and the full model scores root +
    drafts in one forward, which rewrites every layer;
-3. `verify_chain` accepts drafts (greedy: while equal to argmax p; sampling: min(1, p/q), a
+3. the verifier accepts drafts (greedy: while equal to argmax p; sampling: min(1, p/q), a
    rejection resampled from norm(max(p - q, 0))), plus one more token;
 4. the cache is cropped to the accepted prefix and the policy updates gamma.
-
-Cache invariant: the cache holds every token but the last emitted one (the root of the next round).
+Drafting is `drafters.layer_skip.LayerSkip`; steps 2-4 are the shared round (`round.decode`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-
+from draftverify.drafters.layer_skip import LayerSkip
 from draftverify.errors import require
-from draftverify.layerskip import STRATEGIES, SkipRunner, SkipSet, load_skip_set, make_skip_set, shipped_skip_set
+from draftverify.layerskip import STRATEGIES, SkipSet, load_skip_set, make_skip_set, shipped_skip_set
 from draftverify.methods.base import Method, register
-from draftverify.methods.speculative import verify_round
 from draftverify.models import Runner, model_identity
 from draftverify.policies import POLICIES, AdaptiveThreshold, DraftPolicy, make_policy
-from draftverify.sampling import sample
+from draftverify.round import decode
 from draftverify.session import Session
 
 
@@ -103,7 +101,6 @@ class SelfSpeculative(Method):
         else:
             searched = load_skip_set(c.skip_file, model_identity(target.model)) if c.skip_file else shipped_skip_set(target.model)
             self.skip = make_skip_set(c.strategy, target.model, searched, c.n_attention, c.n_mlp, c.seed)
-        self.target = SkipRunner(target.model, target.backend)  # its own cache, whose layers may briefly differ in length
 
     def make_policy(self) -> DraftPolicy:
         c = self.config
@@ -115,40 +112,7 @@ class SelfSpeculative(Method):
         policy = self.make_policy()
         s.stats.extra.update(skipped_attention=len(self.skip.attention), skipped_mlp=len(self.skip.mlp))
         try:
-            self.decode(s, policy)
+            decode(s, self.target, LayerSkip(self.target, policy, skip=self.skip))
         finally:
-            self.target.reset()  # free the KV cache between requests
             if isinstance(policy, AdaptiveThreshold):
                 s.stats.extra["final_gamma"] = policy.gamma
-
-    def decode(self, s: Session, policy: DraftPolicy) -> None:
-        target, stats, greedy = self.target, s.stats, s.sampling.greedy
-        logits = self.prefill(s)
-        root = self.pick(logits, s, target.device)
-        if not s.emit([root]):
-            return
-        limit = (target.max_length or 1 << 30) - len(s.prompt)
-        while True:
-            # 1. draft with the skip set, from the verified prefix in the cache
-            base = target.length  # every token but the root
-            k_max = min(policy.max_length(), s.remaining - 1, limit - len(s.output))
-            drafts, qs, feed = [], [], [root]
-            with stats.timer("draft"), target.skipping(self.skip):
-                for n in range(1, k_max + 1):
-                    dlogits = target.forward(feed, last=1).logits[-1]  # [V]
-                    stats.draft_forwards += 1
-                    if greedy:
-                        drafts.append(int(dlogits.argmax().item()))
-                    else:
-                        qs.append(s.sampling.probs(dlogits))  # [V]
-                        drafts.append(sample(qs[-1], s.generator(target.device)))
-                    feed = drafts[-1:]
-                    if not policy.keep_drafting(n, dlogits, None):
-                        break
-            # 2-4. back to the verified prefix in every layer; the full model scores root + drafts and
-            # rewrites every layer; keep the accepted prefix and emit
-            target.crop(base)
-            verdict = verify_round(s, target, root, drafts, qs, policy)
-            if not s.emit(verdict.tokens):
-                return
-            root = verdict.tokens[-1]

@@ -2,7 +2,7 @@
 
 Huang et al. 2024, "SpecDec++: Boosting Speculative Decoding via Adaptive Candidate Lengths".
 Method `specdec-pp`, also reachable as `specdec++` (`+` is not allowed in bench method specs). Each round is the
-`speculative` round (draft, score, `verify_chain`, roll back) with one change:
+`speculative` round (the draft model drafts a chain, the shared round verifies it) with one change:
 1. after each drafted token the head reads the draft's hidden state and predicts p_hat, the
    chance that the previous draft is accepted (head.py, `AcceptanceHeadPolicy`);
 2. drafting stops as soon as 1 - prod(p_hat) > h, or at the hard cap of 20 tokens;
@@ -23,9 +23,9 @@ from pathlib import Path
 
 from draftverify.errors import require
 from draftverify.head import DEFAULT_CAP, DEFAULT_H, AcceptanceHead, AcceptanceHeadPolicy, load_head
-from draftverify.methods.base import register
+from draftverify.drafters.draft_model import DraftModel
+from draftverify.methods.base import Method, register
 from draftverify.methods.ouroboros import Ouroboros, OuroborosConfig
-from draftverify.methods.speculative import Speculative
 from draftverify.models import model_identity
 from draftverify.session import Session
 
@@ -49,16 +49,31 @@ class SpecDecPPConfig:
         check_head_settings(self.h, self.cap)
 
 
+class HeadStops:
+    """The stopping rule of a method whose Config has `head`, `h` and `cap`: the pair's acceptance head."""
+
+    _head: AcceptanceHead | None = None
+
+    def make_policy(self) -> AcceptanceHeadPolicy:
+        if self._head is None:  # loaded once, checked against this draft/target pair
+            self._head = load_head(
+                resolve_head(self.config.head),
+                draft_identity=model_identity(self.draft.model),
+                target_identity=model_identity(self.target.model),
+            ).to(self.draft.device)
+        return AcceptanceHeadPolicy(self._head, self.config.h, self.config.cap)
+
+
 @register
-class SpecDecPP(Speculative):
+class SpecDecPP(HeadStops, Method):
     name = "specdec-pp"
     aliases = ("specdec++",)  # the issue's name; bench specs cannot hold "+"
     Config = SpecDecPPConfig
     needs_draft = True
     presets = {"paper": {"h": 0.7, "cap": 20}, **THRESHOLD_PRESETS}  # paper: best overall, with a w_rej = 6 head
 
-    def run(self, s: Session, policy=None) -> None:
-        super().run(s, policy or AcceptanceHeadPolicy(pair_head(self), self.config.h, self.config.cap))
+    def drafter(self, s: Session) -> DraftModel:
+        return DraftModel(self.draft, self.make_policy())
 
 
 @dataclass(frozen=True)
@@ -76,29 +91,15 @@ class OuroborosPPConfig(OuroborosConfig):
 
 
 @register
-class OuroborosPP(Ouroboros):
+class OuroborosPP(HeadStops, Ouroboros):
     name = "ouroboros-pp"
     Config = OuroborosPPConfig
     presets = {**Ouroboros.presets, **THRESHOLD_PRESETS}
-
-    def make_policy(self) -> AcceptanceHeadPolicy:
-        return AcceptanceHeadPolicy(pair_head(self), self.config.h, self.config.cap)
 
 
 def check_head_settings(h: float, cap: int) -> None:
     require(0 < h < 1, f"h={h} must lie strictly between 0 and 1 (the paper tries 0.1..0.9)")
     require(1 <= cap <= 64, f"cap={cap} must lie in 1..64")
-
-
-def pair_head(method) -> AcceptanceHead:
-    """The method's configured head, loaded once and checked against its draft/target pair."""
-    if getattr(method, "_head", None) is None:
-        method._head = load_head(
-            resolve_head(method.config.head),
-            draft_identity=model_identity(method.draft.model),
-            target_identity=model_identity(method.target.model),
-        ).to(method.draft.device)
-    return method._head
 
 
 def shipped_heads() -> dict[str, Path]:

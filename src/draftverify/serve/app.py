@@ -23,10 +23,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from draftverify.bench.specs import parse_spec, split_specs
 from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError, require
 from draftverify.methods import METHODS
+from draftverify.methods.spec import MethodSpec, parse_specs
 from draftverify.serve.metrics import Metrics
 from draftverify.serve.protocol import FINISH_REASONS, ApiError, ChatRequest, CompletionRequest, Reply, TextStream, parse_request, sse, stats_object, usage
 from draftverify.serve.scheduler import Chunk, Job, Outcome, Scheduler, Ticket, timeout_error
@@ -38,28 +38,12 @@ CUT_GRACE_S = 2.0  # past the deadline, how long to wait for the worker to cut a
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
-@dataclass(frozen=True)
-class MethodSpec:
-    """A method as the server runs it: `label` is the spec as written (what clients send as
-    `method`), e.g. `speculative[k=4]`; name, preset and options build the method instance."""
-
-    label: str
-    name: str
-    preset: str | None
-    options: tuple[tuple[str, object], ...]
-
-
 def parse_methods(text: str) -> tuple[MethodSpec, ...]:
-    """Comma-separated specs in `draftverify bench`'s syntax: `name`, `name:preset`,
-    `name[key=value,...]` or `name:preset[key=value,...]`, each validated against its method."""
-    specs = []
-    for part in split_specs(text):
-        spec = parse_spec(part)
-        require(not spec.is_peer, f"{spec.label} runs through transformers' generate and cannot be served: pick a draftverify method")
-        require(spec.warm, f"{spec.label}: warm=false is a bench setting; the server keeps every method instance across requests")
-        specs.append(MethodSpec(spec.label, spec.name, spec.preset, tuple((k, v) for k, v in spec.options if k != "warm")))
+    """Comma-separated method specs (`draftverify.methods.spec`): `name`, `name:preset`,
+    `name[key=value,...]` or `name:preset[key=value,...]`, each validated against its method. A
+    spec's label (as written) is what clients send as `method`."""
+    specs = parse_specs(text)
     require(specs, "no method given: pass e.g. --methods speculative,autoregressive")
-    require(len({s.label for s in specs}) == len(specs), f"a method is listed twice in {text!r}: list each once")
     return tuple(specs)
 
 

@@ -1,0 +1,54 @@
+"""The drafter contract: what a drafter proposes each round and what it is told afterwards.
+
+A drafter proposes candidate continuations of the root (the last emitted token) for the
+target to verify in one forward (`round.decode`). It keeps whatever state it needs (its own
+model's KV cache, a phrase pool, a draft-length policy) and is told after each round what
+the target accepted, so that it can roll that state back and learn from it. Drafters never
+touch the target's cache: the round rolls it back.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from draftverify.session import Session
+from draftverify.step import Proposal, Step
+
+__all__ = ["Drafter", "Proposal", "Step", "add", "standalone"]
+
+
+class Drafter(ABC):
+    """Proposes candidates each round; see the module docstring."""
+
+    def start(self, s: Session, seq: list[int]) -> None:
+        """A request begins: `seq` is the prompt and the first emitted token."""
+
+    @abstractmethod
+    def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
+        """Candidates after `seq[-1]` (the root), none deeper than `room` tokens (which may be 0)."""
+
+    def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
+        """The target verified `proposal` after `seq`; `step.tokens` follow `seq` now."""
+
+    def finish(self, s: Session) -> None:
+        """The request ended (also on error or cancellation)."""
+
+
+def add(counters: dict, **amounts: int) -> None:
+    """Add to drafter-specific counters in `Stats.extra`."""
+    for key, amount in amounts.items():
+        counters[key] = counters.get(key, 0) + amount
+
+
+STANDALONE: dict[str, tuple[type[Drafter], type, dict]] = {}  # method name -> (drafter, Config, presets)
+
+
+def standalone(name: str, config: type, presets: dict | None = None):
+    """Register a drafter that needs neither a draft model nor the target (built as `cls(config)`)
+    as a method of its own: `methods` turns each entry into a Method named `name`."""
+
+    def register(cls: type[Drafter]) -> type[Drafter]:
+        STANDALONE[name] = (cls, config, presets or {})
+        return cls
+
+    return register

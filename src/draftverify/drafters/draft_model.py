@@ -1,0 +1,50 @@
+"""A draft model drafts a chain autoregressively (Leviathan et al. 2023; Chen et al. 2023).
+
+Up to `policy.max_length()` tokens, one draft forward each, greedy or sampled from the draft's
+q with the target's temperature / top-k / top-p; the policy may stop earlier after any token.
+The draft's cache holds a prefix of the sequence and is fed the rest before drafting; after
+verification it is cropped to the accepted prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftverify.drafters.base import Drafter, Proposal
+from draftverify.models import Runner
+from draftverify.policies import DraftPolicy
+from draftverify.sampling import sample
+from draftverify.session import Session
+
+
+class DraftModel(Drafter):
+    def __init__(self, draft: Runner, policy: DraftPolicy, skip=None):
+        self.draft, self.policy, self.skip = draft, policy, skip
+
+    def start(self, s: Session, seq: list[int]) -> None:
+        self.draft.reset()
+
+    def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
+        drafts, qs = self.chain(s, seq[self.draft.length :], min(self.policy.max_length(), room))
+        return Proposal([drafts], torch.stack(qs) if qs else None)
+
+    def chain(self, s: Session, feed: list[int], k: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Feed `feed` and draft up to `k` tokens; sampled decoding also returns each q [V]."""
+        drafts, qs = [], []
+        for n in range(1, k + 1):
+            out = self.draft.forward(feed, last=1, hidden=self.policy.needs_hidden, skip=self.skip)
+            s.stats.draft_forwards += 1
+            logits = out.logits[-1]
+            if s.sampling.greedy:
+                drafts.append(int(logits.argmax().item()))
+            else:
+                qs.append(s.sampling.probs(logits))
+                drafts.append(sample(qs[-1], s.generator(self.draft.device)))
+            feed = drafts[-1:]
+            if not self.policy.keep_drafting(n, logits, None if out.hidden is None else out.hidden[-1]):
+                break
+        return drafts, qs
+
+    def observe(self, s: Session, seq: list[int], proposal: Proposal, step) -> None:
+        self.draft.crop(min(self.draft.length, len(seq) + step.accepted))
+        self.policy.observe(step.drafted, step.accepted)

@@ -1,0 +1,77 @@
+"""The one decoding loop: draft -> one target forward -> verify -> roll back -> emit.
+
+Every method runs `decode(s, target, drafter)`. The prologue prefills the prompt and emits the
+first token (the *root*: the last emitted token, which the target's cache does not hold yet).
+Then each round:
+
+1. the drafter proposes candidates after the root (`Drafter.propose` -> `Proposal`): a tree of
+   candidate paths (a chain is one path, no drafter or an empty proposal is plain
+   autoregressive decoding), with the draft distributions of the tokens it sampled, and
+   optionally Jacobi window rows that ride in the same forward;
+2. `verify_step` feeds root + tree (+ window) to the target in ONE forward (a tree mask where the
+   candidates branch), runs the one verifier (`verify.verify_tree`: greedy matching, rejection
+   sampling for sampled tokens, multi-draft rejection sampling for deterministic ones) and rolls
+   the target's cache back to root + accepted path;
+3. the drafter is told what happened (`Drafter.observe`: roll back its own state, feed its pool,
+   update its draft length) and the tokens go out through `Session.emit`, which applies the
+   stopping rules per token.
+
+`step.verify_step` runs on any Runner: Ouroboros's draft model uses it to check the pool's
+phrases against itself while drafting.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftverify.drafters.base import Drafter
+from draftverify.models import Runner
+from draftverify.sampling import sample
+from draftverify.session import Session
+from draftverify.step import Proposal, verify_step
+
+
+def decode(s: Session, target: Runner, drafter: Drafter | None = None) -> None:
+    """Decode one request with `drafter` proposing (None: autoregressive decoding)."""
+    root = pick(prefill(s, target), s, target.device)
+    if not s.emit([root]):
+        return
+    seq = s.prompt + [root]
+    if drafter is not None:
+        drafter.start(s, seq)
+    limit = target.max_length or 1 << 30
+    try:
+        while True:
+            room = min(s.remaining - 1, limit - len(seq))  # candidate tokens worth verifying
+            proposal = Proposal()
+            if drafter is not None:
+                with s.stats.timer("draft"):
+                    proposal = drafter.propose(s, seq, room)
+            with s.stats.timer("verify"):
+                step = verify_step(target, s, root, proposal)
+            s.stats.verified(step.drafted, step.accepted, len(step.tokens))
+            if drafter is not None:
+                drafter.observe(s, seq, proposal, step)
+            if not s.emit(step.tokens):
+                return
+            seq += step.tokens
+            root = seq[-1]
+    finally:
+        if drafter is not None:
+            drafter.finish(s)
+
+
+def prefill(s: Session, target: Runner) -> torch.Tensor:
+    """Reset the target cache, run the prompt, return the logits [V] for the first new token."""
+    target.reset()
+    with s.stats.timer("verify"):
+        logits = target.forward(s.prompt, last=1).logits[-1]
+    s.stats.target_forwards += 1
+    return logits
+
+
+def pick(logits: torch.Tensor, s: Session, device: torch.device) -> int:
+    """Next token from logits [V]: argmax when greedy, else a sample after the shared processing."""
+    if s.sampling.greedy:
+        return int(logits.argmax().item())
+    return sample(s.sampling.probs(logits), s.generator(device))

@@ -1,0 +1,119 @@
+"""One verified forward on any Runner: feed a `Proposal`, verify it, roll the cache back, return a `Step`.
+
+The round (`round.decode`) runs it on the target; a drafter may run it on its own model (Ouroboros
+checks the pool's phrases against the draft model this way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from draftverify.models import Runner
+from draftverify.session import Session
+from draftverify.tree import Tree, build_tree, layout
+from draftverify.verify import Verdict, fit_vocab, verify_tree
+
+
+@dataclass
+class Proposal:
+    """Candidates for one verification.
+
+    paths: token lists continuing the root, merged into one trie (a chain is one path; none =
+        verify nothing, i.e. one autoregressive step). The first path's tokens are nodes
+        1..len(paths[0]) of the trie.
+    q: [g, V] for sampled decoding: the first path's first g tokens were sampled from these
+        draft distributions (rejection sampling); every other token is a deterministic guess
+        (multi-draft rejection sampling). None: all deterministic.
+    rows: Jacobi window rows fed in the same forward (lookahead; `tree.layout`).
+    lead: tokens before the root that the verifying runner's cache has not seen yet.
+    hidden: return the hidden states of the emitted tokens.
+    """
+
+    paths: list[list[int]] = field(default_factory=list)
+    q: torch.Tensor | None = None
+    rows: list[list[int]] = field(default_factory=list)
+    lead: list[int] = field(default_factory=list)
+    hidden: bool = False
+
+
+@dataclass
+class Step:
+    """What one verified forward produced."""
+
+    tree: Tree  # the candidate trie that was verified (node 0 = the root)
+    verdict: Verdict  # the accepted path and the tokens to emit (accepted + the next one)
+    node_logits: torch.Tensor  # [n, V] the model's logits after each tree node
+    probs: torch.Tensor | None  # [len(tokens), V] distribution each emitted token was drawn from (sampling)
+    hidden: torch.Tensor | None  # [len(tokens), H] hidden state that produced each emitted token
+    window_out: list[int] | None  # argmax after each cell of the window's last row
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.verdict.tokens
+
+    @property
+    def accepted(self) -> int:
+        return self.verdict.accepted
+
+    @property
+    def drafted(self) -> int:
+        return self.tree.size - 1
+
+    @property
+    def producers(self) -> list[int]:
+        """The node whose distribution gave each emitted token (the root, then the accepted path)."""
+        return [0] + self.verdict.path
+
+
+def verify_step(runner: Runner, s: Session, root: int, proposal: Proposal) -> Step:
+    """Feed proposal.lead + root + tree (+ window) to `runner`, accept what it agrees with, roll back.
+
+    The cache must hold everything before the lead; afterwards it holds lead, root and the
+    accepted candidate tokens (not the returned next token). A chain with no window and no lead
+    is fed causally, without a mask.
+    """
+    tree = build_tree(root, proposal.paths)
+    rows, lead = proposal.rows, proposal.lead
+    base = runner.length
+    chain = not rows and not lead and all(p == i for i, p in enumerate(tree.parents, start=-1))
+    if chain:
+        out = runner.forward(tree.tokens, hidden=proposal.hidden)
+        node_logits = out.logits  # [n, V]
+        rows_of_nodes = list(range(tree.size))
+    else:
+        lay = layout(tree, rows, lead)
+        positions = torch.tensor(lay.offsets) + base + len(lead)
+        out = runner.forward(lay.tokens, positions=positions, tree_mask=lay.mask, last=lay.keep, hidden=proposal.hidden)
+        rows_of_nodes = [lay.row(i) for i in lay.tree]
+        node_logits = out.logits[rows_of_nodes]  # [n, V]
+    tokens = torch.tensor(tree.tokens, device=node_logits.device)
+    if s.sampling.greedy:
+        probs = None
+        verdict = verify_tree(tokens, tree.parents, node_logits, greedy=True)
+    else:
+        probs = s.sampling.probs(node_logits)  # [n, V]
+        q, sampled = None, None
+        if proposal.q is not None:  # the first path's first g tokens (nodes 1..g) were sampled from q
+            g = proposal.q.shape[0]
+            q = torch.zeros_like(probs)
+            q[1 : g + 1] = fit_vocab(proposal.q, probs.shape[-1]).to(probs.device)
+            sampled = [0 < i <= g for i in range(tree.size)]
+        verdict = verify_tree(tokens, tree.parents, probs, q, sampled, s.generator(runner.device), greedy=False)
+    producers = [0] + verdict.path
+    if chain:
+        runner.crop(base + len(producers))
+    else:
+        runner.select(base, [base + i for i in lay.lead + [lay.tree[node] for node in producers]])
+    window_out = None
+    if rows:
+        window_out = out.logits[[lay.row(i) for i in lay.window[-1]]].argmax(-1).tolist()  # [W]
+    return Step(
+        tree=tree,
+        verdict=verdict,
+        node_logits=node_logits,
+        probs=None if probs is None else probs[producers],
+        hidden=None if out.hidden is None else out.hidden[[rows_of_nodes[node] for node in producers]],
+        window_out=window_out,
+    )

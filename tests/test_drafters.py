@@ -1,0 +1,180 @@
+"""The drafter seam: prompt lookup (a drafter in one file), a drafter written in a test, the
+shared round's contract, and an import graph without cycles."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import ARCHS
+from draftverify import Engine
+from draftverify.drafters.base import Drafter, Proposal
+from draftverify.drafters.prompt_lookup import PromptLookup, PromptLookupConfig
+from draftverify.round import decode
+from draftverify.sampling import Sampling
+from draftverify.session import Session, Stopping
+
+REPEATS = ["one two three one two three one two", "def f(x):\n    return x\ndef g(x):\n    return"]
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    lookup = PromptLookup(PromptLookupConfig(k=3, max_ngram=2))
+    s = Session([1], Sampling(), Stopping())
+    assert lookup.propose(s, [5, 6, 7, 8, 5, 6, 9, 5, 6], room=10).paths == [[9, 5, 6]]  # latest "5 6", then its follow-up
+    assert lookup.propose(s, [5, 6, 7, 8, 5, 6, 9, 5, 6], room=2).paths == [[9, 5]]
+    assert lookup.propose(s, [1, 2, 3, 4], room=10).paths == []  # no earlier occurrence of any suffix
+    assert lookup.propose(s, [4, 1, 2, 3, 4], room=10).paths == [[1, 2, 3]]  # falls back to a 1-gram
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prompt_lookup_greedy_equals_autoregressive(tiny, arch):
+    engine = Engine(tiny(arch))
+    for backend in ("eager", "static") if arch in ("llama", "qwen2") else ("eager",):
+        engine = Engine(tiny(arch), backend=backend)
+        drafted = 0
+        for prompt in REPEATS:
+            ids = engine.encode(prompt)
+            ar = engine.generate(ids, method="autoregressive", max_new_tokens=30, eos_token_id=[])
+            for options in ({}, {"preset": "hf"}, {"k": 1, "max_ngram": 1}):
+                r = engine.generate(ids, method="prompt-lookup", max_new_tokens=30, eos_token_id=[], **options)
+                assert r.tokens == ar.tokens, (arch, backend, prompt, options)
+                drafted += r.stats.drafted
+        assert drafted > 0
+
+
+def test_prompt_lookup_sampling_matches_the_target(tiny, monkeypatch):
+    """The second token is verified against a looked-up guess: it follows the target's exact distribution,
+    and the classic wrong rule (resample from p after a rejection) is caught."""
+    target = tiny("llama", seed=0, layers=2, hidden=32)
+    engine = Engine(target)
+    sampling, n = Sampling(temperature=0.1, top_k=4), 2500
+    prompt = guessable_prompt(target.model, sampling)
+    with torch.inference_mode():
+        p1 = sampling.probs(target.model(torch.tensor([prompt])).logits[0, -1]).double()
+        p2 = torch.zeros_like(p1)
+        for x1 in p1.nonzero().flatten().tolist():
+            p2 += p1[x1] * sampling.probs(target.model(torch.tensor([prompt + [x1]])).logits[0, -1]).double()
+    support = (p2 > 0).nonzero().flatten().tolist()
+    expected = p2[support].numpy() / p2[support].sum().item() * n
+
+    def pvalue():
+        counts: dict[int, int] = {}
+        for seed in range(n):
+            r = engine.generate(prompt, method="prompt-lookup", max_new_tokens=3, temperature=0.1, top_k=4, seed=seed, eos_token_id=[])
+            counts[r.tokens[1]] = counts.get(r.tokens[1], 0) + 1
+        assert set(counts) <= set(support)
+        return chisquare(np.array([counts.get(t, 0) for t in support]), expected).pvalue
+
+    assert pvalue() > 1e-3
+    import draftverify.verify
+
+    monkeypatch.setattr(draftverify.verify, "_normalise", lambda dist, fallback: fallback)
+    assert pvalue() < 1e-6
+
+
+def guessable_prompt(model, sampling: Sampling) -> list[int]:
+    """A prompt x y B whose likeliest next token is x (p >= 0.5) and whose next token after that is
+    y with 0.3 <= p <= 0.8, x occurring nowhere else: lookup then guesses y, which the target
+    rejects often enough for the wrong rule to show."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        def probs(ids):
+            return sampling.probs(model(torch.tensor([ids])).logits[0, -1])
+
+        for _ in range(2000):
+            base = torch.randint(0, 100, (5,), generator=gen).tolist()
+            x = int(probs(base).argmax())
+            prompt = [x, int(probs(base + [x]).argmax())] + base
+            p1 = probs(prompt)
+            if x in prompt[1:] or p1[x] < 0.5:
+                continue
+            if 0.3 <= probs(prompt + [x])[prompt[1]] <= 0.8:
+                return prompt
+    raise AssertionError("no guessable prompt for this model")
+
+
+class Stubborn(Drafter):
+    """Always proposes the same two branches; records what the round tells it."""
+
+    def __init__(self):
+        self.seen: list[tuple[int, int, int]] = []  # (sequence length, drafted, accepted)
+        self.finished = False
+
+    def propose(self, s, seq, room):
+        return Proposal([[seq[-1], 3][:room], [7, 7, 7][:room]])
+
+    def observe(self, s, seq, proposal, step):
+        self.seen.append((len(seq), step.drafted, step.accepted))
+
+    def finish(self, s):
+        self.finished = True
+
+
+@pytest.mark.parametrize("backend", ["eager", "static"])
+def test_any_drafter_plugs_into_the_round_and_stays_exact(tiny, backend):
+    engine = Engine(tiny("llama"), backend=backend)
+    ids = engine.encode(REPEATS[0])
+    ar = engine.generate(ids, method="autoregressive", max_new_tokens=20, eos_token_id=[])
+    s = Session(ids, Sampling(), Stopping(max_new_tokens=20))
+    drafter = Stubborn()
+    decode(s, engine.target_runner, drafter)
+    assert s.output == ar.tokens and drafter.finished
+    lengths = [n for n, _, _ in drafter.seen]
+    assert lengths[0] == len(ids) + 1 and all(b > a for a, b in zip(lengths, lengths[1:]))
+    assert all(drafted <= 5 and accepted <= 3 for _, drafted, accepted in drafter.seen)
+
+
+LAYERS = [  # docs/architecture.md, lowest first: a module imports from its own layer and those before it
+    {"util", "errors"},
+    {"session", "stats", "sampling"},
+    {"models", "static", "kernels", "costs"},
+    {"verify", "tree", "step"},
+    {"drafters", "pool", "policies", "layerskip", "head"},
+    {"round", "methods", "engine"},
+    {"bench", "serve"},
+    {"make_draft", "search", "train_head", "pareto"},
+    {"cli", "__main__", ""},
+]
+
+
+def layer_of(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    found = [i for i, names in enumerate(LAYERS) if top in names]
+    assert found, f"{module} is in no layer of docs/architecture.md: add it there and to LAYERS"
+    return found[0]
+
+
+def test_the_package_has_no_import_cycle_and_no_upward_import():
+    root = Path(__import__("draftverify").__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("draftverify"):
+                deps |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("draftverify")}
+        graph[name] = deps
+    edges = {m: {d for d in deps if d in graph and d != m and not m.startswith(d + ".")} for m, deps in graph.items()}
+    upward = [(m, d) for m, deps in edges.items() for d in deps if layer_of(d) > layer_of(m)]
+    assert not upward, f"imports against the layers of docs/architecture.md: {upward}"
+    state: dict[str, int] = {}
+
+    def visit(m, stack):
+        state[m] = 1
+        for d in edges[m]:
+            assert state.get(d) != 1, "import cycle: " + " -> ".join(stack + [m, d])
+            if d not in state:
+                visit(d, stack + [m])
+        state[m] = 2
+
+    for m in edges:
+        if m not in state:
+            visit(m, [])
