@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
-from draftverify.pool import PhrasePool
+from draftverify.drafters.pool import PhrasePool
 from draftverify.sampling import Sampling
 
 VOCAB = 4

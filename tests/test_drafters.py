@@ -134,10 +134,10 @@ LAYERS = [  # docs/architecture.md, lowest first: a module imports from its own 
     {"session", "stats", "sampling"},
     {"models", "static", "kernels", "costs"},
     {"verify", "tree", "step"},
-    {"drafters", "pool", "policies", "layerskip", "head"},
+    {"drafters", "policies"},  # drafters/ holds the per-method helpers: pool, layerskip, head
     {"round", "methods", "engine"},
     {"bench", "serve"},
-    {"make_draft", "search", "train_head", "pareto"},
+    {"tools"},  # the offline tools: make_draft, search_layers, train_head, pareto
     {"cli", "__main__", ""},
 ]
 

@@ -9,7 +9,7 @@ import torch
 
 from conftest import ARCHS
 from draftverify.errors import DraftVerifyError
-from draftverify.layerskip import (
+from draftverify.drafters.layerskip import (
     SkipSet,
     load_skip_set,
     make_skip_set,

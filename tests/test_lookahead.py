@@ -10,7 +10,7 @@ from conftest import ARCHS, make_model
 from draftverify import DraftVerifyError, Engine
 from draftverify.drafters.lookahead import JacobiWindow, ngrams
 from draftverify.models import Loaded
-from draftverify.pool import PhrasePool
+from draftverify.drafters.pool import PhrasePool
 
 PROMPTS = ["Hello there, how", "def f(x):\n    return", "1, 2, 3, 4,"]
 CONFIGS = [{}, {"W": 1, "N": 2, "G": 1}, {"W": 4, "N": 4, "G": 2}, {"W": 15, "N": 5, "G": 15}, {"preset": "context"}, {"preset": "cpu-context"}]

@@ -13,9 +13,9 @@ import torch
 
 from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError
-from draftverify.make_draft.build import DraftConfig, build_draft, write_folder
-from draftverify.make_draft.data import chat_ids, generated_records
-from draftverify.make_draft.train import candidate_layer_sets, collate, distill_loss, init_draft, trainable
+from draftverify.tools.make_draft.build import DraftConfig, build_draft, write_folder
+from draftverify.tools.make_draft.data import chat_ids, generated_records
+from draftverify.tools.make_draft.train import candidate_layer_sets, collate, distill_loss, init_draft, trainable
 from draftverify.models import Loaded, load_draft
 
 TINY = dict(layers=2, max_shards=3, gen_batch=4, max_new_tokens=8, heldout_prompts=3, batch_tokens=300, max_len=160,

@@ -12,7 +12,7 @@ from draftverify import DraftVerifyError, Engine
 from draftverify.methods.ouroboros import Ouroboros
 from draftverify.models import Loaded
 from draftverify.policies import ConstantK, WholePhrases
-from draftverify.pool import PhrasePool
+from draftverify.drafters.pool import PhrasePool
 
 PROMPTS = ["Hello there, how", "1, 2, 3, 4,"]
 ABLATION = [  # the v2 paper's ablation order, then the papers' settings and other policies

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draftverify import DraftVerifyError
-from draftverify.pool import PhrasePool, inspirations
+from draftverify.drafters.pool import PhrasePool, inspirations
 
 N, CAP = 3, 4
 tokens = st.integers(0, 5)  # a small alphabet so that keys and phrases repeat

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from draftverify.errors import DraftVerifyError
-from draftverify.layerskip import SkipSet, load_skip_set
-from draftverify.search import WARM_START_SCALES, params_skip, search_layers, skip_params, study_path
+from draftverify.drafters.layerskip import SkipSet, load_skip_set
+from draftverify.tools.search_layers import WARM_START_SCALES, params_skip, search_layers, skip_params, study_path
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 

@@ -563,7 +563,7 @@ def test_shutdown_during_a_stream(models, offline, grace_s):
 
 def test_pool_is_shared_across_requests_saved_and_loaded(models, offline, tmp_path):
     from draftverify.models import tokenizer_fingerprint
-    from draftverify.pool import PhrasePool
+    from draftverify.drafters.pool import PhrasePool
 
     target = models[0]
     path = tmp_path / "pool.json"

@@ -17,10 +17,10 @@ from conftest import ARCHS
 from phrase_sampling import broken_rule
 from draftverify import Engine
 from draftverify.errors import DraftVerifyError
-from draftverify.head import AcceptanceHead, AcceptanceHeadPolicy, load_head, save_head
+from draftverify.drafters.head import AcceptanceHead, AcceptanceHeadPolicy, load_head, save_head
 from draftverify.models import Loaded
 from draftverify.sampling import Sampling
-from draftverify.train_head import (
+from draftverify.tools.train_head import (
     SHIPPED_PROMPTS,
     Examples,
     TrainSettings,
@@ -185,7 +185,7 @@ def test_labelled_positions_are_the_draft_positions(tiny):
 
 
 def test_answers_are_cached_and_resume_after_an_interruption(tiny, tmp_path, monkeypatch):
-    from draftverify.train_head import answer_prompts
+    from draftverify.tools.train_head import answer_prompts
 
     target = tiny("llama", seed=0, layers=2, hidden=32)
     prompts = [[5, 6], [7, 8, 9], [10], [11, 12, 13, 14]]
@@ -214,7 +214,7 @@ def test_answers_are_cached_and_resume_after_an_interruption(tiny, tmp_path, mon
 def test_greedy_labels_need_no_target_forward(tiny):
     """With greedy answers and greedy settings, P_i = [Y_i == X_i]: the shortcut gives the same examples."""
     from draftverify.models import Runner
-    from draftverify.train_head import target_answers
+    from draftverify.tools.train_head import target_answers
 
     target = tiny("llama", seed=0, layers=2, hidden=32)
     draft = noisy_copy(target, 0.5)
@@ -507,7 +507,7 @@ def test_pareto_view_of_a_bench_run(tmp_path):
     from typer.testing import CliRunner
 
     from draftverify.cli import app
-    from draftverify.pareto import frontier, pareto_tables
+    from draftverify.tools.pareto import frontier, pareto_tables
 
     assert frontier([(1, 1), (2, 0.5), (2, 2), (0.5, 3), (1, 1)]) == [True, True, False, True, True]
     # (label, target forwards, drafted, accepted) for 10 tokens on each of two data sets

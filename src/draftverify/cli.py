@@ -173,17 +173,17 @@ app.command("bench")(_bench)
 from draftverify.serve.cli import serve as _serve  # noqa: E402
 
 app.command("serve")(_serve)
-from draftverify.train_head import train_head_command as _train_head  # noqa: E402
+from draftverify.tools.train_head import train_head_command as _train_head  # noqa: E402
 
 app.command("train-head")(_train_head)
-from draftverify.pareto import pareto_command as _pareto  # noqa: E402
+from draftverify.tools.pareto import pareto_command as _pareto  # noqa: E402
 
 app.command("pareto")(_pareto)
 
-from draftverify.make_draft.cli import make_draft as _make_draft  # noqa: E402
+from draftverify.tools.make_draft.cli import make_draft as _make_draft  # noqa: E402
 
 app.command("make-draft")(_make_draft)
-from draftverify.search import search_layers_command as _search_layers  # noqa: E402
+from draftverify.tools.search_layers import search_layers_command as _search_layers  # noqa: E402
 
 app.command("search-layers")(_search_layers)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from draftverify.drafters.base import Drafter, Proposal, add
-from draftverify.pool import PhrasePool
+from draftverify.drafters.pool import PhrasePool
 from draftverify.session import Session
 
 

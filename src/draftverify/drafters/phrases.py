@@ -22,7 +22,7 @@ from draftverify.drafters.base import Drafter, Proposal, add
 from draftverify.drafters.lookahead import JacobiWindow, window_for
 from draftverify.models import Runner
 from draftverify.policies import DraftPolicy
-from draftverify.pool import PhrasePool, inspirations
+from draftverify.drafters.pool import PhrasePool, inspirations
 from draftverify.session import Session
 from draftverify.step import verify_step
 

@@ -12,7 +12,7 @@ forward over three parts (layout in `draftverify.tree`; drafting in `drafters.lo
    accepted n-gram is kept **plus the bonus token** (the reference implementation drops it).
 Rollback keeps the root and the accepted path in the cache; the window moves one column.
 
-The pool (`draftverify.pool.PhrasePool`) can outlive a request (`reuse`) and a process
+The pool (`draftverify.drafters.pool.PhrasePool`) can outlive a request (`reuse`) and a process
 (`pool_file`): `PoolMethod`, shared with Ouroboros.
 """
 
@@ -27,7 +27,7 @@ from draftverify.drafters.lookahead import Lookahead as LookaheadDrafter
 from draftverify.errors import require
 from draftverify.methods.base import Method, register
 from draftverify.models import tokenizer_fingerprint
-from draftverify.pool import PhrasePool
+from draftverify.drafters.pool import PhrasePool
 from draftverify.round import decode
 from draftverify.session import Session
 

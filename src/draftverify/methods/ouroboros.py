@@ -30,7 +30,7 @@ from draftverify.errors import require
 from draftverify.methods.base import register
 from draftverify.methods.lookahead import PoolMethod
 from draftverify.policies import POLICIES, DraftPolicy, make_policy
-from draftverify.pool import PhrasePool
+from draftverify.drafters.pool import PhrasePool
 from draftverify.session import Session
 
 

@@ -4,7 +4,7 @@ Huang et al. 2024, "SpecDec++: Boosting Speculative Decoding via Adaptive Candid
 Method `specdec-pp`, also reachable as `specdec++` (`+` is not allowed in bench method specs). Each round is the
 `speculative` round (the draft model drafts a chain, the shared round verifies it) with one change:
 1. after each drafted token the head reads the draft's hidden state and predicts p_hat, the
-   chance that the previous draft is accepted (head.py, `AcceptanceHeadPolicy`);
+   chance that the previous draft is accepted (drafters/head.py, `AcceptanceHeadPolicy`);
 2. drafting stops as soon as 1 - prod(p_hat) > h, or at the hard cap of 20 tokens;
 3. verification is unchanged, so output stays identical (greedy) or exactly distributed (sampling).
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftverify.errors import require
-from draftverify.head import DEFAULT_CAP, DEFAULT_H, AcceptanceHead, AcceptanceHeadPolicy, load_head
+from draftverify.drafters.head import DEFAULT_CAP, DEFAULT_H, AcceptanceHead, AcceptanceHeadPolicy, load_head
 from draftverify.drafters.draft_model import DraftModel
 from draftverify.methods.base import Method, register
 from draftverify.methods.ouroboros import Ouroboros, OuroborosConfig

@@ -25,11 +25,11 @@ from typing import Optional
 import typer
 
 from draftverify.errors import DraftVerifyError, require
-from draftverify.layerskip import SkipSet, save_skip_set
+from draftverify.drafters.layerskip import SkipSet, save_skip_set
 from draftverify.models import Loaded, decoder_layers
 from draftverify.util import same_weights
 
-DEV_PROMPTS = Path(__file__).parent / "assets" / "dev_prompts.jsonl"
+DEV_PROMPTS = Path(__file__).parent.parent / "assets" / "dev_prompts.jsonl"
 WARM_START_SCALES = (1.0, 0.5, 0.25, 0.1)  # densities of the paper-like first guesses (1.0 ~ 45% of the sub-layers)
 GIVE_UP = 1.5  # stop measuring a trial once it runs this much slower than the best so far (or autoregressive)
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -241,7 +241,7 @@ def search_layers_command(
     from draftverify.engine import Engine
     from draftverify.methods.spec import parse_options
     from draftverify.models import load_model
-    from draftverify.train_head import read_prompts
+    from draftverify.tools.train_head import read_prompts
 
     require(out.suffix == ".json", f"--out {out} must end in .json")
     require(limit is None or limit >= 1, f"--limit {limit} must be at least 1")

@@ -25,13 +25,13 @@ import torch
 import typer
 
 from draftverify.errors import require
-from draftverify.head import AcceptanceHead, save_head
+from draftverify.drafters.head import AcceptanceHead, save_head
 from draftverify.models import Loaded, Runner
 from draftverify.sampling import Sampling
 from draftverify.util import atomic_path, atomic_write, cache_root
 from draftverify.verify import fit_vocab
 
-SHIPPED_PROMPTS = Path(__file__).parent / "assets" / "specdec-prompts.jsonl"
+SHIPPED_PROMPTS = Path(__file__).parent.parent / "assets" / "specdec-prompts.jsonl"
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from draftverify.errors import require
-from draftverify.make_draft.data import Record
+from draftverify.tools.make_draft.data import Record
 from draftverify.models import Loaded, _layer_prefix
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from draftverify.errors import require
-from draftverify.make_draft.data import DataCache, DataPlan, load_checked
-from draftverify.make_draft.prompts import TEXT_LICENSE
-from draftverify.make_draft.train import batches, choose_layers, collate, distill_loss, evaluate, init_draft, trainable
+from draftverify.tools.make_draft.data import DataCache, DataPlan, load_checked
+from draftverify.tools.make_draft.prompts import TEXT_LICENSE
+from draftverify.tools.make_draft.train import batches, choose_layers, collate, distill_loss, evaluate, init_draft, trainable
 from draftverify.models import DRAFT_META_FILE, Loaded, Runner, tokenizer_fingerprint
 from draftverify.util import atomic_path
 

@@ -34,7 +34,7 @@ def make_draft(
 ):
     """Build a small, fast draft for a target: its embeddings and a few of its layers, distilled on the
     target's own replies and Python stdlib text. Writes a transformers folder with a model card."""
-    from draftverify.make_draft.build import DraftConfig, build_draft
+    from draftverify.tools.make_draft.build import DraftConfig, build_draft
     from draftverify.models import load_model
 
     ids = tuple(int(x) for x in layer_ids.split(",")) if layer_ids else None

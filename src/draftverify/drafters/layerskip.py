@@ -36,7 +36,7 @@ SKIP_VERSION = 1
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")  # Llama/Qwen/Mistral, GPT-2, GPT-NeoX, ...
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 STRATEGIES = ("searched", "heuristic", "first", "middle", "last", "random", "none")
-SHIPPED_DIR = Path(__file__).parent / "assets" / "skipsets"
+SHIPPED_DIR = Path(__file__).parent.parent / "assets" / "skipsets"
 
 
 @dataclass(frozen=True)
