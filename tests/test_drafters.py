@@ -129,6 +129,24 @@ def test_any_drafter_plugs_into_the_round_and_stays_exact(tiny, backend):
     assert all(drafted <= 5 and accepted <= 3 for _, drafted, accepted in drafter.seen)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_lengthened_drafter_stays_exact_and_uses_its_suffixes(tiny, arch):
+    """The combinator around prompt lookup: pool phrases lengthen each looked-up chain; output = AR."""
+    from draftverify.drafters.lengthened import Lengthened
+    from draftverify.drafters.lookahead import ngrams
+    from draftverify.drafters.pool import PhrasePool
+
+    engine = Engine(tiny(arch))
+    ids = engine.encode(REPEATS[0])
+    ar = engine.generate(ids, method="autoregressive", max_new_tokens=30, eos_token_id=[])
+    pool = PhrasePool(3, 2)
+    pool.insert_all(ngrams(ids + ar.tokens, 3))  # phrases the target will confirm
+    s = Session(ids, Sampling(), Stopping(max_new_tokens=30))
+    decode(s, engine.target_runner, Lengthened(PromptLookup(PromptLookupConfig(k=2)), pool, K=2))
+    assert s.output == ar.tokens
+    assert max(s.stats.steps) > 3  # a round accepted more than the 2-token chain: a suffix ran on
+
+
 LAYERS = [  # docs/architecture.md, lowest first: a module imports from its own layer and those before it
     {"util", "errors"},
     {"session", "stats", "sampling"},

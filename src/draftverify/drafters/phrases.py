@@ -1,4 +1,4 @@
-"""Ouroboros drafting (Zhao et al. 2024): a draft model drafts phrase by phrase, pool phrases lengthen it.
+"""Ouroboros drafting (Zhao et al. 2024): a draft model drafts phrase by phrase over a shared pool.
 
 Draft and target share one phrase pool (`PhrasePool`: per first token at most G phrases of N
 tokens, LRU). Each round:
@@ -7,11 +7,9 @@ tokens, LRU). Each round:
    `step.verify_step`) and appends what it accepts, until the draft-length policy stops it.
    Off: one token per draft forward. Sampled decoding: the draft's tokens are exact samples of
    the draft model, with their q;
-2. *lengthening*: the K newest phrases starting with the draft's last token become alternative
-   suffixes; draft + suffixes form the trie the target verifies in one forward;
-3. *inspiration*: windows of N - 1 tokens in the discarded part of the draft that match the
-   target's predictions become phrases; *refinement*: every verified suffix is replaced in the
-   pool by the target's version of it, whether or not the draft was accepted.
+2. *inspiration*: windows of N - 1 tokens in the discarded part of the draft that match the
+   target's predictions become phrases.
+Lengthening by pool suffixes and refinement are the `Lengthened` combinator around this drafter.
 """
 
 from __future__ import annotations
@@ -20,9 +18,9 @@ import torch
 
 from draftverify.drafters.base import Drafter, Proposal, add
 from draftverify.drafters.lookahead import JacobiWindow, window_for
+from draftverify.drafters.pool import PhrasePool, inspirations
 from draftverify.models import Runner
 from draftverify.policies import DraftPolicy
-from draftverify.drafters.pool import PhrasePool, inspirations
 from draftverify.session import Session
 from draftverify.step import verify_step
 
@@ -31,8 +29,6 @@ class Phrases(Drafter):
     def __init__(self, draft: Runner, pool: PhrasePool, policy: DraftPolicy, config):
         self.draft, self.pool, self.policy, self.c = draft, pool, policy, config  # config: OuroborosConfig
         self.window: JacobiWindow | None = None
-        self.sentence: list[int] = []  # this round's sentence draft
-        self.suffixes: list[list[int]] = []
 
     def start(self, s: Session, seq: list[int]) -> None:
         self.draft.reset()
@@ -40,12 +36,7 @@ class Phrases(Drafter):
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
         draft, q = self.draft_sentence(s, seq, room)
-        key = draft[-1] if draft else seq[-1]
-        self.sentence = draft
-        self.suffixes = []
-        if self.c.lengthening and room > len(draft):
-            self.suffixes = [list(c[: room - len(draft)]) for c in self.pool.get(key, self.c.K)]
-        return Proposal([draft + c for c in self.suffixes] or [draft], q)
+        return Proposal([draft], q)
 
     def draft_sentence(self, s: Session, seq: list[int], room: int) -> tuple[list[int], torch.Tensor | None]:
         """Draft phrase by phrase after `seq` until the policy stops or `room` tokens are drafted.
@@ -79,17 +70,11 @@ class Phrases(Drafter):
         return draft, (torch.stack(qs) if qs else None)
 
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step) -> None:
-        c, draft, pool = self.c, self.sentence, self.pool
-        accepted = min(step.accepted, len(draft))  # of the sentence draft
-        predicted = step.node_logits.argmax(-1).tolist()  # [n] the target's next token after each node
+        c, draft = self.c, proposal.paths[0]
+        accepted = min(step.accepted, len(draft))  # of the sentence draft (the rest came from suffixes)
         if c.inspiration and accepted < len(draft):
-            add(s.stats.extra, inspired=pool.insert_all(inspirations(draft, predicted[: len(draft) + 1], accepted, c.N)))
-        if c.refinement:
-            key = draft[-1] if draft else seq[-1]
-            for old, path in zip(self.suffixes, step.tree.paths):
-                if len(old) == c.N - 1:
-                    fixed = [predicted[node] for node in [len(draft)] + path[len(draft) : -1]]
-                    add(s.stats.extra, refined=int(pool.replace(key, old, fixed)))
+            predicted = step.node_logits[: len(draft) + 1].argmax(-1).tolist()  # the target's token after root, d_1..d_g
+            add(s.stats.extra, inspired=self.pool.insert_all(inspirations(draft, predicted, accepted, c.N)))
         add(s.stats.extra, draft_tokens=len(draft), draft_accepted=accepted, suffix_accepted=step.accepted - accepted)
         self.policy.observe(len(draft), accepted)
         self.draft.crop(min(self.draft.length, len(seq) + accepted))

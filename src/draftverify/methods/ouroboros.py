@@ -18,19 +18,22 @@ Each round:
    target's predictions become phrases; *refinement*: every verified suffix is replaced in
    the pool by the target's version of it, whether or not the draft was accepted;
 5. both caches roll back to the accepted tokens. The pool outlives the request (`reuse`).
-Drafting (1, 2, 4) is `drafters.phrases.Phrases`; the rest is the shared round (`round.decode`).
+Drafting is `drafters.phrases.Phrases` (1, inspiration) inside `drafters.lengthened.Lengthened`
+(2, refinement); the rest is the shared round (`round.decode`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from draftverify.drafters.base import Drafter
+from draftverify.drafters.lengthened import Lengthened
 from draftverify.drafters.phrases import Phrases
+from draftverify.drafters.pool import PhrasePool
 from draftverify.errors import require
 from draftverify.methods.base import register
 from draftverify.methods.lookahead import PoolMethod
 from draftverify.policies import POLICIES, DraftPolicy, make_policy
-from draftverify.drafters.pool import PhrasePool
 from draftverify.session import Session
 
 
@@ -95,5 +98,7 @@ class Ouroboros(PoolMethod):
     def make_policy(self) -> DraftPolicy:
         return make_policy(self.config.policy, self.config.gamma, self.config.threshold)
 
-    def pool_drafter(self, s: Session, pool: PhrasePool) -> Phrases:
-        return Phrases(self.draft, pool, self.make_policy(), self.config)
+    def pool_drafter(self, s: Session, pool: PhrasePool) -> Drafter:
+        c = self.config
+        phrases = Phrases(self.draft, pool, self.make_policy(), c)
+        return Lengthened(phrases, pool, c.K, c.refinement) if c.lengthening else phrases

@@ -1,0 +1,49 @@
+"""A combinator: another drafter's chain, lengthened by pool phrases (Ouroboros's lengthening and refinement).
+
+The inner drafter proposes a chain d_1..d_g. The K newest pool phrases that start with its last
+token (the root's, for an empty draft) become alternative suffixes: d + suffix for each, one
+trie, verified in the target's one forward, so a fully accepted draft runs on into the best
+matching suffix. *Refinement*: every verified full-length suffix is replaced in the pool by the
+target's own continuation along it, whether or not the draft was accepted. The inner drafter
+is told about its own chain only: accepted tokens beyond it came from the suffixes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from draftverify.drafters.base import Drafter, Proposal, Step, add
+from draftverify.drafters.pool import PhrasePool
+from draftverify.session import Session
+
+
+class Lengthened(Drafter):
+    def __init__(self, inner: Drafter, pool: PhrasePool, K: int, refinement: bool = True):
+        self.inner, self.pool, self.K, self.refinement = inner, pool, K, refinement
+        self.chain: Proposal = Proposal()  # the inner drafter's proposal this round
+        self.suffixes: list[list[int]] = []
+
+    def start(self, s: Session, seq: list[int]) -> None:
+        self.inner.start(s, seq)
+
+    def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
+        self.chain = self.inner.propose(s, seq, room)
+        draft = self.chain.paths[0] if self.chain.paths else []
+        key = draft[-1] if draft else seq[-1]
+        left = room - len(draft)
+        self.suffixes = [list(c[:left]) for c in self.pool.get(key, self.K)] if left > 0 else []
+        return replace(self.chain, paths=[draft + c for c in self.suffixes] or [draft])
+
+    def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
+        draft = self.chain.paths[0] if self.chain.paths else []
+        if self.refinement:
+            predicted = step.node_logits.argmax(-1).tolist()  # [n] the target's next token after each node
+            key = draft[-1] if draft else seq[-1]
+            for old, path in zip(self.suffixes, step.tree.paths):
+                if len(old) == self.pool.n - 1:
+                    fixed = [predicted[node] for node in [len(draft)] + path[len(draft) : -1]]
+                    add(s.stats.extra, refined=int(self.pool.replace(key, old, fixed)))
+        self.inner.observe(s, seq, self.chain, step)
+
+    def finish(self, s: Session) -> None:
+        self.inner.finish(s)
