@@ -3,13 +3,11 @@ invariant during decoding, the adaptive draft-exit rule, options and presets."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from conftest import ARCHS
-from phrase_sampling import broken_rule
+from phrase_sampling import broken_rule, second_token_pvalue
 from draftverify import Engine
 from draftverify.errors import DraftVerifyError
 from draftverify.drafters.layerskip import SkipSet, save_skip_set
@@ -78,17 +76,9 @@ def test_sampling_matches_the_target_distribution_and_a_wrong_rule_fails(tiny, m
     engine = Engine(target)
     prompt, sampling, n = [5, 6, 7], Sampling(temperature=1.0, top_k=8), 2500
     options = {"skip": SkipSet((0,), (1,)), "policy": "constant", "k": 1}
-    with torch.inference_mode():
-        p1 = sampling.probs(target.model(torch.tensor([prompt])).logits[0, -1]).double()
-        p2 = torch.zeros_like(p1)
-        for x1 in p1.nonzero().flatten().tolist():
-            p2 += p1[x1] * sampling.probs(target.model(torch.tensor([prompt + [x1]])).logits[0, -1]).double()
-    support = (p2 > 0).nonzero().flatten().tolist()
-    expected = p2[support].numpy() / p2[support].sum().item() * n
 
     def pvalue(counts):
-        assert set(counts) <= set(support)
-        return chisquare(np.array([counts.get(t, 0) for t in support]), expected).pvalue
+        return second_token_pvalue(target.model, prompt, sampling, counts)
 
     exact = second_token_counts(engine, prompt, sampling, n, **options)
     assert pvalue(exact) > 1e-3
