@@ -62,6 +62,7 @@ def test_full_run_outputs_and_exactness(engine, tmp_path):
     assert report.startswith("# draftverify bench") and "draftverify bench --test" in report
     assert "Every method produced exactly the autoregressive tokens" in report and "RED FLAG" not in report
     assert "### mine/a (1 prompt)" in report and "oracle speedup" in report
+    assert "## Winners" in report and "| mine/a | `" in report  # a fastest method named per category
     assert (tmp_path / "results.csv").read_text().count("\n") == len(results["records"]) + 1
     assert json.loads((tmp_path / "results.json").read_text())["environment"]["torch_threads"] >= 1
 

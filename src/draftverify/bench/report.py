@@ -162,6 +162,7 @@ def to_markdown(results: dict) -> str:
     if mem_kind in ("process_peak_rss", "process_max_rss_growth"):
         out += ["", "Peak memory on CPU is process-wide (both models, the Python heap and every method that ran before), not the method's own."]
     out += [""] + cost_curve_section(results)
+    out += winners_section(results)
     out += ["## Per category", ""]
     for key, summary in results["summary"]["categories"].items():
         n = len({r["prompt_id"] for r in results["records"] if category_key(r["dataset"], r["category"]) == key})
@@ -174,6 +175,32 @@ def to_markdown(results: dict) -> str:
     out += ["## Files", "", "results.json (everything, raw records included), results.csv (one row per generation), records.jsonl (the resumable log),",
             "speedup.png, accepted_hist.png.", "", "![speedup](speedup.png)", "", "![accepted tokens per step](accepted_hist.png)", ""]
     return "\n".join(out)
+
+
+def winners_section(results: dict) -> list[str]:
+    """Per category: the fastest method, the fastest of draftverify's own, and which of ours lose to AR."""
+    ours = [m["label"] for m in results["methods"] if not m["peer"] and m["label"] != results["baseline"]]
+    if not ours:
+        return []
+
+    def speedup(summary: dict, label: str) -> float | None:
+        return summary.get(label, {}).get("speedup", {}).get("median")
+
+    def best(summary: dict, labels: list[str]) -> str:
+        scored = [(speedup(summary, label), label) for label in labels if speedup(summary, label) is not None]
+        if not scored:
+            return "n/a"
+        value, label = max(scored)
+        return f"`{label}` {value:.2f}x"
+
+    everyone = [m["label"] for m in results["methods"]]
+    rows = []
+    for key, summary in [("all prompts", results["summary"]["all"])] + list(results["summary"]["categories"].items()):
+        losers = [label for label in ours if (speedup(summary, label) or 1.0) < 1.0]
+        rows.append([key, best(summary, everyone), best(summary, ours), ", ".join(f"`{label}`" for label in losers) or "none"])
+    return ["## Winners", "", "Speedup over autoregressive decoding; a method below 1.00x is slower than plain decoding there.", ""] + _table(
+        ["prompts", "fastest (any)", "fastest of draftverify's methods", "draftverify methods slower than autoregressive"], rows
+    ) + [""]
 
 
 def cost_curve_section(results: dict) -> list[str]:
