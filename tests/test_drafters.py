@@ -142,7 +142,7 @@ LAYERS = [  # docs/architecture.md, lowest first: a module imports from its own 
     {"session", "stats", "sampling"},
     {"models", "static", "kernels", "costs"},
     {"verify", "tree", "step"},
-    {"drafters", "policies"},  # drafters/ holds the per-method helpers: pool, layerskip, head
+    {"drafters", "policies"},  # drafters/ holds the per-method helpers: pool, skipsets, head
     {"round", "methods", "engine"},
     {"bench", "serve"},
     {"tools"},  # the offline tools: make_draft, search_layers, train_head, pareto

@@ -9,7 +9,7 @@ import torch
 
 from conftest import ARCHS
 from draftverify.errors import DraftVerifyError
-from draftverify.drafters.layerskip import (
+from draftverify.drafters.skipsets import (
     SkipSet,
     load_skip_set,
     make_skip_set,

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from draftverify.errors import DraftVerifyError
-from draftverify.drafters.layerskip import SkipSet, load_skip_set
+from draftverify.drafters.skipsets import SkipSet, load_skip_set
 from draftverify.tools.search_layers import WARM_START_SCALES, params_skip, search_layers, skip_params, study_path
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]

@@ -10,7 +10,7 @@ from conftest import ARCHS
 from phrase_sampling import broken_rule, second_token_pvalue
 from draftverify import Engine
 from draftverify.errors import DraftVerifyError
-from draftverify.drafters.layerskip import SkipSet, save_skip_set
+from draftverify.drafters.skipsets import SkipSet, save_skip_set
 from draftverify.models import Runner
 from draftverify.policies import POLICIES, AdaptiveThreshold, make_policy
 from draftverify.sampling import Sampling

@@ -330,7 +330,7 @@ class Runner:
     each layer's sliding window, if it has one).
     Rollback is `crop(length)` (drop everything after) or `select(keep, slots)` (keep the
     first `keep` slots and then the given slots, in order: one accepted path of a tree).
-    `forward(skip=...)` bypasses a drafters.layerskip.SkipSet's sub-layers (self-speculative drafting in
+    `forward(skip=...)` bypasses a drafters.skipsets.SkipSet's sub-layers (self-speculative drafting in
     the same cache); a crop back to the verified prefix, then a full forward, rewrites them.
 
     `backend` (see `choose_backend`): `static` runs `draftverify.static.StaticDecoder` over a
@@ -395,7 +395,7 @@ class Runner:
     ) -> Forward:
         """Append `tokens` [n] to the cache and return logits for the last `last` of them (all if None).
 
-        `skip` (a drafters.layerskip.SkipSet) bypasses sub-layers: the static decoder skips them, the eager
+        `skip` (a drafters.skipsets.SkipSet) bypasses sub-layers: the static decoder skips them, the eager
         model runs with them swapped out (`SkipSet.applied`), writing no K/V in skipped attention.
         """
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)  # [n]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from draftverify.drafters.layer_skip import LayerSkip
 from draftverify.errors import require
-from draftverify.drafters.layerskip import STRATEGIES, SkipSet, load_skip_set, make_skip_set, shipped_skip_set
+from draftverify.drafters.skipsets import STRATEGIES, SkipSet, load_skip_set, make_skip_set, shipped_skip_set
 from draftverify.methods.base import Method, register
 from draftverify.models import Runner, model_identity
 from draftverify.policies import POLICIES, AdaptiveThreshold, DraftPolicy, make_policy

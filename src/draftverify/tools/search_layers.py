@@ -25,7 +25,7 @@ from typing import Optional
 import typer
 
 from draftverify.errors import DraftVerifyError, require
-from draftverify.drafters.layerskip import SkipSet, save_skip_set
+from draftverify.drafters.skipsets import SkipSet, save_skip_set
 from draftverify.models import Loaded, decoder_layers
 from draftverify.util import same_weights
 
