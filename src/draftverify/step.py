@@ -37,6 +37,11 @@ class Proposal:
     lead: list[int] = field(default_factory=list)
     hidden: bool = False
 
+    @property
+    def chain(self) -> list[int]:
+        """The first path: what a chain drafter drafted (nodes 1..len of the trie)."""
+        return self.paths[0] if self.paths else []
+
 
 @dataclass
 class Step:
@@ -60,6 +65,11 @@ class Step:
     @property
     def drafted(self) -> int:
         return self.tree.size - 1
+
+    def accepted_of(self, chain: list[int]) -> int:
+        """How many tokens of `chain` were accepted, where every path starts with it (a chain lengthened
+        by suffixes): accepted tokens beyond it came from the suffixes."""
+        return min(self.accepted, len(chain))
 
     @property
     def producers(self) -> list[int]:

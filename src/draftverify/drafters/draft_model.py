@@ -46,5 +46,6 @@ class DraftModel(Drafter):
         return drafts, qs
 
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step) -> None:
-        self.draft.crop(min(self.draft.length, len(seq) + step.accepted))
-        self.policy.observe(step.drafted, step.accepted)
+        accepted = step.accepted_of(proposal.chain)
+        self.draft.crop(min(self.draft.length, len(seq) + accepted))
+        self.policy.observe(len(proposal.chain), accepted)

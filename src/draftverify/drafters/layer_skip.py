@@ -23,4 +23,4 @@ class LayerSkip(DraftModel):
         return proposal
 
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step) -> None:
-        self.policy.observe(step.drafted, step.accepted)  # the round rolled the shared cache back
+        self.policy.observe(len(proposal.chain), step.accepted_of(proposal.chain))  # the round rolled the cache back

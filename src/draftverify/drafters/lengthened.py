@@ -20,22 +20,22 @@ from draftverify.session import Session
 class Lengthened(Drafter):
     def __init__(self, inner: Drafter, pool: PhrasePool, K: int, refinement: bool = True):
         self.inner, self.pool, self.K, self.refinement = inner, pool, K, refinement
-        self.chain: Proposal = Proposal()  # the inner drafter's proposal this round
+        self.inner_proposal: Proposal = Proposal()  # the inner drafter's own proposal this round
         self.suffixes: list[list[int]] = []
 
     def start(self, s: Session, seq: list[int]) -> None:
         self.inner.start(s, seq)
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
-        self.chain = self.inner.propose(s, seq, room)
-        draft = self.chain.paths[0] if self.chain.paths else []
+        self.inner_proposal = self.inner.propose(s, seq, room)
+        draft = self.inner_proposal.chain
         key = draft[-1] if draft else seq[-1]
         left = room - len(draft)
         self.suffixes = [list(c[:left]) for c in self.pool.get(key, self.K)] if left > 0 else []
-        return replace(self.chain, paths=[draft + c for c in self.suffixes] or [draft])
+        return replace(self.inner_proposal, paths=[draft + c for c in self.suffixes] or [draft])
 
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
-        draft = self.chain.paths[0] if self.chain.paths else []
+        draft = self.inner_proposal.chain
         if self.refinement:
             predicted = step.node_logits.argmax(-1).tolist()  # [n] the target's next token after each node
             key = draft[-1] if draft else seq[-1]
@@ -43,7 +43,7 @@ class Lengthened(Drafter):
                 if len(old) == self.pool.n - 1:
                     fixed = [predicted[node] for node in [len(draft)] + path[len(draft) : -1]]
                     add(s.stats.extra, refined=int(self.pool.replace(key, old, fixed)))
-        self.inner.observe(s, seq, self.chain, step)
+        self.inner.observe(s, seq, self.inner_proposal, step)
 
     def finish(self, s: Session) -> None:
         self.inner.finish(s)

@@ -70,8 +70,8 @@ class Phrases(Drafter):
         return draft, (torch.stack(qs) if qs else None)
 
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step) -> None:
-        c, draft = self.c, proposal.paths[0]
-        accepted = min(step.accepted, len(draft))  # of the sentence draft (the rest came from suffixes)
+        c, draft = self.c, proposal.chain
+        accepted = step.accepted_of(draft)  # of the sentence draft (the rest came from suffixes)
         if c.inspiration and accepted < len(draft):
             predicted = step.node_logits[: len(draft) + 1].argmax(-1).tolist()  # the target's token after root, d_1..d_g
             add(s.stats.extra, inspired=self.pool.insert_all(inspirations(draft, predicted, accepted, c.N)))
