@@ -55,7 +55,7 @@ def _load_engine(target, draft, dtype, device, draft_device=None, device_map=Non
     from draftverify.engine import Engine
 
     engine = Engine.load(target, draft, dtype=dtype, device=device, draft_device=draft_device, device_map=device_map, backend=backend)
-    if any(r is not None and r.fallback_reason for r in (engine.target_runner, engine.draft_runner)):
+    if any(getattr(r, "fallback_reason", None) for r in (engine.target_runner, engine.draft_runner)):
         typer.echo(f"backend: {engine.describe_backend()}", err=True)
     return engine
 
@@ -160,7 +160,7 @@ def demo(
     specs = parse_specs(method)
     require(specs, "--method names no method: use e.g. speculative or lookahead:context")
     engine = _load_engine(target, draft, dtype, device, backend=backend)
-    typer.echo(f"target: {engine.target.name}   draft: {engine.draft.name if engine.draft else 'none'}   backend: {engine.describe_backend()}")
+    typer.echo(f"target: {engine.target.name}   {engine.describe_drafts()}   backend: {engine.describe_backend()}")
     for spec in specs:
         engine.generate("Hello", method=spec.name, preset=spec.preset, max_new_tokens=8, chat=True, **dict(spec.options))  # warm-up
     base = engine.generate(prompt, method="autoregressive", max_new_tokens=max_new_tokens, chat=True)

@@ -16,7 +16,8 @@ import torch
 from draftverify.errors import require
 from draftverify.methods import Method
 from draftverify.methods.spec import method_class
-from draftverify.models import Loaded, Runner, load_draft, load_model
+from draftverify.feature_draft import FeatureDraft
+from draftverify.models import Loaded, Runner, default_head, load_draft, load_model
 from draftverify.sampling import Sampling
 from draftverify.session import Session, Stopping
 from draftverify.stats import Stats
@@ -37,9 +38,15 @@ class Engine:
     One request at a time per engine: methods share the models' KV caches.
     """
 
-    def __init__(self, target: Loaded, draft: Loaded | None = None, backend: str = "auto"):
+    def __init__(self, target: Loaded, draft: Loaded | FeatureDraft | None = None, backend: str = "auto", head: FeatureDraft | None = None):
+        """`draft`: a draft model, or a feature head; `head`: a feature head beside a draft model. The
+        methods that draft with a head (speculative, ouroboros) use it when there is one, the others
+        the draft model."""
+        if isinstance(draft, FeatureDraft):
+            draft, head = None, draft
         self.target = target
         self.draft = draft
+        self.head = head
         self.backend = backend
         self.target_runner = Runner(target.model, backend)
         self.draft_runner = Runner(draft.model, backend) if draft is not None else None
@@ -56,19 +63,28 @@ class Engine:
         device_map: str | None = None,
         backend: str = "auto",
     ) -> "Engine":
-        """Load the target (default: SmolLM2-135M-Instruct) and a draft spec (see `load_draft`).
+        """Load the target (default: SmolLM2-135M-Instruct) and a draft spec (see `load_draft`); with no
+        draft spec, the default model also gets its shipped feature head (`default_head`).
 
         `backend`: `auto` (the static fast path where the architecture allows, else eager),
         `static` or `eager`; see `draftverify.models.choose_backend`.
         """
         loaded = load_model(target, dtype=dtype, device=device, device_map=device_map)
-        return cls(loaded, load_draft(draft, loaded, dtype=dtype, device=draft_device or device), backend=backend)
+        head = default_head(loaded) if draft is None else None
+        return cls(loaded, load_draft(draft, loaded, dtype=dtype, device=draft_device or device), backend=backend, head=head)
+
+    def describe_drafts(self) -> str:
+        """One line: the draft model and the feature head in use."""
+        parts = [f"draft {self.draft.name}" if self.draft is not None else "no draft model"]
+        if self.head is not None:
+            parts.append(f"feature head {self.head.name}")
+        return ", ".join(parts)
 
     def describe_backend(self) -> str:
         """One line: the forward path each model runs on, and why `auto` fell back to eager."""
         parts = []
         for role, runner in (("target", self.target_runner), ("draft", self.draft_runner)):
-            if runner is not None:
+            if isinstance(runner, Runner):
                 why = f" ({runner.fallback_reason})" if runner.fallback_reason else ""
                 parts.append(f"{role}: {runner.backend}{why}")
         return "; ".join(parts)
@@ -79,7 +95,8 @@ class Engine:
         config = cls.make_config(preset, **options)
         key = (name, config)
         if key not in self._methods:
-            self._methods[key] = cls(self.target_runner, self.draft_runner, config)
+            draft = self.head if cls.takes_head and self.head is not None else self.draft_runner
+            self._methods[key] = cls(self.target_runner, draft, config)
         return self._methods[key]
 
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from draftverify.errors import DraftVerifyError, require
+from draftverify.feature_draft import FeatureDraft, is_feature_draft
 from draftverify.static import StaticDecoder, layer_windows, unsupported_layer_types, unsupported_reason, window_masks
 from draftverify.util import atomic_path, cache_root, same_weights
 
@@ -213,8 +214,9 @@ def _layer_prefix(model: torch.nn.Module) -> str:
     raise AssertionError("unreachable")
 
 
-def load_draft(spec: str | None, target: Loaded, dtype: str = "auto", device: str = "auto") -> Loaded | None:
-    """Resolve a draft spec: `none`, `self:layers=N` (truncated target), a folder or a .gguf file.
+def load_draft(spec: str | None, target: Loaded, dtype: str = "auto", device: str = "auto") -> Loaded | FeatureDraft | None:
+    """Resolve a draft spec: `none`, `self:layers=N` (truncated target), a folder or a .gguf file: a
+    draft model, or a feature draft head (`make-draft --kind head`) bound to the target.
 
     `None` means the default draft for the target: the project's shipped draft when the target
     is the default model and the draft is installed, else `self:layers=8`.
@@ -228,6 +230,8 @@ def load_draft(spec: str | None, target: Loaded, dtype: str = "auto", device: st
         key, _, value = spec[len("self:") :].partition("=")
         require(key == "layers" and value.isdigit(), f"bad draft spec {spec!r}: use e.g. self:layers=8")
         return truncated_copy(target, int(value))
+    if is_feature_draft(spec):
+        return FeatureDraft.load(Path(spec)).bind(target)
     from transformers.utils import logging as hf_logging
 
     quiet = (Path(spec) / DRAFT_META_FILE).is_file()  # a slim draft: transformers would report its embeddings missing
@@ -268,6 +272,15 @@ def restore_shared_embeddings(draft: Loaded, target: Loaded, folder: Path) -> No
                            (target.model.get_output_embeddings(), draft.model.get_output_embeddings())):
         # `.to` returns the target's own tensor when device and dtype agree: no copy.
         module.weight = torch.nn.Parameter(source.weight.detach().to(weight.device, weight.dtype), requires_grad=False)
+
+
+def default_head(target: Loaded) -> FeatureDraft | None:
+    """The feature head shipped for the default model (`assets/smollm2-135m-head`), bound to `target`;
+    None for any other target or when it is not installed."""
+    path = Path(__file__).parent / "assets" / "smollm2-135m-head"
+    if target.name != DEFAULT_MODEL_FILE or not is_feature_draft(path):
+        return None
+    return FeatureDraft.load(path).bind(target)
 
 
 def shipped_draft_path() -> Path | None:
@@ -386,10 +399,13 @@ class Runner:
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         last: int | None = None,
-        hidden: bool = False,
+        hidden: bool | str = False,
         skip=None,
     ) -> Forward:
         """Append `tokens` [n] to the cache and return logits for the last `last` of them (all if None).
+
+        `hidden`: also return the final hidden states (after the final norm) of those rows, or of
+        every new token for "all".
 
         `skip` (a drafters.skipsets.SkipSet) bypasses sub-layers: the static decoder skips them, the eager
         model runs with them swapped out (`SkipSet.applied`), writing no K/V in skipped attention.
@@ -415,13 +431,15 @@ class Runner:
                 past_key_values=self.cache,
                 use_cache=True,
                 logits_to_keep=last or 0,
-                output_hidden_states=hidden,
+                output_hidden_states=bool(hidden),
                 **kwargs,
             )
         self._length += n
         self.forwards += 1
         logits = out.logits[0]  # [m, V]
-        states = out.hidden_states[-1][0, -logits.shape[0] :] if hidden else None  # [m, H]
+        states = None
+        if hidden:  # [m, H], or [n, H] for "all"
+            states = out.hidden_states[-1][0] if hidden == "all" else out.hidden_states[-1][0, -logits.shape[0] :]
         return Forward(logits, states)
 
     def _masks(self, tree_mask: torch.Tensor, positions: torch.Tensor, past: int):

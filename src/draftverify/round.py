@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from draftverify.drafters.base import Drafter
-from draftverify.models import Runner
+from draftverify.models import Forward, Runner
 from draftverify.sampling import sample
 from draftverify.session import Session
 from draftverify.step import Proposal, verify_step
@@ -33,12 +33,14 @@ from draftverify.step import Proposal, verify_step
 
 def decode(s: Session, target: Runner, drafter: Drafter | None = None) -> None:
     """Decode one request with `drafter` proposing (None: autoregressive decoding)."""
-    root = pick(prefill(s, target), s, target.device)
+    hidden = drafter is not None and drafter.needs_hidden
+    first = prefill(s, target, hidden)
+    root = pick(first.logits[-1], s, target.device)
     if not s.emit([root]):
         return
     seq = s.prompt + [root]
     if drafter is not None:
-        drafter.start(s, seq)
+        drafter.start(s, seq, first.hidden)
     limit = target.max_length or 1 << 30
     try:
         while True:
@@ -61,13 +63,14 @@ def decode(s: Session, target: Runner, drafter: Drafter | None = None) -> None:
             drafter.finish(s)
 
 
-def prefill(s: Session, target: Runner) -> torch.Tensor:
-    """Reset the target cache, run the prompt, return the logits [V] for the first new token."""
+def prefill(s: Session, target: Runner, hidden: bool = False) -> Forward:
+    """Reset the target cache and run the prompt: logits [1, V] for the first new token and, when asked,
+    the hidden state after every prompt token [len(prompt), H]."""
     target.reset()
     with s.stats.timer("verify"):
-        logits = target.forward(s.prompt, last=1).logits[-1]
+        out = target.forward(s.prompt, last=1, hidden="all" if hidden else False)
     s.stats.target_forwards += 1
-    return logits
+    return out
 
 
 def pick(logits: torch.Tensor, s: Session, device: torch.device) -> int:

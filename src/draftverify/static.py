@@ -283,7 +283,7 @@ class StaticDecoder:
         positions: torch.Tensor | None,
         tree_mask: torch.Tensor | None,
         last: int | None,
-        hidden: bool,
+        hidden: bool | str,
         skip=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed `tokens` [n]; return logits [m, V] for the last m = `last` (all if None), and hidden [m, H]."""
@@ -307,8 +307,10 @@ class StaticDecoder:
                 gate, up = layer.gate_up(x).split(layer.gate_up.out_features // 2, dim=-1)
                 h = h + layer.down(F.silu(gate) * up)
         self.length = past + n
-        rows = h[-last:] if last else h
-        rows = rms_norm(rows, self.norm, self.norm_eps)
+        if hidden == "all":  # every row's hidden state, logits for the last rows only
+            states = rms_norm(h, self.norm, self.norm_eps)
+            return self.head(states[-last:] if last else states), states
+        rows = rms_norm(h[-last:] if last else h, self.norm, self.norm_eps)
         return self.head(rows), (rows if hidden else None)
 
     def _attention(self, i, layer: _Layer, h, cos, sin, mask, past: int, n: int) -> torch.Tensor:

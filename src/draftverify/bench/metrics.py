@@ -13,6 +13,7 @@ Sums run over the records of one method in one repeat (all prompts, or one categ
 - target_forwards_per_token = sum target_forwards / sum new_tokens
 - draft_forwards_per_token  = sum draft_forwards / sum new_tokens
 - discarded_per_token       = sum (drafted - accepted) / sum new_tokens
+- draft_s_per_drafted       = sum draft_s / sum drafted (what one drafted token costs to draft)
 - draft_share, verify_share = sum draft_s / sum wall_s, sum verify_s / sum wall_s;
   other_share               = 1 - draft_share - verify_share
 - ttft_p50_s                = median over prompts of the time to the first emitted token
@@ -43,6 +44,7 @@ METRICS = (
     "target_forwards_per_token",
     "draft_forwards_per_token",
     "discarded_per_token",
+    "draft_s_per_drafted",
     "draft_share",
     "verify_share",
     "other_share",
@@ -93,6 +95,7 @@ def repeat_metrics(records: list[dict], baseline: dict[str, dict]) -> dict[str, 
         "target_forwards_per_token": _div(_sum(records, "target_forwards"), tokens),
         "draft_forwards_per_token": _div(_sum(records, "draft_forwards"), tokens),
         "discarded_per_token": _div(None if drafted is None or accepted is None else drafted - accepted, tokens),
+        "draft_s_per_drafted": _div(draft_s, drafted),
         "draft_share": draft_share,
         "verify_share": verify_share,
         "other_share": None if draft_share is None or verify_share is None else 1 - draft_share - verify_share,

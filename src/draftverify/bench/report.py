@@ -108,6 +108,7 @@ def _speed_rows(results: dict, summary: dict, exact: dict | None) -> list[list[s
 
 def _cost_rows(results: dict, summary: dict) -> list[list[str]]:
     rows = []
+    t1 = next(iter((results["cost_model"] or {}).get("target", {}).values()), None)  # one 1-token target forward
     for m in results["methods"]:
         s, peer = summary[m["label"]], m["peer"]
         split = [s["draft_share"], s["verify_share"], s["other_share"]]
@@ -118,12 +119,20 @@ def _cost_rows(results: dict, summary: dict) -> list[list[str]]:
             _cell(s["target_forwards_per_token"], ".3f", peer),
             _cell(s["draft_forwards_per_token"], ".3f", peer),
             _cell(s["discarded_per_token"], ".3f", peer),
+            _per_drafted(s.get("draft_s_per_drafted"), t1),
             split_text,
             _cell(s["ttft_p50_s"], ".1f", peer, scale=1000),
             _cell(s["latency_p50_s"], ".1f", peer, scale=1000) + " / " + _cell(s["latency_p99_s"], ".1f", peer, scale=1000),
             "unknown" if mem is None else f"{mem / 2**20:.0f}",
         ])
     return rows
+
+
+def _per_drafted(spread: dict | None, t1: float | None) -> str:
+    if spread is None or spread["median"] is None:
+        return "-"
+    ms = spread["median"] * 1000
+    return f"{ms:.2f}" + (f" ({spread['median'] / t1:.3f}x)" if t1 else "")
 
 
 def to_markdown(results: dict) -> str:
@@ -139,7 +148,8 @@ def to_markdown(results: dict) -> str:
         results["command"] or "(run from Python)",
         "```",
         "",
-        f"- target `{cfg['target']}`, draft `{cfg['draft'] or 'none'}`, {cfg['dtype'].replace('torch.', '')} on {env['device']} ({hardware}), "
+        f"- target `{cfg['target']}`, draft `{cfg['draft'] or 'none'}`" + (f", feature head `{cfg['head']}`" if cfg.get("head") else "") + ", "
+        f"{cfg['dtype'].replace('torch.', '')} on {env['device']} ({hardware}), "
         f"{env['torch_threads']} threads; torch {env['torch']}, transformers {env['transformers']}, draftverify {env['draftverify']}"
         + (f" ({env['git_commit']})" if env.get("git_commit") else ""),
         f"- {len(results['prompts'])} prompts ({len(results['skipped'])} skipped), {cfg['max_new_tokens']} new tokens at most, "
@@ -156,7 +166,7 @@ def to_markdown(results: dict) -> str:
     out += ["", "## Cost per generated token (all prompts)", ""]
     mem_label = {"cuda_max_allocated": "CUDA max allocated", "process_peak_rss": "process peak RSS", "process_max_rss_growth": "process max-RSS growth"}.get(mem_kind, "memory")
     out += _table(
-        ["method", "target forwards/token", "draft forwards/token", "discarded/token", "time draft / verify / other", "TTFT p50 (ms)", "per-token latency p50 / p99 (ms)", f"peak memory, {mem_label} (MiB)"],
+        ["method", "target forwards/token", "draft forwards/token", "discarded/token", "draft time per drafted token (ms, x target forward)", "time draft / verify / other", "TTFT p50 (ms)", "per-token latency p50 / p99 (ms)", f"peak memory, {mem_label} (MiB)"],
         _cost_rows(results, results["summary"]["all"]),
     )
     if mem_kind in ("process_peak_rss", "process_max_rss_growth"):

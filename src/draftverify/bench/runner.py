@@ -161,7 +161,7 @@ class Bench:
         require(specs and specs[0].is_baseline, "the autoregressive baseline must come first")
         for spec in specs:
             require(
-                engine.draft is not None or not spec.needs_draft,
+                engine.draft is not None or not spec.needs_draft or (engine.head is not None and spec.takes_head),
                 f"method {spec.label!r} needs a draft model: pass --draft (e.g. self:layers=8) or drop it from --methods",
             )
         if any(s.engine == "llama.cpp" for s in specs):
@@ -190,6 +190,7 @@ class Bench:
             "target_identity": self.engine.target.identity,
             "draft": draft.name if draft is not None else None,
             "draft_identity": draft.identity if draft is not None else None,
+            "head": self.engine.head.name if self.engine.head is not None else None,
             "dtype": str(self.engine.target.model.dtype),
             "backend": self.engine.target_runner.backend,
             "device": str(self.device),
@@ -254,7 +255,7 @@ class Bench:
                     state = self.peer_states[spec.label] = PeerState(spec, draft)
                 fields = run_peer(spec, state, engine.target.model, draft, ids, sampling, max_new_tokens, engine.eos_ids())
             else:
-                runner = engine if spec.warm else Engine(engine.target, engine.draft, engine.backend)  # fresh method instance
+                runner = engine if spec.warm else Engine(engine.target, engine.draft, engine.backend, head=engine.head)  # fresh method instance
                 result = runner.generate(
                     ids, method=spec.name, preset=spec.preset, max_new_tokens=max_new_tokens,
                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed,

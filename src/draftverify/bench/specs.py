@@ -111,6 +111,10 @@ class BenchSpec(MethodSpec):
         return PEERS[self.name].needs_draft if self.is_peer else METHODS[self.name].needs_draft
 
     @property
+    def takes_head(self) -> bool:
+        return not self.is_peer and METHODS[self.name].takes_head
+
+    @property
     def is_baseline(self) -> bool:
         return self.name == BASELINE and self.preset is None and not self.options
 

@@ -20,8 +20,11 @@ __all__ = ["Drafter", "Proposal", "Step", "add", "standalone"]
 class Drafter(ABC):
     """Proposes candidates each round; see the module docstring."""
 
-    def start(self, s: Session, seq: list[int]) -> None:
-        """A request begins: `seq` is the prompt and the first emitted token."""
+    needs_hidden: bool = False  # start() wants the target's hidden states of the prompt
+
+    def start(self, s: Session, seq: list[int], hidden=None) -> None:
+        """A request begins: `seq` is the prompt and the first emitted token. `hidden` [len(prompt), H]: the
+        target's final hidden state after each prompt token, when the drafter `needs_hidden` (else None)."""
 
     @abstractmethod
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:

@@ -21,7 +21,7 @@ class DraftModel(Drafter):
     def __init__(self, draft: Runner, policy: DraftPolicy, skip=None):
         self.draft, self.policy, self.skip = draft, policy, skip
 
-    def start(self, s: Session, seq: list[int]) -> None:
+    def start(self, s: Session, seq: list[int], hidden=None) -> None:
         self.draft.reset()
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:

@@ -13,7 +13,7 @@ from draftverify.session import Session
 
 
 class LayerSkip(DraftModel):
-    def start(self, s: Session, seq: list[int]) -> None:
+    def start(self, s: Session, seq: list[int], hidden=None) -> None:
         pass  # the target's cache: the round has just filled it
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:

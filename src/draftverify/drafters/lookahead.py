@@ -71,7 +71,7 @@ class Lookahead(Drafter):
         self.pool, self.W, self.N, self.G, self.context = pool, W, N, G, context
         self.window: JacobiWindow | None = None
 
-    def start(self, s: Session, seq: list[int]) -> None:
+    def start(self, s: Session, seq: list[int], hidden=None) -> None:
         self.window = window_for(s, self.W, self.N)
         if self.context:
             add(s.stats.extra, context_ngrams=self.pool.insert_all(ngrams(seq, self.N)))

@@ -30,7 +30,7 @@ class Phrases(Drafter):
         self.draft, self.pool, self.policy, self.c = draft, pool, policy, config  # config: OuroborosConfig
         self.window: JacobiWindow | None = None
 
-    def start(self, s: Session, seq: list[int]) -> None:
+    def start(self, s: Session, seq: list[int], hidden=None) -> None:
         self.draft.reset()
         self.window = window_for(s, self.c.W, self.c.N) if self.c.phrase_drafting else None
 

@@ -35,7 +35,8 @@ class Method(ABC):
     """A decoding method: `run(session)` decodes one request and emits its tokens.
 
     Subclasses set `name`, `Config` (a frozen dataclass validated in `__post_init__`),
-    `presets` (named Config settings, e.g. the papers' hyperparameters) and `needs_draft`;
+    `presets` (named Config settings, e.g. the papers' hyperparameters) and `needs_draft` (a
+    draft: a draft model's Runner or a `FeatureDraft` head);
     optionally `aliases`, other names the method is found by; and `drafter(s)`.
     """
 
@@ -43,9 +44,10 @@ class Method(ABC):
     Config: ClassVar[type] = NoConfig
     presets: ClassVar[dict[str, dict]] = {}
     needs_draft: ClassVar[bool] = False
+    takes_head: ClassVar[bool] = False  # drafts with a feature head (FeatureDraft) when the engine has one
     aliases: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, target: Runner, draft: Runner | None = None, config=None):
+    def __init__(self, target: Runner, draft=None, config=None):
         require(
             draft is not None or not self.needs_draft,
             f"method {self.name!r} needs a draft model: pass --draft (e.g. self:layers=8) or pick another method",
@@ -67,6 +69,12 @@ class Method(ABC):
             if value is not None:
                 values[key] = value
         return cls.Config(**values)
+
+    def draft_model(self) -> Runner:
+        """The draft model's runner, refusing a feature head (for methods that draft with a model of their own)."""
+        require(isinstance(self.draft, Runner), f"method {self.name!r} needs a draft model, not a feature head: pass --draft "
+                "with a model folder (e.g. --draft self:layers=8), or use speculative / ouroboros")
+        return self.draft
 
     def drafter(self, s: Session) -> Drafter | None:
         """What proposes candidates for request `s` (None: nothing, plain autoregressive decoding)."""

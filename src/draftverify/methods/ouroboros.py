@@ -20,6 +20,12 @@ Each round:
 5. both caches roll back to the accepted tokens. The pool outlives the request (`reuse`).
 Drafting is `drafters.phrases.Phrases` (1, inspiration) inside `drafters.lengthened.Lengthened`
 (2, refinement); the rest is the shared round (`round.decode`).
+
+With a feature draft head (the default model's default, or `--draft` a head folder) step 1 is
+the head's EAGLE-2 tree (`drafters.feature.FeatureHead`) instead of phrase drafting on a draft
+model: its best chain is lengthened by the pool's suffixes (2), refinement keeps the pool (4),
+and the pool is fed the request's own n-grams (as `lookahead:context`: the prompt's, then the
+output's). Inspiration and the draft's Jacobi window need a draft model and are not used.
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftverify.drafters.base import Drafter
+from draftverify.drafters.feature import FeatureHead
 from draftverify.drafters.lengthened import Lengthened
 from draftverify.drafters.phrases import Phrases
 from draftverify.drafters.pool import PhrasePool
 from draftverify.errors import require
+from draftverify.feature_draft import FeatureDraft
 from draftverify.methods.base import register
 from draftverify.methods.lookahead import PoolMethod
 from draftverify.policies import POLICIES, DraftPolicy, make_policy
@@ -88,6 +96,7 @@ class Ouroboros(PoolMethod):
     name = "ouroboros"
     Config = OuroborosConfig
     needs_draft = True
+    takes_head = True
     presets = {
         "cpu": {},  # the defaults: small trees for a CPU, where a 16-token forward costs 3.5 single ones
         "specbench": {"gamma": 6, "W": 15, "N": 5, "G": 15, "K": 3},  # reference Spec-Bench script
@@ -100,5 +109,8 @@ class Ouroboros(PoolMethod):
 
     def pool_drafter(self, s: Session, pool: PhrasePool) -> Drafter:
         c = self.config
-        phrases = Phrases(self.draft, pool, self.make_policy(), c)
+        if isinstance(self.draft, FeatureDraft):  # the head's tree, lengthened by pool suffixes
+            head = FeatureHead(self.draft, self.target)
+            return Lengthened(head, pool, c.K, c.refinement, context=True) if c.lengthening else head
+        phrases = Phrases(self.draft_model(), pool, self.make_policy(), c)
         return Lengthened(phrases, pool, c.K, c.refinement) if c.lengthening else phrases

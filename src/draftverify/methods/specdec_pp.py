@@ -58,7 +58,7 @@ class HeadStops:
         if self._head is None:  # loaded once, checked against this draft/target pair
             self._head = load_head(
                 resolve_head(self.config.head),
-                draft_identity=model_identity(self.draft.model),
+                draft_identity=model_identity(self.draft_model().model),
                 target_identity=model_identity(self.target.model),
             ).to(self.draft.device)
         return AcceptanceHeadPolicy(self._head, self.config.h, self.config.cap)
@@ -73,7 +73,7 @@ class SpecDecPP(HeadStops, Method):
     presets = {"paper": {"h": 0.7, "cap": 20}, **THRESHOLD_PRESETS}  # paper: best overall, with a w_rej = 6 head
 
     def drafter(self, s: Session) -> DraftModel:
-        return DraftModel(self.draft, self.make_policy())
+        return DraftModel(self.draft_model(), self.make_policy())
 
 
 @dataclass(frozen=True)

@@ -129,25 +129,27 @@ def record_dicts(records: list[Record]) -> list[dict]:
     return [asdict(r) for r in records]
 
 
+def keep_plan(folder: Path, plan, what: str) -> None:
+    """Record `plan` (a dataclass) in folder/plan.json, or refuse a folder that was made with another plan."""
+    path = folder / "plan.json"
+    if not path.is_file():
+        atomic_write(path, json.dumps(asdict(plan), indent=1))
+        return
+    try:
+        stored = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DraftVerifyError(f"{path} is corrupt: delete {folder} and run again") from exc
+    require(stored == json.loads(json.dumps(asdict(plan))),
+            f"{what} in {folder} was made for another target or settings: use another --work folder or delete it")
+
+
 class DataCache:
     """The shards of one build under `work/data`: `plan.json`, `heldout.pt`, `shard-NNNNN.pt`."""
 
     def __init__(self, work: Path, plan: DataPlan):
         self.folder = Path(work) / "data"
         self.plan = plan
-        plan_path = self.folder / "plan.json"
-        if plan_path.is_file():
-            try:
-                stored = json.loads(plan_path.read_text())
-            except json.JSONDecodeError as exc:
-                raise DraftVerifyError(f"{plan_path} is corrupt: delete {self.folder} and run again") from exc
-            require(
-                stored == json.loads(json.dumps(asdict(plan))),
-                f"the data cache in {self.folder} was made for another target or settings: "
-                "use another --work folder or delete it",
-            )
-        else:
-            atomic_write(plan_path, json.dumps(asdict(plan), indent=1))
+        keep_plan(self.folder, plan, "the data cache")
 
     def shards(self) -> list[Path]:
         return sorted(self.folder.glob("shard-*.pt"))

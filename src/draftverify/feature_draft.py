@@ -1,0 +1,243 @@
+"""A feature-level draft head (EAGLE family, Li et al. 2024; FR-Spec's frequency-ranked vocabulary).
+
+The head does not read tokens alone: at position t it reads the target's final hidden state
+f_t (what the target's LM head turns into the logits for token t + 1) together with the
+embedding of token t + 1, and predicts f_{t+1}; the target's own frozen LM head, restricted
+to the `vocab` most frequent tokens of the training replies (FR-Spec), turns that into draft
+logits. For later draft positions it reads its own predicted features (EAGLE).
+
+    x_t  = fc([norm(f_t) ; norm(embed(token_{t+1}))])   # 2H -> H
+    f'_t = norm(decoder_layer(x_t | x_<t))       # one Llama-style layer with its own KV cache
+    draft logits for token t + 2 = lm_head[vocab] @ f'_t
+
+Embeddings and LM head are the target's (never stored): a head is bound to its target and
+refused on any other. Files: `feature_draft.json` (config, target identity, the vocabulary)
+and `model.safetensors` (the head's own weights).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftverify.errors import DraftVerifyError, require
+from draftverify.static import packed_linear
+from draftverify.util import atomic_path, atomic_write, describe_identity, same_weights
+
+CONFIG_FILE = "feature_draft.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    vocab: tuple[int, ...]  # target token ids the head can draft, most frequent first
+    target: dict  # Loaded.identity of the target it was trained for
+
+    @classmethod
+    def for_target(cls, target, vocab: list[int]) -> "HeadConfig":
+        c = target.model.config
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        theta = getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        return cls(c.hidden_size, c.intermediate_size, heads, getattr(c, "num_key_value_heads", heads), head_dim,
+                   float(theta), float(getattr(c, "rms_norm_eps", 1e-6)), tuple(int(v) for v in vocab), target.identity)
+
+
+class FeatureDraft(nn.Module):
+    """The head; `bind(target)` attaches the target's embeddings and restricted LM head."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = c = config
+        h, d = c.hidden_size, c.head_dim
+        self.norm_feature = nn.RMSNorm(h, eps=c.rms_eps)  # both inputs at one scale (EAGLE-3): the target's
+        self.norm_embed = nn.RMSNorm(h, eps=c.rms_eps)  # final norm leaves features far larger than embeddings
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.norm_in = nn.RMSNorm(h, eps=c.rms_eps)
+        self.q = nn.Linear(h, c.num_heads * d, bias=False)
+        self.kv = nn.Linear(h, 2 * c.num_kv_heads * d, bias=False)
+        self.o = nn.Linear(c.num_heads * d, h, bias=False)
+        self.norm_post = nn.RMSNorm(h, eps=c.rms_eps)
+        self.gate_up = nn.Linear(h, 2 * c.intermediate_size, bias=False)
+        self.down = nn.Linear(c.intermediate_size, h, bias=False)
+        self.norm_out = nn.RMSNorm(h, eps=c.rms_eps)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("vocab", torch.tensor(c.vocab, dtype=torch.long), persistent=False)
+        self.name = "feature-head"  # the folder's name once loaded
+        self._fast: dict | None = None  # prepacked linears for drafting (`pack`)
+        self.embed: torch.Tensor | None = None  # [V, H] the target's, frozen
+        self.lm_head: torch.Tensor | None = None  # [N, H] the target's LM head rows of `vocab`, frozen
+
+    def bind(self, target) -> "FeatureDraft":
+        """Attach the target's (a `models.Loaded`) embeddings and LM head, refusing a target it was not trained for."""
+        require(same_weights(self.config.target, target.identity),
+                f"this feature draft was trained for {describe_identity(self.config.target)}, not {describe_identity(target.identity)}: "
+                "build one for this target with `draftverify make-draft --kind head`")
+        embed = target.model.get_input_embeddings().weight.detach()
+        head = target.model.get_output_embeddings().weight.detach()
+        self.to(device=embed.device, dtype=embed.dtype)
+        self.embed = embed
+        self.lm_head = head[self.vocab.to(head.device)].contiguous()
+        return self
+
+    def pack(self) -> "FeatureDraft":
+        """Draft through the static path's prepacked linears (our one-row kernel, oneDNN) in eval mode.
+        For inference only: the packed copies do not follow later changes of the weights."""
+        if self._fast is None and self.fc.weight.device.type == "cpu":
+            lm = SimpleNamespace(weight=self.lm_head, bias=None, out_features=self.lm_head.shape[0])
+            self._fast = {name: packed_linear([getattr(self, name)]) for name in ("fc", "q", "kv", "o", "gate_up", "down")}
+            self._fast["lm_head"] = packed_linear([lm])
+        return self
+
+    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        fast = self._fast.get(name) if self._fast is not None and not self.training else None
+        if fast is None:
+            return getattr(self, name)(x) if name != "lm_head" else x @ self.lm_head.T
+        return fast(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
+    def init_from(self, target, layer: int = -1) -> None:
+        """Start from a target decoder layer's weights (a better start than random: same feature space)."""
+        src = target.model.get_decoder().layers[layer]
+        a, m = src.self_attn, src.mlp
+        with torch.no_grad():
+            self.q.weight.copy_(a.q_proj.weight)
+            self.kv.weight.copy_(torch.cat([a.k_proj.weight, a.v_proj.weight]))
+            self.o.weight.copy_(a.o_proj.weight)
+            self.gate_up.weight.copy_(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+            self.down.weight.copy_(m.down_proj.weight)
+            self.norm_in.weight.copy_(src.input_layernorm.weight)
+            self.norm_post.weight.copy_(src.post_attention_layernorm.weight)
+            self.norm_out.weight.copy_(target.model.get_decoder().norm.weight)
+            h = self.config.hidden_size  # fc starts as the sum of the normalised feature and embedding
+            self.fc.weight.zero_()
+            self.fc.weight[:, h:].copy_(torch.eye(h))
+            self.fc.weight[:, :h].copy_(torch.eye(h))
+
+    # -- the layer, on [B, T, H] inputs with explicit key/value sets -------------------------------
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., T, head_dim] for integer positions [..., T]."""
+        angles = positions.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq  # [..., T, d/2]
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(self.fc.weight.dtype), angles.sin().to(self.fc.weight.dtype)
+
+    def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[..., H] features and [...] next tokens -> [..., H] layer inputs."""
+        return self._linear("fc", torch.cat([self.norm_feature(features), self.norm_embed(F.embedding(tokens, self.embed))], dim=-1))
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, T, H] -> q [B, heads, T, d], k and v [B, kv heads, T, d], rotated."""
+        c = self.config
+        b, t, _ = x.shape
+        y = self.norm_in(x)
+        q = self._linear("q", y).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+        k, v = self._linear("kv", y).view(b, t, 2, c.num_kv_heads, c.head_dim).permute(2, 0, 3, 1, 4)
+        cos, sin = self.rope(positions)
+        cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def finish(self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of q over keys/values (mask: bool [T, S], True = may attend), MLP, final norm -> [B, T, H]."""
+        c = self.config
+        b, _, t, _ = q.shape
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=c.num_heads != c.num_kv_heads)
+        x = x + self._linear("o", out.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))
+        gate, up = self._linear("gate_up", self.norm_post(x)).chunk(2, dim=-1)
+        x = x + self._linear("down", F.silu(gate) * up)
+        return self.norm_out(x)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., H] predicted features -> [..., N] logits over the head's vocabulary."""
+        return self._linear("lm_head", features)
+
+    # -- files -------------------------------------------------------------------------------------
+
+    def save(self, folder: Path, dtype: torch.dtype = torch.float32) -> None:
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        with atomic_path(folder / WEIGHTS_FILE) as tmp:
+            save_file(tensors, str(tmp))
+        atomic_write(folder / CONFIG_FILE, json.dumps(asdict(self.config), indent=1))
+
+    @classmethod
+    def load(cls, folder: Path) -> "FeatureDraft":
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        try:
+            config = HeadConfig(**{**json.loads((folder / CONFIG_FILE).read_text())})
+            config = HeadConfig(**{**asdict(config), "vocab": tuple(config.vocab)})
+            head = cls(config)
+            head.load_state_dict({k: v.float() for k, v in load_file(str(folder / WEIGHTS_FILE)).items()})
+            head.name = folder.name
+        except (OSError, ValueError, TypeError, RuntimeError) as exc:
+            raise DraftVerifyError(f"cannot load the feature draft in {folder} ({type(exc).__name__}): rebuild it with "
+                                   "`draftverify make-draft --kind head`") from exc
+        return head.eval().requires_grad_(False)
+
+
+def is_feature_draft(path: str | Path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class HeadCache:
+    """The head's own KV cache for one request: committed positions, then scratch draft entries."""
+
+    def __init__(self, head: FeatureDraft, capacity: int = 256):
+        c = head.config
+        self.head, self.length = head, 0
+        shape = (1, c.num_kv_heads, capacity, c.head_dim)
+        self.keys = torch.zeros(shape, dtype=head.fc.weight.dtype, device=head.fc.weight.device)
+        self.values = torch.zeros_like(self.keys)
+
+    def _reserve(self, n: int) -> None:
+        if n > self.keys.shape[2]:
+            grow = max(n, 2 * self.keys.shape[2])
+            pad = (0, 0, 0, grow - self.keys.shape[2])
+            self.keys, self.values = F.pad(self.keys, pad), F.pad(self.values, pad)
+
+    @torch.inference_mode()
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Append n rows (features [n, H], next tokens [n], positions [n]); return the predicted features [n, H].
+
+        mask: bool [n, S] over the last S entries including the new rows (True = may attend); every
+        earlier entry is attended. None: causal among the new rows.
+        """
+        head, past, n = self.head, self.length, tokens.shape[0]
+        self._reserve(past + n)
+        x = head.inputs(features, tokens).unsqueeze(0)  # [1, n, H]
+        q, k, v = head.qkv(x, positions.view(1, n))
+        self.keys[:, :, past : past + n], self.values[:, :, past : past + n] = k, v
+        full = None
+        if mask is not None or n > 1:
+            own = mask if mask is not None else torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
+            full = torch.cat([torch.ones(n, past + n - own.shape[1], dtype=torch.bool, device=own.device), own], dim=1)
+        self.length = past + n
+        return head.finish(x, q, self.keys[:, :, : past + n], self.values[:, :, : past + n], full)[0]
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+

@@ -1,0 +1,162 @@
+"""The feature draft head: training matches drafting, drafting with it is lossless, builds resume."""
+
+from __future__ import annotations
+
+import json
+import traceback
+
+import pytest
+import torch
+
+from draftverify import Engine
+from draftverify.errors import DraftVerifyError
+from draftverify.feature_draft import FeatureDraft, HeadCache, HeadConfig
+from draftverify.models import load_draft
+from draftverify.sampling import Sampling
+from draftverify.tools.make_draft.head import HeadTraining, build_head, rollout, rollout_mask
+from phrase_sampling import broken_rule, second_token_pvalue
+
+WORDS = ["apple", "river", "stone", "cloud", "green", "quick", "seven", "paper"]
+TINY = dict(gen_batch=8, max_new_tokens=24, max_prompt_tokens=64, heldout=4, vocab=60, batch_tokens=512, max_len=96, epochs=30,
+            budget_minutes=2.0, lr=3e-3, warmup=5)
+
+
+def quiet(_):
+    pass
+
+
+def random_head(target, seed: int = 0, vocab: list[int] | None = None) -> FeatureDraft:
+    torch.manual_seed(seed)
+    vocab = vocab or list(range(target.model.config.vocab_size))
+    head = FeatureDraft(HeadConfig.for_target(target, vocab)).bind(target)
+    head.init_from(target)
+    with torch.no_grad():
+        head.fc.weight.add_(0.3 * torch.randn_like(head.fc.weight))
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def built(tiny, tmp_path_factory):
+    """A head trained for a few seconds on a tiny target's replies to 48 prompts."""
+    target = tiny("llama", layers=2)
+    folder = tmp_path_factory.mktemp("head")
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{WORDS[i % 8]} {WORDS[i * 3 % 8]} {i}"}) + "\n" for i in range(48)))
+    facts = build_head(target, folder / "out", prompts, HeadTraining(**TINY), log=quiet, progress=False)
+    return target, folder / "out", prompts, facts
+
+
+def test_rollout_mask_is_a_draft_of_that_depth():
+    m = rollout_mask(5, 3)  # step 3 at position 4: true inputs 0..2, step-2 input at 3, its own at 4
+    assert m[4].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3, 10 + 4]
+    assert rollout_mask(4, 1).equal(torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_drafting_reproduces_the_training_rollout(tiny):
+    """What training calls rollout step s at position t is what the head's cache computes when it drafts
+    s tokens deep from there: the training-time test trains the drafting the head does."""
+    target = tiny("llama", layers=2)
+    head = random_head(target)
+    ids = torch.randint(3, 90, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        feats = target.model.get_decoder()(input_ids=ids).last_hidden_state  # [1, 20, H]
+        outs = rollout(head, feats[:, :-1], ids[:, 1:], 3)
+    p = 10  # true inputs at positions 0..p, then two drafted steps
+    cache = HeadCache(head)
+    out = cache.forward(feats[0, : p + 1], ids[0, 1 : p + 2], torch.arange(p + 1))
+    got = [out[-1]]
+    for d in (1, 2):
+        got.append(cache.forward(got[-1][None], ids[0, p + 1 + d : p + 2 + d], torch.tensor([p + d]))[0])
+    for s, g in enumerate(got):
+        assert torch.allclose(g, outs[s][0, p + s], atol=1e-4), s
+
+
+@pytest.mark.parametrize("backend", ["static", "eager"])
+def test_speculative_and_ouroboros_with_the_head_are_lossless(built, backend):
+    target, out, _, _ = built
+    engine = Engine(target, load_draft(str(out), target), backend=backend)
+    accepted = 0
+    for prompt in ("apple river 3", "cloud stone seven", "paper"):
+        ids = engine.encode(prompt, chat=True)
+        ar = engine.generate(ids, method="autoregressive", max_new_tokens=30, eos_token_id=[])
+        options_list = ({}, {"nodes": 12}, {"preset": "chain", "nodes": 5}, {"k": 2, "nodes": 4})
+        for method, options in [("speculative", o) for o in options_list] + [("ouroboros", {})]:
+            r = engine.generate(ids, method=method, max_new_tokens=30, eos_token_id=[], **options)
+            assert r.tokens == ar.tokens, (backend, prompt, method, options)
+            accepted += r.stats.accepted
+    assert accepted > 20  # the trained head agrees with its target: the accepted paths' features are exercised
+
+
+def test_tree_sampling_matches_the_target(tiny, monkeypatch):
+    """Sampled decoding verifies the head's tree by multi-draft rejection sampling: the second token
+    follows the target's exact law, and the classic wrong rule is caught. The head drafts only the
+    four likeliest second tokens, so its guesses are often right and often wrong."""
+    target = tiny("llama", seed=0, layers=2, hidden=32)
+    sampling, n, prompt = Sampling(temperature=1.0, top_k=6), 1200, [5, 9, 14]
+    with torch.inference_mode():
+        p1 = sampling.probs(target.model(torch.tensor([prompt])).logits[0, -1])
+        p2 = sum(p1[x] * sampling.probs(target.model(torch.tensor([prompt + [x]])).logits[0, -1]) for x in p1.nonzero().flatten().tolist())
+    engine = Engine(target, random_head(target, seed=4, vocab=p2.topk(4).indices.tolist()))
+
+    def pvalue():
+        counts: dict[int, int] = {}
+        for seed in range(n):
+            r = engine.generate(prompt, method="speculative", max_new_tokens=3, temperature=1.0, top_k=6, seed=seed, eos_token_id=[], nodes=6, k=2)
+            counts[r.tokens[1]] = counts.get(r.tokens[1], 0) + 1
+        return second_token_pvalue(target.model, prompt, sampling, counts)
+
+    assert pvalue() > 1e-3
+    broken_rule(monkeypatch)
+    assert pvalue() < 1e-4
+
+
+def test_the_head_is_refused_on_another_target(built, tiny):
+    _, out, _, _ = built
+    with pytest.raises(DraftVerifyError, match="make-draft --kind head"):
+        load_draft(str(out), tiny("llama", seed=5, layers=2))
+
+
+def test_built_head_has_a_card_and_learned(built):
+    _, out, _, facts = built
+    card = (out / "README.md").read_text()
+    assert "Built with" in card and f"{facts['heldout_top1'][0]:.3f}" in card
+    assert facts["heldout_top1"][0] > 0.3, facts["heldout_top1"]
+
+
+def test_interrupted_build_resumes_to_the_same_weights(built, tmp_path):
+    target, _, prompts, _ = built
+    settings = {**TINY, "epochs": 2}
+    whole = build_head(target, tmp_path / "a", prompts, HeadTraining(**settings, steps=6), log=quiet, progress=False)
+    build_head(target, tmp_path / "b", prompts, HeadTraining(**settings, steps=3), log=quiet, progress=False)
+    with pytest.raises(DraftVerifyError, match="--resume"):
+        build_head(target, tmp_path / "b", prompts, HeadTraining(**settings, steps=6), log=quiet, progress=False)
+    resumed = build_head(target, tmp_path / "b", prompts, HeadTraining(**settings, steps=6), resume=True, log=quiet, progress=False)
+    assert resumed["steps"] == whole["steps"] == 6
+    a = FeatureDraft.load(tmp_path / "a").state_dict()
+    b = FeatureDraft.load(tmp_path / "b").state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_bad_prompt_file_gets_a_one_line_error(built, tmp_path):
+    target, _, _, _ = built
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "fine"}\nnot json\n')
+    with pytest.raises(DraftVerifyError, match="line 2 is not a JSON object"):
+        build_head(target, tmp_path / "x", bad, HeadTraining(**TINY), log=quiet, progress=False)
+
+
+def test_cli_builds_a_head(built, tmp_path):
+    from typer.testing import CliRunner
+
+    from draftverify.cli import app
+
+    target, _, prompts, _ = built
+    target.model.save_pretrained(tmp_path / "target")
+    target.tokenizer.save_pretrained(tmp_path / "target")
+    result = CliRunner().invoke(app, ["make-draft", "--kind", "head", "--target", str(tmp_path / "target"), "--prompts", str(prompts),
+                                      "--out", str(tmp_path / "h"), "--vocab", "50", "--epochs", "1", "--gen-batch", "16",
+                                      "--max-new-tokens", "8", "--heldout", "4", "--budget-minutes", "1"])
+    assert result.exit_code == 0, result.output + "".join(traceback.format_exception(*result.exc_info))
+    assert {"feature_draft.json", "model.safetensors", "README.md"} <= {p.name for p in (tmp_path / "h").iterdir()}
+    result = CliRunner().invoke(app, ["make-draft", "--kind", "head", "--out", str(tmp_path / "h2")])
+    assert result.exit_code != 0 and "--prompts" in str(result.exception)
