@@ -55,7 +55,7 @@ def _load_engine(target, draft, dtype, device, draft_device=None, device_map=Non
     from draftverify.engine import Engine
 
     engine = Engine.load(target, draft, dtype=dtype, device=device, draft_device=draft_device, device_map=device_map, backend=backend)
-    if any(getattr(r, "fallback_reason", None) for r in (engine.target_runner, engine.draft_runner)):
+    if any(r is not None and r.fallback_reason for r in (engine.target_runner, engine.draft_runner)):
         typer.echo(f"backend: {engine.describe_backend()}", err=True)
     return engine
 

@@ -14,9 +14,9 @@ from typing import Callable
 import torch
 
 from draftverify.errors import require
+from draftverify.feature_draft import FeatureDraft
 from draftverify.methods import Method
 from draftverify.methods.spec import method_class
-from draftverify.feature_draft import FeatureDraft
 from draftverify.models import Loaded, Runner, default_head, load_draft, load_model
 from draftverify.sampling import Sampling
 from draftverify.session import Session, Stopping
@@ -84,7 +84,7 @@ class Engine:
         """One line: the forward path each model runs on, and why `auto` fell back to eager."""
         parts = []
         for role, runner in (("target", self.target_runner), ("draft", self.draft_runner)):
-            if isinstance(runner, Runner):
+            if runner is not None:
                 why = f" ({runner.fallback_reason})" if runner.fallback_reason else ""
                 parts.append(f"{role}: {runner.backend}{why}")
         return "; ".join(parts)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftverify.errors import DraftVerifyError, require
-from draftverify.static import packed_linear
+from draftverify.static import packed_linear, rotate_half
 from draftverify.util import atomic_path, atomic_write, describe_identity, same_weights
 
 CONFIG_FILE = "feature_draft.json"
@@ -148,7 +148,7 @@ class FeatureDraft(nn.Module):
         k, v = self._linear("kv", y).view(b, t, 2, c.num_kv_heads, c.head_dim).permute(2, 0, 3, 1, 4)
         cos, sin = self.rope(positions)
         cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
     def finish(self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Attention of q over keys/values (mask: bool [T, S], True = may attend), MLP, final norm -> [B, T, H]."""
@@ -182,9 +182,8 @@ class FeatureDraft(nn.Module):
 
         folder = Path(folder)
         try:
-            config = HeadConfig(**{**json.loads((folder / CONFIG_FILE).read_text())})
-            config = HeadConfig(**{**asdict(config), "vocab": tuple(config.vocab)})
-            head = cls(config)
+            raw = json.loads((folder / CONFIG_FILE).read_text())
+            head = cls(HeadConfig(**{**raw, "vocab": tuple(raw["vocab"])}))
             head.load_state_dict({k: v.float() for k, v in load_file(str(folder / WEIGHTS_FILE)).items()})
             head.name = folder.name
         except (OSError, ValueError, TypeError, RuntimeError) as exc:
@@ -195,11 +194,6 @@ class FeatureDraft(nn.Module):
 
 def is_feature_draft(path: str | Path) -> bool:
     return (Path(path) / CONFIG_FILE).is_file()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 class HeadCache:

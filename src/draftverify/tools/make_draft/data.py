@@ -143,28 +143,46 @@ def keep_plan(folder: Path, plan, what: str) -> None:
             f"{what} in {folder} was made for another target or settings: use another --work folder or delete it")
 
 
-class DataCache:
-    """The shards of one build under `work/data`: `plan.json`, `heldout.pt`, `shard-NNNNN.pt`."""
+class ShardFolder:
+    """Shards of one build under `work/<subfolder>`: `plan.json`, `heldout.pt`, `shard-NNNNN.pt`, each
+    shard a dict whose `key` entry lists `item`s as dicts. A folder made under another plan is refused."""
 
-    def __init__(self, work: Path, plan: DataPlan):
-        self.folder = Path(work) / "data"
+    subfolder: str
+    key: str
+    item: type
+    what: str  # how errors name this data
+
+    def __init__(self, work: Path, plan):
+        self.folder = Path(work) / self.subfolder
         self.plan = plan
-        keep_plan(self.folder, plan, "the data cache")
+        keep_plan(self.folder, plan, self.what)
 
     def shards(self) -> list[Path]:
         return sorted(self.folder.glob("shard-*.pt"))
 
-    def load(self, path: Path) -> list[Record]:
+    def read(self, path: Path) -> dict:
+        """A shard as written, refusing a corrupt or foreign file with a one-line error."""
         data = load_checked(path, "data shard")
-        require(isinstance(data, dict) and "records" in data, f"data shard {path} is not a make-draft shard: delete it")
-        return [Record(**r) for r in data["records"]]
+        require(isinstance(data, dict) and self.key in data, f"{path} is not a shard of {self.what}: delete it and run again")
+        return data
+
+    def load(self, path: Path) -> list:
+        return [self.item(**r) for r in self.read(path)[self.key]]
+
+    def heldout(self) -> list:
+        return self.load(self.folder / "heldout.pt")
+
+
+class DataCache(ShardFolder):
+    """The distillation data of a draft-model build (`work/data`)."""
+
+    subfolder, key, item, what = "data", "records", Record, "the data cache"
 
     def records(self) -> tuple[list[Record], dict]:
         """Every cached training record, and per kind of shard: shards, sequences and target positions."""
         records, summary = [], {}
         for path in self.shards():
-            data = load_checked(path, "data shard")
-            require(isinstance(data, dict) and "records" in data, f"data shard {path} is not a make-draft shard: delete it")
+            data = self.read(path)
             part = [Record(**r) for r in data["records"]]
             row = summary.setdefault(data.get("kind", "unknown"), {"shards": 0, "sequences": 0, "positions": 0})
             row["shards"] += 1
@@ -172,9 +190,6 @@ class DataCache:
             row["positions"] += sum(r.logp.shape[0] for r in part)
             records += part
         return records, summary
-
-    def heldout(self) -> list[Record]:
-        return self.load(self.folder / "heldout.pt")
 
     def fill(
         self,

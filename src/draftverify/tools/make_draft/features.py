@@ -24,7 +24,7 @@ import torch
 
 from draftverify.errors import DraftVerifyError, require
 from draftverify.models import Loaded
-from draftverify.tools.make_draft.data import chat_ids, keep_plan, load_checked
+from draftverify.tools.make_draft.data import ShardFolder, chat_ids
 from draftverify.util import atomic_path, eos_ids
 
 
@@ -93,27 +93,13 @@ def generate(target: Loaded, prompts: list[list[int]], max_new_tokens: int) -> l
     return sequences
 
 
-class FeatureCache:
-    """The shards of one build under `work/features`: `plan.json`, `heldout.pt`, `shard-NNNNN.pt`."""
+class FeatureCache(ShardFolder):
+    """The replies and features of a head build (`work/features`)."""
 
-    def __init__(self, work: Path, plan: FeaturePlan):
-        self.folder = Path(work) / "features"
-        self.plan = plan
-        keep_plan(self.folder, plan, "the training data")
-
-    def shards(self) -> list[Path]:
-        return sorted(self.folder.glob("shard-*.pt"))
-
-    def load(self, path: Path) -> list[Sequence]:
-        data = load_checked(path, "data shard")
-        require(isinstance(data, dict) and "sequences" in data, f"{path} is not a feature shard: delete it and run again")
-        return [Sequence(**s) for s in data["sequences"]]
+    subfolder, key, item, what = "features", "sequences", Sequence, "the training data"
 
     def sequences(self) -> list[Sequence]:
         return [s for path in self.shards() for s in self.load(path)]
-
-    def heldout(self) -> list[Sequence]:
-        return self.load(self.folder / "heldout.pt")
 
     def split(self, prompts: list[list[int]], batch: int) -> tuple[list[list[list[int]]], list[list[int]]]:
         """(training batches in their fixed order, held-out prompts) of the encoded prompts.

@@ -71,7 +71,7 @@ def frequent_vocab(sequences: list[Sequence], n: int, always: tuple[int, ...]) -
     counts = Counter()
     for s in sequences:
         counts.update(s.ids[s.start :].tolist())
-    vocab = [t for t in always]
+    vocab = list(always)
     vocab += [t for t, _ in counts.most_common() if t not in always][: max(0, n - len(vocab))]
     return vocab
 
