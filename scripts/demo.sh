@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (first run only) and run the demo: autoregressive vs speculative decoding on the default model.
+# Set up (first run only) and run the demo: autoregressive vs auto on a chat, a code and a summary prompt (default model).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -92,7 +92,7 @@ def test_chat_template_applied(engine):
         ({"top_p": 1.5}, "top_p=1.5 is outside"),
         ({"prompt": "x" * 600}, "context is 512"),
         ({"method": "nope"}, "unknown method 'nope'"),
-        ({"k": 0}, "k=0 must lie in 1..64"),
+        ({"method": "speculative", "k": 0}, "k=0 must lie in 1..64"),
         ({"bogus": 1}, "unknown option 'bogus'"),
         ({"preset": "nope"}, "unknown preset 'nope'"),
     ],
@@ -165,6 +165,9 @@ def test_demo_command_compares_methods(tmp_path, tiny):
     model.model.save_pretrained(tmp_path / "m")
     model.tokenizer.save_pretrained(tmp_path / "m")
     res = CliRunner().invoke(app, ["demo", "--target", str(tmp_path / "m"), "--draft", "self:layers=2", "-n", "12",
-                                   "--method", "speculative,lookahead:context"])
+                                   "--method", "auto,lookahead:context"])
     assert res.exit_code == 0, res.output
-    assert res.stdout.count("identical to autoregressive: yes") == 2 and "--- lookahead:context ---" in res.stdout
+    header = "| prompt | autoregressive tok/s | auto tok/s | speedup | identical | lookahead:context tok/s | speedup | identical |"
+    assert header in res.stdout and "--- code: " in res.stdout
+    rows = [line for line in res.stdout.splitlines() if line.startswith(("| chat |", "| code |", "| summary |"))]
+    assert len(rows) == 3 and all(row.count("| yes |") == 2 for row in rows)

@@ -67,7 +67,7 @@ def generate(
     target: Optional[str] = TargetOpt,
     draft: Optional[str] = DraftOpt,
     method: str = typer.Option(
-        "speculative", "--method", "-m",
+        "auto", "--method", "-m",
         help="Decoding method (see `draftverify methods`), as a method spec: name, name:preset or name\\[key=value,...], e.g. speculative:k2.",
     ),
     preset: Optional[str] = typer.Option(None, help="A named parameter preset of the method (see `draftverify methods`)."),
@@ -84,6 +84,7 @@ def generate(
     backend: str = BackendOpt,
     stream: bool = typer.Option(False, help="Print tokens as they are accepted."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, tokens and stats."),
+    explain: bool = typer.Option(False, help="auto: also print which drafter produced each round's tokens."),
 ):
     """Generate text with a draft-then-verify method and print it with its stats."""
     if prompt_file is not None:
@@ -99,8 +100,7 @@ def generate(
     for key, value in flags.items():
         require(key not in options, f"option {key} is given in --method {method} and again as a flag: give it once")
         options[key] = value
-    needs_draft = method_class(spec.name).needs_draft
-    engine = _load_engine(target, draft if needs_draft else "none", dtype, device, backend=backend)
+    engine = _load_engine(target, draft if method_class(spec.name).loads_draft() else "none", dtype, device, backend=backend)
     streamer = None
     if stream and not as_json:
         from transformers import TextStreamer
@@ -115,7 +115,26 @@ def generate(
         return
     if streamer is None:
         typer.echo(result.text)
+    if explain:
+        typer.echo("\n" + explain_rounds(result, engine.target.tokenizer), err=True)
     typer.echo("\n" + result.stats.summary(), err=True)
+
+
+def explain_rounds(result, tokenizer) -> str:
+    """Who drafted each round of an `auto` generation (its `auto_chunks`), with the text it produced."""
+    chunks = result.stats.extra.get("auto_chunks")
+    require(chunks is not None, "--explain needs method auto: it says which drafter produced each chunk")
+    lines, start = [f"{'prefill':>14}  {tokenizer.decode(result.tokens[:1])!r}"], 1
+    for who, n in chunks:
+        if start >= len(result.tokens):
+            break
+        lines.append(f"{who:>14}  {tokenizer.decode(result.tokens[start : start + n])!r}")
+        start += n
+    totals = {}
+    for who, n in chunks:
+        totals[who] = totals.get(who, 0) + n
+    lines.append("tokens by drafter: " + ", ".join(f"{who} {n} in {sum(w == who for w, _ in chunks)} rounds" for who, n in totals.items()))
+    return "\n".join(lines)
 
 
 @app.command()
@@ -143,35 +162,51 @@ def methods(
             typer.echo(f"  preset {preset}: {values}")
 
 
+DEMO_PROMPTS = {  # one of each kind of request: open chat, code, a summary of text in the prompt
+    "chat": "Explain in a few sentences why the sky is blue.",
+    "code": "Write a Python function is_palindrome(s) that ignores case and spaces. Add a docstring.",
+    "summary": "Summarize in two sentences: The town council met on Tuesday to discuss the new library. The library "
+    "will open next spring on Main Street. It will have a reading room, a children's corner and free internet. The "
+    "council said the library will cost two million dollars, paid by the state and by local donors.",
+}
+
+
 @app.command()
 def demo(
-    prompt: str = typer.Option("Explain in a few sentences why the sky is blue.", help="The chat prompt to answer."),
+    prompt: list[str] = typer.Option([], help="A chat prompt to answer (repeatable). Default: a chat, a code and a summary prompt."),
     target: Optional[str] = TargetOpt,
     draft: Optional[str] = DraftOpt,
-    method: str = typer.Option("speculative,lookahead:context", help="Accelerated methods to compare with autoregressive decoding: comma-separated method specs, NAME, NAME:PRESET or NAME\\[key=value,...]."),
+    method: str = typer.Option("auto", help="Methods to compare with autoregressive decoding: comma-separated method specs, NAME, NAME:PRESET or NAME\\[key=value,...]."),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", help="New tokens per run."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     backend: str = BackendOpt,
 ):
-    """Generate with autoregressive decoding and with each METHOD on the default model; print the outputs, whether they are identical, and the speedups."""
+    """Answer a few prompts with autoregressive decoding and with each METHOD; print the answers and a table of
+    speeds, speedups and whether the outputs are identical (exit 1 if any is not)."""
     from draftverify.methods.spec import parse_specs
 
     specs = parse_specs(method)
-    require(specs, "--method names no method: use e.g. speculative or lookahead:context")
+    require(specs, "--method names no method: use e.g. auto or lookahead:context")
+    prompts = {f"prompt {i + 1}": p for i, p in enumerate(prompt)} if prompt else DEMO_PROMPTS
     engine = _load_engine(target, draft, dtype, device, backend=backend)
     typer.echo(f"target: {engine.target.name}   {engine.describe_drafts()}   backend: {engine.describe_backend()}")
+    typer.echo("warming up (the first call of a method measures the forward cost curve)...", err=True)
     for spec in specs:
-        engine.generate("Hello", method=spec.name, preset=spec.preset, max_new_tokens=8, chat=True, **dict(spec.options))  # warm-up
-    base = engine.generate(prompt, method="autoregressive", max_new_tokens=max_new_tokens, chat=True)
-    typer.echo(f"\n--- autoregressive ---\n{base.text}\n[{base.stats.summary()}]")
-    same = True
-    for spec in specs:
-        fast = engine.generate(prompt, method=spec.name, preset=spec.preset, max_new_tokens=max_new_tokens, chat=True, **dict(spec.options))
-        identical = fast.tokens == base.tokens
-        same &= identical
-        typer.echo(f"\n--- {spec.label} ---\n{fast.text}\n[{fast.stats.summary()}]")
-        typer.echo(f"identical to autoregressive: {'yes' if identical else 'NO'};  speedup: {base.stats.wall_s / fast.stats.wall_s:.2f}x")
+        engine.generate("Hello", method=spec.name, preset=spec.preset, max_new_tokens=8, chat=True, **dict(spec.options))
+    rows, same = [], True
+    for name, text in prompts.items():
+        base = engine.generate(text, method="autoregressive", max_new_tokens=max_new_tokens, chat=True)
+        row = [name, f"{base.stats.tokens_per_s:.1f}"]
+        for spec in specs:
+            fast = engine.generate(text, method=spec.name, preset=spec.preset, max_new_tokens=max_new_tokens, chat=True, **dict(spec.options))
+            identical = fast.tokens == base.tokens
+            same &= identical
+            row += [f"{fast.stats.tokens_per_s:.1f}", f"{base.stats.wall_s / fast.stats.wall_s:.2f}x", "yes" if identical else "NO"]
+        typer.echo(f"\n--- {name}: {text}\n{base.text}")
+        rows.append(row)
+    header = ["prompt", "autoregressive tok/s"] + [c for s in specs for c in (f"{s.label} tok/s", "speedup", "identical")]
+    typer.echo("\n" + "\n".join("| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *rows]))
     if not same:
         raise typer.Exit(1)
 
@@ -183,6 +218,9 @@ app.command("bench")(_bench)
 from draftverify.serve.cli import serve as _serve  # noqa: E402
 
 app.command("serve")(_serve)
+from draftverify.serve.load import load_command as _load  # noqa: E402
+
+app.command("load")(_load)
 from draftverify.tools.train_head import train_head_command as _train_head  # noqa: E402
 
 app.command("train-head")(_train_head)

@@ -2,7 +2,7 @@
 
     from draftverify import Engine
     engine = Engine.load()                       # SmolLM2-135M-Instruct + its default draft
-    out = engine.generate("Why is the sky blue?", chat=True, method="speculative", max_new_tokens=64)
+    out = engine.generate("Why is the sky blue?", chat=True, max_new_tokens=64)  # method "auto"
     print(out.text, out.stats.summary())
 """
 
@@ -96,7 +96,7 @@ class Engine:
         key = (name, config)
         if key not in self._methods:
             draft = self.head if cls.takes_head and self.head is not None else self.draft_runner
-            self._methods[key] = cls(self.target_runner, draft, config)
+            self._methods[key] = cls(self.target_runner, draft, config, head=self.head)
         return self._methods[key]
 
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
@@ -127,7 +127,7 @@ class Engine:
     def generate(
         self,
         prompt: str | list[int] | list[dict],
-        method: str = "speculative",
+        method: str = "auto",
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         top_k: int = 0,

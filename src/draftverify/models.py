@@ -12,6 +12,8 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,6 +151,8 @@ def gguf_to_folder(path: Path) -> Path:
     folder = cache_root() / "gguf" / f"{path.stem}-{key}"
     if (folder / "model.safetensors").is_file():
         return folder
+    started = time.monotonic()
+    print(f"draftverify: converting {path.name} to a safetensors folder once (about 20 s)...", file=sys.stderr, flush=True)
     with atomic_path(folder, folder=True) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
@@ -158,6 +162,7 @@ def gguf_to_folder(path: Path) -> Path:
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+    print(f"draftverify: converted in {time.monotonic() - started:.0f} s, cached in {folder}", file=sys.stderr, flush=True)
     return folder
 
 

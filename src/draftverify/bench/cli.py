@@ -68,8 +68,7 @@ def bench(
 
     if not llamacpp.available() and not any(s.engine == "llama.cpp" for s in specs):
         typer.echo(f"note: {llamacpp.INSTALL_HINT} (then add llamacpp,llamacpp-prompt-lookup to --methods)", err=True)
-    needs_draft = any(s.needs_draft for s in specs)
-    engine = Engine.load(target, draft if needs_draft else "none", dtype=dtype, device=device, backend=backend)
+    engine = Engine.load(target, draft if any(s.loads_draft for s in specs) else "none", dtype=dtype, device=device, backend=backend)
     typer.echo(f"target {engine.target.name}, {engine.describe_drafts()}, backend {engine.describe_backend()}; {len(prompt_list)} prompts x {len(specs)} methods x {settings.repeats} repeat(s)", err=True)
     command = "draftverify " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else ""  # empty when not run from a shell
     Bench(engine, prompt_list, specs, settings, out).run(command=command, overwrite=overwrite, progress=progress)

@@ -111,6 +111,11 @@ class BenchSpec(MethodSpec):
         return PEERS[self.name].needs_draft if self.is_peer else METHODS[self.name].needs_draft
 
     @property
+    def loads_draft(self) -> bool:
+        """Whether the engine should load the default drafts for it (it needs or may use them)."""
+        return PEERS[self.name].needs_draft if self.is_peer else METHODS[self.name].loads_draft()
+
+    @property
     def takes_head(self) -> bool:
         return not self.is_peer and METHODS[self.name].takes_head
 

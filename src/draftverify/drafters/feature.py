@@ -6,15 +6,25 @@ returns anyway (`Proposal.hidden`), so drafting costs only the head's small forw
 1. the head catches up on the positions the target accepted last round (true features, one
    forward of those rows into its KV cache) and predicts the feature at the root;
 2. expansion (EAGLE-2, Li et al. 2024): the children of a node are the head's `top_k` most
-   likely tokens, scored by the product of draft probabilities along the path (the draft's
-   confidence, which tracks acceptance); up to `depth - 1` times, the `top_k` best-scoring nodes
-   of the newest level are fed to the head together, in one tree-masked forward of its own
-   (expansion stops early once even the likeliest new node is worth less, in expected accepted
-   tokens times a target forward, than the measured time of one more expansion);
-3. reranking: of all nodes, the n best-scoring form the tree (a child never outscores its
-   parent, so they form a tree), n chosen from the target's measured cost curve: the n with the
-   most expected tokens per second, (1 + sum of the n confidences) / t_target(n + 1) (or a fixed
+   likely tokens, each valued by the chance that the target accepts the whole path: the product
+   along it of each token's *calibrated* draft probability (below); up to `depth - 1` times, the
+   `top_k` most valuable nodes of the newest level are fed to the head together, in one
+   tree-masked forward of its own (expansion stops early once even the best new node is worth
+   less, in expected accepted tokens times a target forward, than the measured time of one more
+   expansion);
+3. reranking: of all nodes, the n most valuable form the tree (a child is never worth more than
+   its parent, so they form a tree), n chosen from the target's measured cost curve: the n with
+   the most expected tokens per second, (1 + sum of the n values) / t_target(n + 1) (or a fixed
    `nodes`; 0 = by the curve).
+
+Calibration. EAGLE-2 takes the draft's probability of a token as its chance of acceptance. A
+head trained to match the target's whole distribution is underconfident for greedy decoding,
+which accepts the target's argmax however flat the distribution (on SmolLM2 the top draft
+probability is mostly 0.05-0.45 while nearly 40% of top guesses are accepted), and a raw
+probability then says no tree pays. So every verified tree is scored: each drafted node whose
+parent was accepted counts, in the bin of the head's probability for it, as accepted or not;
+a node's chance is its bin's acceptance rate (starting from the probability itself, 4 rounds'
+worth). The counts are kept per head and sampling setting for the process (`acceptance`).
 
 The candidates are deterministic guesses (no q): greedy decoding accepts the child that equals
 the target's argmax, sampled decoding verifies them by multi-draft rejection sampling
@@ -23,8 +33,9 @@ the target's argmax, sampled decoding verifies them by multi-draft rejection sam
 
 from __future__ import annotations
 
-import math
+import bisect
 import time
+import weakref
 
 import torch
 
@@ -35,6 +46,36 @@ from draftverify.models import Runner
 from draftverify.session import Session
 
 TREE_WIDTHS = (1, 2, 4, 8, 16, 32)
+BINS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8)  # upper edges of the draft-probability bins (the last runs to 1)
+
+
+class Acceptance:
+    """How often a drafted token is accepted after an accepted parent, by bin of the head's probability for it."""
+
+    def __init__(self, prior: float = 4.0, memory: float = 400.0):
+        edges = (0.0, *BINS, 1.0)
+        self.hits = [prior * (lo + hi) / 2 for lo, hi in zip(edges, edges[1:])]  # the probability itself, at first
+        self.trials = [prior] * len(self.hits)
+        self.memory = memory  # a bin's older rounds fade once it has this many
+
+    def __call__(self, p: float) -> float:
+        b = bisect.bisect_left(BINS, p)
+        return self.hits[b] / self.trials[b]
+
+    def record(self, p: float, accepted: bool) -> None:
+        b = bisect.bisect_left(BINS, p)
+        keep = min(1.0, self.memory / (self.trials[b] + 1))
+        self.hits[b] = keep * self.hits[b] + accepted
+        self.trials[b] = keep * self.trials[b] + 1
+
+
+_ACCEPTANCE: "weakref.WeakKeyDictionary[FeatureDraft, dict]" = weakref.WeakKeyDictionary()
+
+
+def acceptance(head: FeatureDraft, s: Session) -> Acceptance:
+    """The head's calibration for this request's sampling setting, kept for the process."""
+    key = (s.sampling.greedy, s.sampling.temperature, s.sampling.top_k, s.sampling.top_p)
+    return _ACCEPTANCE.setdefault(head, {}).setdefault(key, Acceptance())
 
 
 class FeatureHead(Drafter):
@@ -49,16 +90,21 @@ class FeatureHead(Drafter):
         self.costs = curve(target, widths=TREE_WIDTHS)
         self.device = head.fc.weight.device
         self.cache: HeadCache | None = None
-        self.pending: tuple[torch.Tensor, list[int], int] | None = None  # features, next tokens, first position
+        self.pending: list[tuple[torch.Tensor, list[int], int]] = []  # rounds not fed yet: features, next tokens, first position
+        self.drafted: dict[tuple[int, ...], float] = {}  # this round's tree: path -> the head's probability for its last token
+        self.calibration: Acceptance | None = None
 
     def start(self, s: Session, seq: list[int], hidden: torch.Tensor | None = None) -> None:
         self.cache = HeadCache(self.head, capacity=len(seq) + 64)
-        self.pending = (hidden, seq[1:], 0)  # prompt position t holds f_t and token t + 1 (the last is the root)
+        self.calibration = acceptance(self.head, s)
+        self.pending = [(hidden, seq[1:], 0)]  # prompt position t holds f_t and token t + 1 (the last is the root)
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
-        features, tokens, first = self.pending
-        ids = torch.tensor(tokens, device=self.device)
-        out = self.cache.forward(features.to(self.head.fc.weight.dtype), ids, torch.arange(first, first + len(tokens), device=self.device))
+        first = self.pending[0][2]  # the pending rounds follow one another (`observe`)
+        features = torch.cat([f for f, _, _ in self.pending])
+        ids = torch.tensor([t for _, tokens, _ in self.pending for t in tokens], device=self.device)
+        self.pending = []
+        out = self.cache.forward(features.to(self.head.fc.weight.dtype), ids, torch.arange(first, first + len(ids), device=self.device))
         s.stats.draft_forwards += 1
         committed = self.cache.length
         paths = self.expand(s, out[-1], len(seq) - 1, min(room, self.depth)) if room > 0 else []
@@ -73,29 +119,31 @@ class FeatureHead(Drafter):
         committed = cache.length
         tokens: list[int] = []  # per draft node (the root excluded)
         parents: list[int] = []  # -1: the root
-        scores: list[float] = []  # log of the product of draft probabilities along the path
+        values: list[float] = []  # the chance the target accepts the path: calibrated draft probabilities, multiplied
+        local: list[float] = []  # the head's probability for the node's token after its parent
         slot: dict[int, int] = {}  # node -> its entry in the head cache, once fed
         feature = {-1: root_feature}  # node -> the head's predicted feature after it, once fed
 
         def children(out: torch.Tensor, nodes: list[int]) -> list[int]:
             """Add the k best children of each fed node (its row of `out` [m, H]); return the new nodes."""
-            logp = torch.log_softmax(self.logits(out).float(), dim=-1)  # [m, N]
-            top, idx = logp.topk(k, dim=-1)
-            top = (top + torch.tensor([scores[n] if n >= 0 else 0.0 for n in nodes], device=top.device)[:, None]).tolist()
+            probs = torch.softmax(self.logits(out).float(), dim=-1)  # [m, N]
+            top, idx = probs.topk(k, dim=-1)
             new = []
             for row, node in enumerate(nodes):
-                for token, score in zip(self.vocab[idx[row]].tolist(), top[row]):
+                above = values[node] if node >= 0 else 1.0
+                for token, p in zip(self.vocab[idx[row]].tolist(), top[row].tolist()):
                     tokens.append(token)
                     parents.append(node)
-                    scores.append(score)
+                    local.append(p)
+                    values.append(above * self.calibration(p))
                     new.append(len(tokens) - 1)
             return new
 
         level = children(root_feature[None], [-1])
         for d in range(1, depth):
-            chosen = sorted(level, key=lambda i: -scores[i])[:k]
-            if math.exp(scores[chosen[0]]) * forward_time(self.costs, 1) < self.expand_s:
-                break  # even the likeliest new node is worth less than the forward that would grow it
+            chosen = sorted(level, key=lambda i: -values[i])[:k]
+            if values[chosen[0]] * forward_time(self.costs, 1) < self.expand_s:
+                break  # even the best new node is worth less than the forward that would grow it
             t0 = time.perf_counter()
             base = cache.length
             slot.update({node: base + j for j, node in enumerate(chosen)})
@@ -113,27 +161,37 @@ class FeatureHead(Drafter):
             feature.update({node: out[j] for j, node in enumerate(chosen)})
             level = children(out, chosen)
             self.expand_s = 0.8 * self.expand_s + 0.2 * (time.perf_counter() - t0)
-        return self.best_paths(tokens, parents, scores)
+        keep = self.best_nodes(parents, values)
+        path = {n: tuple(tokens[a] for a in [n, *_ancestors(n, parents)][::-1]) for n in keep}
+        self.drafted = {path[n]: local[n] for n in keep}
+        leaves = [n for n in keep if not any(parents[c] == n for c in keep)]
+        return [list(path[leaf]) for leaf in sorted(leaves, key=lambda n: -values[n])]
 
-    def best_paths(self, tokens: list[int], parents: list[int], scores: list[float]) -> list[list[int]]:
-        """The best n nodes as root-to-leaf token paths, n the most expected tokens per second of the target."""
-        order = sorted(range(len(tokens)), key=lambda i: -scores[i])[: self.nodes or self.max_nodes]
+    def best_nodes(self, parents: list[int], values: list[float]) -> set[int]:
+        """The n most valuable nodes (a tree), n the most expected tokens per second of the target (or `nodes`)."""
+        order = sorted(range(len(values)), key=lambda i: -values[i])[: self.nodes or self.max_nodes]
         gain, best, best_rate = 1.0, 0, 1.0 / forward_time(self.costs, 1)
         for n, node in enumerate(order if not self.nodes else [], start=1):
-            gain += math.exp(min(0.0, scores[node]))  # the draft's confidence stands for the chance it is accepted
+            gain += values[node]
             rate = gain / forward_time(self.costs, n + 1)
             if rate > best_rate:
                 best, best_rate = n, rate
         keep = set(order[: self.nodes or best])
-        keep = {n for n in keep if all(a in keep for a in _ancestors(n, parents))}
-        leaves = [n for n in keep if not any(parents[c] == n for c in keep)]
-        return [[tokens[n] for n in [leaf, *_ancestors(leaf, parents)][::-1]] for leaf in sorted(leaves, key=lambda n: -scores[n])]
+        return {n for n in keep if all(a in keep for a in _ancestors(n, parents))}
 
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
-        self.pending = (step.hidden, step.tokens, len(seq) - 1)  # the root's position and the accepted nodes'
+        """Queue the round's true features (the root's position and the accepted nodes'), whoever drafted it: a
+        round the head sat out (`auto` chose another drafter) is fed with the next one it drafts. Score the head's
+        own tree for the calibration: every node whose parent was accepted, accepted or not."""
+        self.pending.append((step.hidden, step.tokens, len(seq) - 1))
+        accepted = tuple(step.tokens[: step.accepted])
+        for path, p in self.drafted.items():
+            if path[:-1] == accepted[: len(path) - 1]:
+                self.calibration.record(p, path == accepted[: len(path)])
+        self.drafted = {}
 
     def finish(self, s: Session) -> None:
-        self.cache = self.pending = None
+        self.cache, self.pending = None, []
 
 
 def _ancestors(node: int, parents: list[int]) -> list[int]:

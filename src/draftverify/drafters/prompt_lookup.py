@@ -30,6 +30,8 @@ class PromptLookupConfig:
 
 @standalone("prompt-lookup", PromptLookupConfig, presets={"k4": {"k": 4}, "hf": {"k": 10, "max_ngram": 2}})  # hf: transformers' defaults
 class PromptLookup(Drafter):
+    free = True
+
     def __init__(self, config: PromptLookupConfig):
         self.k, self.max_ngram, self.min_ngram = config.k, config.max_ngram, config.min_ngram
 

@@ -16,6 +16,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
@@ -60,6 +61,7 @@ def cpu():
     name = f"draftverify_cpu_{tag}"
     folder = cache_root() / "kernels" / name
     fresh = not any(folder.glob("*.so"))
+    started = time.monotonic()
     if fresh:
         print("draftverify: compiling the CPU kernels (one-row matmul, RMSNorm) once (about 30 s)...", file=sys.stderr, flush=True)
     folder.mkdir(parents=True, exist_ok=True)
@@ -70,4 +72,6 @@ def cpu():
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         _why_not = f"the CPU kernels did not build ({first[:160]})"
         return None
+    if fresh:
+        print(f"draftverify: compiled the CPU kernels in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return module

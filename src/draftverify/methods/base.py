@@ -45,16 +45,25 @@ class Method(ABC):
     presets: ClassVar[dict[str, dict]] = {}
     needs_draft: ClassVar[bool] = False
     takes_head: ClassVar[bool] = False  # drafts with a feature head (FeatureDraft) when the engine has one
+    uses_draft: ClassVar[bool] = False  # drafts with the engine's draft model or head when it has them, needing neither
     aliases: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, target: Runner, draft=None, config=None):
+    def __init__(self, target: Runner, draft=None, config=None, head=None):
+        """`draft`: the draft (see `needs_draft`); `head`: the engine's feature head, if any, for a method that
+        may use it beside a draft model (`auto`)."""
         require(
             draft is not None or not self.needs_draft,
             f"method {self.name!r} needs a draft model: pass --draft (e.g. self:layers=8) or pick another method",
         )
         self.target = target
         self.draft = draft
+        self.head = head
         self.config = config if config is not None else self.Config()
+
+    @classmethod
+    def loads_draft(cls) -> bool:
+        """Whether the default drafts are worth loading for this method (it needs or may use them)."""
+        return cls.needs_draft or cls.uses_draft
 
     @classmethod
     def make_config(cls, preset: str | None = None, **overrides):

@@ -62,7 +62,7 @@ def with_pool_file(specs: tuple[MethodSpec, ...], path: Path) -> tuple[MethodSpe
 
 @dataclass(frozen=True)
 class ServeConfig:
-    methods: tuple[MethodSpec, ...] = (MethodSpec("speculative", "speculative", None, ()),)  # the first is the default
+    methods: tuple[MethodSpec, ...] = (MethodSpec("auto", "auto", None, ()),)  # the first is the default
     model_name: str | None = None  # the id clients send as `model`; default: the target's name
     max_queue: int = 16  # requests that may wait while one generates; more get 429
     timeout_s: float = 600.0  # per request, from arrival to the last token

@@ -13,7 +13,7 @@ def serve(
     target: Optional[str] = typer.Option(None, "--target", "-t", help="Target model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct."),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model for the methods that need one (see `draftverify generate --help`). Default: the shipped draft, else self:layers=8."),
     methods: str = typer.Option(
-        "speculative", "--methods", "--method", "-m",
+        "auto", "--methods", "--method", "-m",
         help="Methods to load, comma-separated, as in `draftverify bench`: name, name:preset or name\\[key=value,...], e.g. "
         "'speculative\\[k=4],autoregressive' (quote it in the shell). The first is the default; a request picks another with the field \"method\".",
     ),
@@ -42,8 +42,7 @@ def serve(
         methods=specs, model_name=model_name, max_queue=max_queue, timeout_s=timeout, shutdown_grace_s=shutdown_grace,
         default_max_tokens=default_max_tokens, pool_file=pool_file,
     )
-    needs_draft = any(METHODS[s.name].needs_draft for s in specs)
-    engine = Engine.load(target, draft if needs_draft else "none", dtype=dtype, device=device, device_map=device_map, backend=backend)
+    engine = Engine.load(target, draft if any(METHODS[s.name].loads_draft() for s in specs) else "none", dtype=dtype, device=device, device_map=device_map, backend=backend)
     app = create_app(engine, config)
     name = app.state.service.model_name
 

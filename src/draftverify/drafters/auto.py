@@ -1,0 +1,119 @@
+"""A combinator for `auto`: each round, the candidate drafter worth the most tokens per second, or none.
+
+Every round costs the chosen drafter's drafting time plus one target forward over root + its
+candidates, and yields 1 + (accepted candidates) tokens. For each candidate the drafter keeps
+running means, over the rounds that candidate drafted, of what it cost and earned:
+
+    rate(c) = (1 + accepted(c)) / (draft_s(c) + scale * t(1 + nodes(c)))
+
+with t the target's measured cost curve (`costs.curve`) and `scale` the running ratio of the
+measured verification time to it (so load on the machine moves every candidate alike). Plain
+autoregressive decoding scores 1 / (scale * t(1)). A *free* drafter (`Drafter.free`: a pool or
+prompt lookup, no model run) is asked every round, and is a candidate only when it has
+something, priced at its actual number of nodes. The highest rate drafts; a candidate that has
+not drafted for `probe` rounds it could have drafted in drafts once, so a draft that started
+badly (or a request that turned into a copy of its prompt) is noticed. The running means start
+from the previous requests' values (warm start) or an optimistic prior.
+
+Every candidate is told every round (`observe` with its own proposal when it drafted, an empty
+one otherwise), so the feature head queues the target's features and the pools take the new
+n-grams whoever drafted. Which candidates draft changes only what is verified, never what is
+accepted: greedy output is the target's, and sampling stays exact because each round's
+proposal depends only on the tokens so far and its own draws (`verify.verify_tree`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from draftverify.costs import forward_time
+from draftverify.drafters.base import Drafter, Proposal, Step, add
+from draftverify.session import Session
+from draftverify.tree import build_tree
+
+AR = "autoregressive"  # the name of a round nobody drafted
+
+
+@dataclass
+class Record:
+    """Running means of what one candidate earned per round it drafted (`decay`: the old rounds' weight)."""
+
+    accepted: float = 1.0  # candidate tokens accepted (the prior is optimistic, so every candidate is tried)
+    draft_s: float = 0.0  # seconds drafting
+    nodes: float = 4.0  # candidate tokens verified
+    idle: int = 0  # rounds since it last drafted, among those it could have
+
+    def update(self, decay: float, accepted: int, draft_s: float, nodes: int) -> None:
+        self.accepted = decay * self.accepted + (1 - decay) * accepted
+        self.draft_s = decay * self.draft_s + (1 - decay) * draft_s
+        self.nodes = decay * self.nodes + (1 - decay) * nodes
+        self.idle = 0
+
+
+class Auto(Drafter):
+    def __init__(self, candidates: dict[str, Drafter], costs: dict, records: dict[str, Record], scale: list[float],
+                 probe: int = 8, decay: float = 0.7):
+        """`records` (per candidate) and `scale` (a one-element list) are the caller's, kept across requests."""
+        self.candidates, self.costs, self.records, self.scale = candidates, costs, records, scale
+        self.probe, self.decay = probe, decay
+        for name in candidates:
+            records.setdefault(name, Record())
+        self.chosen: str = AR
+        self.proposal = Proposal()
+        self.draft_s = 0.0
+        self.sent_at = 0.0  # when the proposal went to verification
+
+    @property
+    def needs_hidden(self) -> bool:
+        return any(d.needs_hidden for d in self.candidates.values())
+
+    def start(self, s: Session, seq: list[int], hidden=None) -> None:
+        s.stats.extra["auto_chunks"] = []  # (drafter, tokens emitted) per round: who produced what (`--explain`)
+        for d in self.candidates.values():
+            d.start(s, seq, hidden if d.needs_hidden else None)
+
+    def verify_time(self, nodes: float) -> float:
+        return self.scale[0] * forward_time(self.costs, 1 + nodes)
+
+    def rate(self, name: str, nodes: float | None = None) -> float:
+        r = self.records[name]
+        return (1 + r.accepted) / (r.draft_s + self.verify_time(r.nodes if nodes is None else nodes))
+
+    def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
+        t0 = time.perf_counter()
+        self.chosen, self.proposal = AR, Proposal()
+        if room > 0:
+            offers = {name: d.propose(s, seq, room) for name, d in self.candidates.items() if d.free}
+            rates = {AR: 1.0 / self.verify_time(0)}
+            for name, d in self.candidates.items():
+                if not d.free:
+                    rates[name] = self.rate(name)
+                elif offers[name].paths:
+                    rates[name] = self.rate(name, build_tree(seq[-1], offers[name].paths).size - 1)
+            able = [name for name in rates if name != AR]
+            for name in able:
+                self.records[name].idle += 1
+            stale = [name for name in able if self.records[name].idle > self.probe]
+            self.chosen = max(stale, key=lambda n: self.records[n].idle) if stale else max(rates, key=rates.__getitem__)
+            if self.chosen in offers:
+                self.proposal = offers[self.chosen]
+            elif self.chosen != AR:
+                self.proposal = self.candidates[self.chosen].propose(s, seq, room)
+        self.sent_at = time.perf_counter()
+        self.draft_s = self.sent_at - t0
+        return replace(self.proposal, hidden=self.proposal.hidden or self.needs_hidden)
+
+    def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
+        verify_s = time.perf_counter() - self.sent_at
+        self.scale[0] = self.decay * self.scale[0] + (1 - self.decay) * verify_s / forward_time(self.costs, step.tree.size)
+        for name, d in self.candidates.items():
+            d.observe(s, seq, self.proposal if name == self.chosen else Proposal(), step)
+        if self.chosen != AR:
+            self.records[self.chosen].update(self.decay, step.accepted, self.draft_s, step.drafted)
+        add(s.stats.extra, **{f"auto_{self.chosen}_rounds": 1, f"auto_{self.chosen}_tokens": len(step.tokens)})
+        s.stats.extra["auto_chunks"].append((self.chosen, len(step.tokens)))
+
+    def finish(self, s: Session) -> None:
+        for d in self.candidates.values():
+            d.finish(s)

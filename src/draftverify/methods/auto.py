@@ -1,0 +1,97 @@
+"""`auto`: the method that picks its drafter, round by round, from what pays on this model and machine.
+
+Which method wins depends on the text (code and summaries repeat their prompt, open chat needs
+a draft that predicts the model), on the hardware's cost curve and on load; no user should have
+to know that. `auto` drafts, each round, with the candidate that promises the most tokens per
+second (`drafters.auto.Auto`: the measured cost curve, and each candidate's acceptance and draft
+time so far in this request, starting from the earlier requests'), or with none (a plain target
+step) when nothing pays. The candidates are those the engine has:
+
+- `head`: the feature head's EAGLE-2 tree (`speculative` with a head), when there is a head;
+- `draft`: the draft model's chain under the cost policy (`speculative` with a draft model),
+  by default only when there is no head (on the default model the head drafts better and at a
+  tenth of the cost);
+- `context`: the request's own n-grams (`lookahead:context`), free to look up, so asked every
+  round and priced at what it offers;
+- `lookup`: prompt lookup (`prompt-lookup`), off by default (it offers what `context` does).
+
+Self-speculative decoding is not a candidate: on the CPU cost curve it never paid (docs/benchmarks).
+Lossless like every method: switching changes who drafts, never what is accepted. The stats say
+which drafter produced each round's tokens (`Stats.extra["auto_chunks"]`; `generate --explain`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draftverify.costs import curve
+from draftverify.drafters.auto import Auto as AutoDrafter
+from draftverify.drafters.auto import Record
+from draftverify.drafters.base import Drafter
+from draftverify.drafters.draft_model import DraftModel
+from draftverify.drafters.feature import TREE_WIDTHS, FeatureHead
+from draftverify.drafters.lookahead import Lookahead
+from draftverify.drafters.pool import PhrasePool
+from draftverify.drafters.prompt_lookup import PromptLookup, PromptLookupConfig
+from draftverify.errors import require
+from draftverify.methods.base import Method, register
+from draftverify.models import Runner
+from draftverify.policies import make_policy
+from draftverify.session import Session
+
+CANDIDATES = ("head", "draft", "context", "lookup")
+
+
+@dataclass(frozen=True)
+class AutoConfig:
+    """use: the candidates, joined by '+' (head, draft, context, lookup); "" = the head if the engine has one, else
+       the draft model, and context. A named candidate the engine lacks is skipped.
+    probe: a candidate that sat out this many rounds it could have drafted drafts once (its figures stay current).
+    decay: the weight of the older rounds in each candidate's running means (lower: quicker to switch).
+    Each request starts from the figures the earlier requests of the same method instance left (the engine keeps
+    one instance per spec; the bench's `warm=false` makes a fresh one per generation).
+    """
+
+    use: str = ""
+    probe: int = 8
+    decay: float = 0.7
+
+    def __post_init__(self):
+        unknown = next((c for c in self.names() if c not in CANDIDATES), None)
+        require(unknown is None, f"unknown auto candidate {unknown!r}: use some of {', '.join(CANDIDATES)} joined by '+', e.g. use=head+context")
+        require(self.probe >= 1, f"probe={self.probe} must be at least 1")
+        require(0 <= self.decay < 1, f"decay={self.decay} must lie in [0, 1)")
+
+    def names(self) -> list[str]:
+        return [c.strip() for c in self.use.split("+") if c.strip()]
+
+
+@register
+class Auto(Method):
+    name = "auto"
+    Config = AutoConfig
+    uses_draft = True
+    presets = {"no-context": {"use": "head+draft"}, "context": {"use": "context"}}
+
+    def __init__(self, target: Runner, draft=None, config=None, head=None):
+        super().__init__(target, draft, config, head)
+        self.records: dict[str, Record] = {}  # per candidate, kept across requests (warm start)
+        self.scale = [1.0]  # measured verification time / the cost curve's
+
+    def candidates(self, s: Session) -> dict[str, Drafter]:
+        has_draft = isinstance(self.draft, Runner)
+        use = self.config.names() or ["head" if self.head is not None else "draft", "context"]
+        out: dict[str, Drafter] = {}
+        if "head" in use and self.head is not None:
+            out["head"] = FeatureHead(self.head, self.target)
+        if "draft" in use and has_draft:
+            out["draft"] = DraftModel(self.draft, make_policy("cost", 8, 0.4, self.target, self.draft))
+        if "context" in use:
+            out["context"] = Lookahead(PhrasePool(5, 2), W=0, N=5, G=2, context=True)  # lookahead:context
+        if "lookup" in use:
+            out["lookup"] = PromptLookup(PromptLookupConfig())
+        return out
+
+    def drafter(self, s: Session) -> Drafter:
+        return AutoDrafter(self.candidates(s), curve(self.target, widths=TREE_WIDTHS), self.records, self.scale,
+                           self.config.probe, self.config.decay)

@@ -1,0 +1,320 @@
+"""`draftverify load`: a bounded load generator for the OpenAI-compatible endpoint, on loopback only.
+
+For each method and each concurrency c, `requests` chat requests (prompts from the shared prompt
+sets, greedy, streamed) are sent by c clients at once, each client sending its next request as
+soon as its last one ended. Per request it records the time to the first text (TTFT), the whole
+latency, the completion tokens (the server's usage) and the text; per run the aggregate tokens/s
+(all completion tokens / the run's wall time), latency and TTFT percentiles and errors. Greedy
+outputs are compared with the same prompt's output at the lowest concurrency of the same method
+and with the first method's, so a server that changes outputs under load is caught.
+
+`--spawn` starts `draftverify serve` itself on a free loopback port with the methods asked for
+and stops it afterwards. Writes results.json, report.md and tokens_per_s.png (atomically).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+from urllib.parse import urlparse
+
+import typer
+
+from draftverify.errors import require
+from draftverify.util import atomic_write
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SPAWN_WAIT_S = 600.0  # loading the model (and, the first time, converting it and compiling kernels) may take minutes
+
+
+@dataclass
+class Call:
+    """One request as the client saw it."""
+
+    prompt: int  # index into the prompt list
+    ok: bool
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    tokens: int = 0
+    text: str = ""
+    error: str = ""
+
+
+@dataclass
+class Run:
+    method: str
+    concurrency: int
+    requests: int
+    errors: int
+    wall_s: float
+    tokens_per_s: float
+    latency_p50_s: float | None
+    latency_p99_s: float | None
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    mismatches: int = 0  # greedy outputs that differ from the reference output of the same prompt
+    calls: list[Call] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    at = (len(xs) - 1) * q / 100
+    lo = int(at)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
+
+
+def check_loopback(url: str) -> str:
+    """The base URL (…/v1) if it points at this machine; a one-line error otherwise."""
+    parsed = urlparse(url)
+    require(parsed.scheme in ("http", "https") and parsed.hostname is not None, f"--url {url!r} is not an http URL: give e.g. http://127.0.0.1:8000/v1")
+    require(parsed.hostname in LOOPBACK, f"--url {url!r} is not on loopback: the load tool only sends traffic to 127.0.0.1 / localhost")
+    return url.rstrip("/")
+
+
+async def one_call(client, base: str, model: str, method: str, index: int, prompt: str, max_tokens: int, timeout_s: float) -> Call:
+    """Send one streamed greedy chat request; time the first text and the whole reply."""
+    body = {"model": model, "method": method, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    call = Call(index, ok=False)
+    try:
+        async with client.stream("POST", f"{base}/chat/completions", json=body, timeout=timeout_s) as response:
+            if response.status_code != 200:
+                call.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:200]}"
+                return call
+            parts = []
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    call.error = str(event["error"].get("message", event["error"]))[:200]
+                    return call
+                for choice in event.get("choices", []):
+                    text = choice.get("delta", {}).get("content")
+                    if text:
+                        if call.ttft_s is None:
+                            call.ttft_s = time.perf_counter() - start
+                        parts.append(text)
+                if event.get("usage"):
+                    call.tokens = event["usage"]["completion_tokens"]
+            call.text, call.ok = "".join(parts), True
+    except Exception as exc:  # a refused connection, a timeout, a broken stream: this request's error
+        call.error = f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        call.latency_s = time.perf_counter() - start
+    return call
+
+
+async def run_load(base: str, model: str, method: str, prompts: list[str], concurrency: int, requests: int,
+                   max_tokens: int, timeout_s: float, deadline: float) -> Run:
+    """`requests` requests (prompts in turn) from `concurrency` clients; none starts after `deadline` (monotonic)."""
+    import httpx
+
+    order = list(range(requests))
+    calls: list[Call] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits) as client:
+
+        async def client_loop() -> None:
+            while order and time.monotonic() < deadline:
+                i = order.pop(0)
+                calls.append(await one_call(client, base, model, method, i % len(prompts), prompts[i % len(prompts)], max_tokens, timeout_s))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    good = [c for c in calls if c.ok]
+    return Run(
+        method=method, concurrency=concurrency, requests=len(calls), errors=len(calls) - len(good), wall_s=wall,
+        tokens_per_s=sum(c.tokens for c in good) / wall if wall > 0 else 0.0,
+        latency_p50_s=percentile([c.latency_s for c in good], 50), latency_p99_s=percentile([c.latency_s for c in good], 99),
+        ttft_p50_s=percentile([c.ttft_s for c in good if c.ttft_s is not None], 50),
+        ttft_p99_s=percentile([c.ttft_s for c in good if c.ttft_s is not None], 99),
+        calls=sorted(calls, key=lambda c: c.prompt),
+    )
+
+
+def count_mismatches(runs: list[Run]) -> None:
+    """Per run, the greedy outputs that differ from the reference of the same prompt: the same method's
+    lowest-concurrency run, and for that run the first method's lowest-concurrency run."""
+    first: dict[str, Run] = {}
+    for run in runs:
+        first.setdefault(run.method, run)
+    reference_method = runs[0].method if runs else None
+    for run in runs:
+        ref = first[run.method] if run is not first[run.method] else first[reference_method]
+        if ref is run:
+            continue
+        texts = {c.prompt: c.text for c in ref.calls if c.ok}
+        run.mismatches = sum(1 for c in run.calls if c.ok and c.prompt in texts and c.text != texts[c.prompt])
+
+
+@contextmanager
+def spawned_server(methods: str, target: str | None, draft: str | None, log_path: Path, extra: list[str] = ()):
+    """`draftverify serve` on a free loopback port for the duration of the block; yields its base URL."""
+    args = [sys.executable, "-m", "draftverify.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--methods", methods,
+            "--log-level", "warning", "--max-queue", "64", *extra]
+    if target:
+        args += ["--target", target]
+    if draft:
+        args += ["--draft", draft]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        try:
+            base = None
+            started = time.monotonic()
+            while base is None:
+                line = proc.stdout.readline()
+                require(line or proc.poll() is None, f"the spawned server exited (code {proc.poll()}) before listening: see {log_path}")
+                found = re.search(r"on (http://127\.0\.0\.1:\d+/v1)", line or "")
+                base = found.group(1) if found else None
+                require(time.monotonic() - started < SPAWN_WAIT_S, f"the spawned server did not listen within {SPAWN_WAIT_S:.0f} s: see {log_path}")
+            yield base
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def served_model(base: str) -> str:
+    import httpx
+
+    models = httpx.get(f"{base}/models", timeout=30).json()["data"]
+    require(models, f"{base}/models lists no model")
+    return models[0]["id"]
+
+
+def report(results: dict) -> str:
+    lines = ["# draftverify load", "", "```", results["command"] or "(not run from a shell)", "```", "",
+             f"- server: {results['server']}; model `{results['model']}`",
+             f"- {results['settings']['requests']} requests per run, {results['settings']['max_tokens']} new tokens at most, greedy, streamed; "
+             f"prompts: {results['settings']['prompts']}",
+             "- tokens/s = all completion tokens of a run / its wall time (aggregate over clients); latency and TTFT per request.",
+             "- mismatches: greedy outputs that differ from the same prompt's output at the lowest concurrency of the same method "
+             "(for that run: the first method's).", "",
+             "| method | concurrency | requests | errors | tokens/s | vs 1 client | latency p50 / p99 (s) | TTFT p50 / p99 (s) | mismatches |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def sec(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    base = {}
+    for run in results["runs"]:
+        base.setdefault(run["method"], run["tokens_per_s"])
+        ratio = run["tokens_per_s"] / base[run["method"]] if base[run["method"]] else 0.0
+        lines.append(f"| `{run['method']}` | {run['concurrency']} | {run['requests']} | {run['errors']} | {run['tokens_per_s']:.1f} | {ratio:.2f}x | "
+                     f"{sec(run['latency_p50_s'])} / {sec(run['latency_p99_s'])} | {sec(run['ttft_p50_s'])} / {sec(run['ttft_p99_s'])} | {run['mismatches']} |")
+    return "\n".join(lines + ["", "![tokens/s against concurrency](tokens_per_s.png)", ""])
+
+
+def plot(results: dict) -> bytes:
+    from draftverify.bench.plots import _png, plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in dict.fromkeys(r["method"] for r in results["runs"]):
+        runs = [r for r in results["runs"] if r["method"] == method]
+        ax.plot([r["concurrency"] for r in runs], [r["tokens_per_s"] for r in runs], marker="o", label=method)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title(f"{results['model']}: throughput under load")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def write(out: Path, results: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "results.json", json.dumps(results, indent=1))
+    atomic_write(out / "report.md", report(results))
+    atomic_write(out / "tokens_per_s.png", plot(results))
+
+
+def load(base: str, methods: list[str], concurrency: list[int], prompts: list[str], requests: int, max_tokens: int,
+         timeout_s: float, time_limit_s: float, server: str, command: str, prompt_source: str, log=print) -> dict:
+    """Every (method, concurrency) run, in order; returns the results object (see the module docstring)."""
+    model = served_model(base)
+    runs = []
+    deadline = time.monotonic() + time_limit_s
+    for method in methods:
+        for c in concurrency:
+            run = asyncio.run(run_load(base, model, method, prompts, c, requests, max_tokens, timeout_s, deadline))
+            runs.append(run)
+            log(f"{method} x{c}: {run.requests} requests, {run.errors} errors, {run.tokens_per_s:.1f} tokens/s, "
+                f"latency p50 {run.latency_p50_s or 0:.2f} s")
+    count_mismatches(runs)
+    return {"command": command, "server": server, "model": model,
+            "settings": {"requests": requests, "max_tokens": max_tokens, "concurrency": concurrency, "methods": methods, "prompts": prompt_source},
+            "runs": [asdict(r) for r in runs]}
+
+
+def load_prompt_texts(datasets: list[str], data_dir: str | None, count: int) -> list[str]:
+    """`count` first-turn prompts, taken in turn from each named shared prompt set (so every run mixes them)."""
+    from draftverify.bench.datasets import load_prompts, resolve_data_dir
+
+    per_set = [load_prompts([name], resolve_data_dir(data_dir), limit=count, turns="first") for name in datasets]
+    mixed = [p.turns[0] for group in zip(*per_set) for p in group] if per_set else []
+    require(mixed, f"no prompts in {', '.join(datasets)}: check --datasets and --data-dir")
+    return mixed[:count]
+
+
+def load_command(
+    url: Optional[str] = typer.Option(None, help="The server's base URL on this machine, e.g. http://127.0.0.1:8000/v1 (or --spawn)."),
+    spawn: bool = typer.Option(False, help="Start `draftverify serve` with --methods on a free loopback port, and stop it after."),
+    target: Optional[str] = typer.Option(None, "--target", "-t", help="--spawn: the target model (default: SmolLM2-135M-Instruct)."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="--spawn: the draft (see `draftverify generate --help`)."),
+    methods: str = typer.Option("autoregressive,auto", help="Methods to load, comma-separated method specs; each request names one (the server must have it)."),
+    concurrency: str = typer.Option("1,8", help="Concurrent clients per run, comma-separated, e.g. 1,4,8."),
+    requests: int = typer.Option(24, help="Requests per run (method x concurrency)."),
+    max_tokens: int = typer.Option(64, help="New tokens per request at most."),
+    datasets: str = typer.Option("mt_bench,humaneval,gsm8k,cnn_dailymail", help="Shared prompt sets the prompts come from (first turns, taken in turn)."),
+    data_dir: Optional[str] = typer.Option(None, help="The folder holding the prompt sets (default: ../shared/data)."),
+    timeout: float = typer.Option(300.0, help="Seconds one request may take before it counts as an error."),
+    time_limit: float = typer.Option(1800.0, help="No request starts after this many seconds of the whole load run."),
+    out: Path = typer.Option(Path("load-results"), help="Folder for results.json, report.md and tokens_per_s.png."),
+):
+    """Load-test the OpenAI-compatible endpoint: tokens/s, latency and TTFT per method and concurrency, and whether
+    greedy outputs under load equal the single-client ones. Loopback only; bounded in requests and time."""
+    import shlex
+
+    from draftverify.methods.spec import parse_specs, split_specs
+
+    require(spawn != (url is not None), "give either --url (a running server on this machine) or --spawn")
+    require(requests >= 1 and max_tokens >= 1, "--requests and --max-tokens must be at least 1")
+    levels = [int(x) for x in concurrency.split(",") if x.strip()] if re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", concurrency) else []
+    require(levels and all(c >= 1 for c in levels), f"--concurrency {concurrency!r}: give positive whole numbers, e.g. 1,4,8")
+    labels = [s.label for s in parse_specs(methods)] if spawn else split_specs(methods)
+    prompts = load_prompt_texts([d for d in datasets.split(",") if d], data_dir, requests)
+    command = "draftverify " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["load"] else ""
+
+    def go(base: str, server: str) -> dict:
+        return load(base, labels, levels, prompts, requests, max_tokens, timeout, time_limit, server, command, datasets,
+                    log=lambda m: typer.echo(m, err=True))
+
+    if spawn:
+        typer.echo("starting draftverify serve on loopback (loading the model)...", err=True)
+        with spawned_server(methods, target, draft, out / "server.log") as base:
+            results = go(base, f"spawned: draftverify serve --methods {methods}")
+    else:
+        results = go(check_loopback(url), url)
+    write(out, results)
+    typer.echo(report(results).split("\n\n![", 1)[0])
+    typer.echo(f"\nreport: {out / 'report.md'}")

@@ -1,0 +1,130 @@
+"""`auto`: switching drafters round by round is lossless, it follows what pays, and it says who drafted what."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftverify import Engine
+from draftverify.costs import curve
+from draftverify.drafters.auto import AR, Auto, Record
+from draftverify.drafters.base import Drafter, Proposal
+from draftverify.drafters.draft_model import DraftModel
+from draftverify.drafters.feature import FeatureHead
+from draftverify.errors import DraftVerifyError
+from draftverify.models import Runner, truncated_copy
+from draftverify.policies import ConstantK
+from draftverify.round import decode
+from draftverify.sampling import Sampling
+from draftverify.session import Session, Stopping
+from phrase_sampling import broken_rule, second_token_pvalue
+from test_feature_draft import random_head
+
+ALL = "head+draft+context+lookup"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    target = tiny("llama", layers=2)
+    return Engine(target, truncated_copy(target, 1), head=random_head(target, seed=2))
+
+
+@pytest.mark.parametrize("backend", ["static", "eager"])
+def test_auto_is_lossless_while_it_switches(tiny, backend):
+    target = tiny("llama", layers=2)
+    engine = Engine(target, truncated_copy(target, 1), backend=backend, head=random_head(target, seed=2))
+    used = set()
+    for prompt in ("abc abc abc abc", "hello world, hello", "x"):
+        ids = engine.encode(prompt, chat=True)
+        ar = engine.generate(ids, method="autoregressive", max_new_tokens=40, eos_token_id=[])
+        for options in ({}, {"use": ALL, "probe": 1}, {"use": "context"}):
+            r = engine.generate(ids, method="auto", max_new_tokens=40, eos_token_id=[], **options)
+            assert r.tokens == ar.tokens, (backend, prompt, options)
+            chunks = r.stats.extra["auto_chunks"]
+            assert sum(n for _, n in chunks) == len(r.tokens) - 1  # every round's tokens but the prefill's first
+            used |= {who for who, _ in chunks}
+    assert used == {"head", "draft", "context", "lookup", AR}, used
+
+
+def test_auto_sampling_matches_the_target(tiny, monkeypatch):
+    """Rounds drafted by different candidates (a head's tree of guesses, a draft model's sampled chain) keep the
+    target's law: the second token's distribution passes a chi-square test, and the wrong rule is caught."""
+    target = tiny("llama", seed=0, layers=2, hidden=32)
+    sampling, n, prompt = Sampling(temperature=1.0, top_k=6), 1200, [5, 9, 14]
+    with torch.inference_mode():
+        p1 = sampling.probs(target.model(torch.tensor([prompt])).logits[0, -1])
+        p2 = sum(p1[x] * sampling.probs(target.model(torch.tensor([prompt + [x]])).logits[0, -1]) for x in p1.nonzero().flatten().tolist())
+    runner, draft = Runner(target.model), Runner(tiny("llama", seed=3, layers=1, hidden=32).model)  # a draft that often disagrees
+    head = random_head(target, seed=4, vocab=p2.topk(4).indices.tolist())
+    records, first = {}, set()  # who drafted the round that gives the second token
+
+    def pvalue():
+        counts: dict[int, int] = {}
+        for seed in range(n):
+            s = Session(prompt, Sampling(temperature=1.0, top_k=6, seed=seed), Stopping(3, ()))
+            candidates = {"head": FeatureHead(head, runner, depth=2, nodes=6), "draft": DraftModel(draft, ConstantK(2))}
+            decode(s, runner, Auto(candidates, curve(runner), records, [1.0], probe=1))
+            counts[s.output[1]] = counts.get(s.output[1], 0) + 1
+            first.add(s.stats.extra["auto_chunks"][0][0])
+        return second_token_pvalue(target.model, prompt, sampling, counts)
+
+    assert pvalue() > 1e-3
+    assert {"head", "draft"} <= first  # the requests switch between the candidates
+    broken_rule(monkeypatch)
+    assert pvalue() < 1e-4
+
+
+class Fixed(Drafter):
+    """Proposes `width` tokens of a known continuation (right) or of nonsense (wrong)."""
+
+    def __init__(self, truth: list[int], offset: int, right: bool, width: int = 3):
+        self.truth, self.offset, self.right, self.width = truth, offset, right, width
+
+    def propose(self, s, seq, room):
+        if room <= 0:
+            return Proposal()
+        at = len(seq) - self.offset
+        tokens = self.truth[at : at + min(self.width, room)] if self.right else [99] * min(self.width, room)
+        return Proposal([tokens] if tokens else [])
+
+
+def test_auto_follows_the_candidate_that_pays(tiny):
+    """A candidate that is always right drafts nearly every round; one always wrong drafts only its probes."""
+    target = tiny("llama", layers=2)
+    runner = Runner(target.model)
+    engine = Engine(target)
+    prompt = engine.encode("abc", chat=True)
+    truth = engine.generate(prompt, method="autoregressive", max_new_tokens=120, eos_token_id=[]).tokens
+    s = Session(prompt, Sampling(), Stopping(120, ()))
+    candidates = {"right": Fixed(truth, len(prompt), True), "wrong": Fixed(truth, len(prompt), False)}
+    records = {"wrong": Record(accepted=0.0)}  # a warm start that already knows
+    decode(s, runner, Auto(candidates, curve(runner), records, [1.0], probe=8))
+    assert s.output == truth
+    rounds = dict.fromkeys(["right", "wrong", AR], 0)
+    for who, _ in s.stats.extra["auto_chunks"]:
+        rounds[who] += 1
+    assert rounds["right"] >= 25 and rounds["wrong"] <= rounds["right"] // 8 + 1, rounds
+    assert records["right"].accepted > 2 and records["wrong"].accepted < 0.5
+
+
+def test_auto_options_are_checked_in_one_line(engine):
+    with pytest.raises(DraftVerifyError, match="unknown auto candidate 'heads'.*use=head\\+context"):
+        engine.generate("hi", method="auto", use="heads+context")
+    with pytest.raises(DraftVerifyError, match="probe=0 must be at least 1"):
+        engine.generate("hi", method="auto", probe=0)
+
+
+def test_generate_explain_names_who_drafted(tiny, tmp_path):
+    from typer.testing import CliRunner
+
+    from draftverify.cli import app
+
+    target = tiny("llama", layers=2)
+    target.model.save_pretrained(tmp_path / "t")
+    target.tokenizer.save_pretrained(tmp_path / "t")
+    args = ["generate", "abc abc abc", "--target", str(tmp_path / "t"), "--draft", "self:layers=1", "-n", "12", "--no-chat", "--explain"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "prefill" in result.output and "tokens by drafter:" in result.output
+    result = CliRunner().invoke(app, args + ["--method", "autoregressive"])
+    assert result.exit_code != 0 and "--explain needs method auto" in str(result.exception)
