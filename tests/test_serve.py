@@ -33,7 +33,7 @@ class GatedEngine(Engine):
         self.delay = 0.0
         self.fail: Exception | None = None
 
-    def generate(self, prompt, on_tokens=None, **kwargs):
+    def request(self, prompt, on_tokens=None, **kwargs):  # the server starts every request here
         assert self.gate.wait(WAIT_S)
 
         def slowly(tokens):
@@ -43,7 +43,7 @@ class GatedEngine(Engine):
                 raise fail
             return on_tokens(tokens)
 
-        return super().generate(prompt, on_tokens=slowly, **kwargs)
+        return super().request(prompt, on_tokens=slowly, **kwargs)
 
 
 @contextmanager
@@ -386,7 +386,7 @@ def test_full_queue_answers_429_and_the_rest_complete(models, offline):
     engine = GatedEngine(*models)
     want = expect(offline, "Hello", max_new_tokens=4, temperature=0.0).text
     body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
-    with serving(engine, max_queue=2) as (client, server), ThreadPoolExecutor(3) as pool:
+    with serving(engine, max_queue=2, max_batch=1) as (client, server), ThreadPoolExecutor(3) as pool:
         engine.gate.clear()
         url = url_of(client)
         held = [pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=WAIT_S)]
@@ -541,7 +541,7 @@ def test_shutdown_during_a_stream(models, offline, grace_s):
     engine.delay = 0.02
     n = 300 if grace_s == 0 else 10
     want = expect(offline, "Hello", max_new_tokens=10, temperature=0.0).text
-    with serving(engine, shutdown_grace_s=grace_s) as (client, server), ThreadPoolExecutor(1) as pool:
+    with serving(engine, shutdown_grace_s=grace_s, max_batch=1) as (client, server), ThreadPoolExecutor(1) as pool:
         with client.stream("POST", C, json={"prompt": "Hello", "max_tokens": n, "temperature": 0, "stream": True}) as r:
             lines = r.iter_lines()
             events = [first_text(lines)]

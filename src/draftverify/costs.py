@@ -83,3 +83,12 @@ def forward_time(table: dict[int, float], width: int) -> float:
         if width <= w1 or (w1, t1) == points[-1]:
             return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
     raise AssertionError("unreachable")
+
+
+def marginal_time(table: dict[int, float], width: int, others: int = 0) -> float:
+    """Seconds `width` rows add to a forward that carries `others` rows of other sequences (a batch); alone
+    (others = 0) that is t(width). Never below a twentieth of t(1) per row: a measured curve can dip."""
+    if others <= 0:
+        return forward_time(table, width)
+    floor = 0.05 * width * forward_time(table, 1)
+    return max(forward_time(table, others + width) - forward_time(table, others), floor)

@@ -35,7 +35,9 @@ class Result:
 class Engine:
     """A target model, an optional draft, and the methods that decode with them.
 
-    One request at a time per engine: methods share the models' KV caches.
+    `generate` decodes one request; `generate_batch` (and the server) decode several together, each
+    in its own slot (runners with caches of their own, method instances of their own; slot 0 is
+    the one `generate` uses). One caller at a time per engine: a slot's caches are not shared.
     """
 
     def __init__(self, target: Loaded, draft: Loaded | FeatureDraft | None = None, backend: str = "auto", head: FeatureDraft | None = None):
@@ -51,6 +53,7 @@ class Engine:
         self.target_runner = Runner(target.model, backend)
         self.draft_runner = Runner(draft.model, backend) if draft is not None else None
         self._methods: dict[tuple, Method] = {}
+        self._slots: list[tuple[Runner, Runner | None]] = [(self.target_runner, self.draft_runner)]
 
     @classmethod
     def load(
@@ -89,15 +92,24 @@ class Engine:
                 parts.append(f"{role}: {runner.backend}{why}")
         return "; ".join(parts)
 
-    def method(self, name: str, preset: str | None = None, **options) -> Method:
-        """The method `name` configured by `preset` and `options`, built once and reused."""
+    def method(self, name: str, preset: str | None = None, slot: int = 0, **options) -> Method:
+        """The method `name` configured by `preset` and `options` on batch slot `slot`, built once and reused."""
         cls = method_class(name)
         config = cls.make_config(preset, **options)
-        key = (name, config)
+        key = (name, config, slot)
         if key not in self._methods:
-            draft = self.head if cls.takes_head and self.head is not None else self.draft_runner
-            self._methods[key] = cls(self.target_runner, draft, config, head=self.head)
+            target, draft_runner = self.slot(slot)
+            draft = self.head if cls.takes_head and self.head is not None else draft_runner
+            self._methods[key] = cls(target, draft, config, head=self.head)
+            if slot:
+                self._methods[key].share(self.method(name, preset, 0, **options))
         return self._methods[key]
+
+    def slot(self, i: int) -> tuple[Runner, Runner | None]:
+        """Batch slot i's target and draft runners (made on first use; their caches are the slot's own)."""
+        while len(self._slots) <= i:
+            self._slots.append((self.target_runner.fork(), self.draft_runner.fork() if self.draft_runner is not None else None))
+        return self._slots[i]
 
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
         """Prompt text (raw or as one chat user turn), a chat message list, or token ids -> ids."""
@@ -150,6 +162,54 @@ class Engine:
         (a transformers TextIteratorStreamer works); `on_tokens` gets each chunk and may
         return False to cancel the request.
         """
+        m, session = self.request(
+            prompt, method, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stop, chat, streamer, on_tokens,
+            generation_config, preset, **options)
+        session.stats.start()
+        try:
+            m.run(session)
+        finally:
+            self.finish(session)
+        return self.result(session)
+
+    def generate_batch(self, prompts: list, method: str = "auto", **kwargs) -> list[Result]:
+        """Generate from several prompts together (one stacked target forward per step, `batch`), each exactly
+        as `generate` would alone; `kwargs` are `generate`'s (the same for every prompt; a `seed` seeds each
+        request's own generator)."""
+        from draftverify.batch import run_batch
+
+        members = []
+        for i, prompt in enumerate(prompts):
+            m, session = self.request(prompt, method, slot=i, **kwargs)
+            members.append((session, m.target, m.rounds(session)))
+            session.stats.start()
+        try:
+            run_batch(members)
+        finally:
+            for session, _, _ in members:
+                self.finish(session)
+        return [self.result(session) for session, _, _ in members]
+
+    def request(
+        self,
+        prompt: str | list[int] | list[dict],
+        method: str = "auto",
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        stop: str | list[str] | None = None,
+        chat: bool = False,
+        streamer=None,
+        on_tokens: Callable[[list[int]], bool | None] | None = None,
+        generation_config=None,
+        preset: str | None = None,
+        slot: int = 0,
+        **options,
+    ) -> tuple[Method, Session]:
+        """A validated request (see `generate`): the method instance on `slot` and the request's Session."""
         if generation_config is not None:
             gc = generation_config
             max_new_tokens = gc.max_new_tokens or max_new_tokens
@@ -167,7 +227,7 @@ class Engine:
         context = self.target_runner.max_length or 1 << 30
         require(max_new_tokens >= 1, f"max_new_tokens={max_new_tokens} must be at least 1")
         stopping = Stopping(min(max_new_tokens, context - len(ids)), eos, stops)
-        runner = self.method(method, preset, **options)
+        m = self.method(method, preset, slot=slot, **options)
         session = Session(ids, sampling, stopping, tokenizer=self.target.tokenizer, streamer=streamer, on_tokens=on_tokens)
         session.stats.method = method
         session.stats.prompt_tokens = len(ids)
@@ -175,11 +235,16 @@ class Engine:
             session.stats.sync_device = self.target_runner.device
         if streamer is not None:
             streamer.put(torch.tensor([ids]))
-        session.stats.start()
-        try:
-            runner.run(session)
-        finally:
-            session.stats.wall_s = session.stats.elapsed()
-            if streamer is not None:
-                streamer.end()
-        return Result(session.output, session.text(), session.stats, ids)
+        return m, session
+
+    @staticmethod
+    def finish(session: Session) -> None:
+        """A request ended: its wall time, and the end of its stream."""
+        session.stats.wall_s = session.stats.elapsed()
+        if session.streamer is not None:
+            session.streamer.end()
+
+    @staticmethod
+    def result(session: Session) -> Result:
+        """What `generate` returns for an ended request."""
+        return Result(session.output, session.text(), session.stats, session.prompt)

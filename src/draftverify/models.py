@@ -315,6 +315,23 @@ class Forward:
     hidden: torch.Tensor | None = None
 
 
+def forward_many(runners: list["Runner"], feeds: list[dict]) -> list[Forward]:
+    """One forward for several sequences, each on its own runner: `feeds[i]` are the arguments of
+    `runners[i].forward`. Static runners of one model stack their rows into one forward
+    (`StaticDecoder.forward_many`: the linears run once for all); others run one after another."""
+    first = runners[0] if runners else None
+    if len(runners) < 2 or not all(r.static is not None and r.model is first.model for r in runners):
+        return [r.forward(**feed) for r, feed in zip(runners, feeds)]
+    args = []
+    for feed in feeds:
+        tokens = torch.as_tensor(feed["tokens"], dtype=torch.long, device=first.device).view(-1)
+        args.append((tokens, feed.get("positions"), feed.get("tree_mask"), feed.get("last"), feed.get("hidden", False)))
+    outs = first.static.forward_many([r.static for r in runners], args)
+    for r in runners:
+        r.forwards += 1
+    return [Forward(logits, states) for logits, states in outs]
+
+
 BACKENDS = ("auto", "static", "eager")
 
 
@@ -380,6 +397,11 @@ class Runner:
         self._length = 0  # eager: counted here, since a skipped layer's cache holds fewer tokens
         self.max_length = getattr(model.config, "max_position_embeddings", None)
         self.forwards = 0  # forward calls since construction (all callers)
+
+    def fork(self) -> "Runner":
+        """Another runner of the same model on the same path, with a cache of its own (one more sequence of a
+        batch). The static path's prepacked weights are shared, not copied (`static.packed_linear`)."""
+        return Runner(self.model, self.backend)
 
     def _new_cache(self):
         from transformers import DynamicCache

@@ -18,9 +18,15 @@ Then each round:
 
 `step.verify_step` runs on any Runner: Ouroboros's draft model uses it to check the pool's
 phrases against itself while drafting.
+
+The round is written once, as a generator (`rounds`) that yields each target forward's inputs and
+is sent its output: `decode` runs the forwards one by one for one request, `batch.decode_batch`
+stacks the forwards of several requests (each with its own cache) into one.
 """
 
 from __future__ import annotations
+
+from typing import Generator
 
 import torch
 
@@ -28,13 +34,35 @@ from draftverify.drafters.base import Drafter
 from draftverify.models import Forward, Runner
 from draftverify.sampling import sample
 from draftverify.session import Session
-from draftverify.step import Proposal, verify_step
+from draftverify.step import Proposal, finish_step, prepare_step
+
+Rounds = Generator[dict, Forward, None]  # yields each forward's feed (`Runner.forward`'s arguments), is sent its output
 
 
 def decode(s: Session, target: Runner, drafter: Drafter | None = None) -> None:
     """Decode one request with `drafter` proposing (None: autoregressive decoding)."""
+    drive(rounds(s, target, drafter), target)
+
+
+def drive(request: Rounds, runner: Runner) -> None:
+    """Run one request's rounds to the end, each forward on `runner` (one sequence: no batch)."""
+    try:
+        feed = next(request)
+        while True:
+            feed = request.send(runner.forward(**feed))
+    except StopIteration:
+        pass
+
+
+def rounds(s: Session, target: Runner, drafter: Drafter | None = None) -> Rounds:
+    """The request's prologue and rounds as a generator that hands out each target forward instead of running
+    it, so that one caller runs it alone (`drive`) and another stacks several requests' forwards into one
+    (`batch.decode_batch`). `target` is the request's own runner: its cache is the request's."""
     hidden = drafter is not None and drafter.needs_hidden
-    first = prefill(s, target, hidden)
+    target.reset()
+    with s.stats.timer("verify"):  # the prefill: logits for the first new token, the prompt's hidden states if asked
+        first = yield {"tokens": s.prompt, "last": 1, "hidden": "all" if hidden else False}
+    s.stats.target_forwards += 1
     root = pick(first.logits[-1], s, target.device)
     if not s.emit([root]):
         return
@@ -50,7 +78,9 @@ def decode(s: Session, target: Runner, drafter: Drafter | None = None) -> None:
                 with s.stats.timer("draft"):
                     proposal = drafter.propose(s, seq, room)
             with s.stats.timer("verify"):
-                step = verify_step(target, s, root, proposal)
+                prepared = prepare_step(target, root, proposal)
+                out = yield prepared.feed
+                step = finish_step(target, s, proposal, prepared, out)
             s.stats.verified(step.drafted, step.accepted, len(step.tokens))
             if drafter is not None:
                 drafter.observe(s, seq, proposal, step)
@@ -61,16 +91,6 @@ def decode(s: Session, target: Runner, drafter: Drafter | None = None) -> None:
     finally:
         if drafter is not None:
             drafter.finish(s)
-
-
-def prefill(s: Session, target: Runner, hidden: bool = False) -> Forward:
-    """Reset the target cache and run the prompt: logits [1, V] for the first new token and, when asked,
-    the hidden state after every prompt token [len(prompt), H]."""
-    target.reset()
-    with s.stats.timer("verify"):
-        out = target.forward(s.prompt, last=1, hidden="all" if hidden else False)
-    s.stats.target_forwards += 1
-    return out
 
 
 def pick(logits: torch.Tensor, s: Session, device: torch.device) -> int:

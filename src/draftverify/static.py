@@ -276,7 +276,6 @@ class StaticDecoder:
 
     # -- forward -----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def forward(
         self,
         tokens: torch.Tensor,
@@ -287,63 +286,98 @@ class StaticDecoder:
         skip=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed `tokens` [n]; return logits [m, V] for the last m = `last` (all if None), and hidden [m, H]."""
-        n, past = tokens.shape[0], self.length
-        self._reserve(past + n)
-        causal = positions is None and tree_mask is None
-        if positions is None:
-            positions = torch.arange(past, past + n, device=self.device)
-        positions = positions.to(self.device)
-        masks = self._masks(positions, tree_mask, causal, past, n)
-        cos, sin = self.rotary(self.embed.weight[:1].unsqueeze(0), positions.view(1, n))
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [n, 1, head_dim]
-        h = self.embed(tokens)  # [n, H]
+        return self.forward_many([self], [(tokens, positions, tree_mask, last, hidden)], skip)[0]
+
+    @torch.inference_mode()
+    def forward_many(self, decoders: list["StaticDecoder"], feeds: list[tuple], skip=None) -> list[tuple]:
+        """One forward for several sequences, each with its own cache (a decoder of this model): feed i,
+        (tokens [n_i], positions, tree_mask, last, hidden) as in `forward`, goes to `decoders[i]`.
+
+        The rows of every sequence are stacked (no padding), so the linears and the LM head run once
+        over all of them, where their cost is nearly flat in the number of rows; only attention runs
+        per sequence, against that sequence's own cache, positions and mask.
+        """
+        assert all(d.model is self.model for d in decoders), "a batched forward needs decoders of one model"
+        parts = []  # per sequence: (decoder, first row, n, past, masks)
+        rows, all_tokens, all_positions = 0, [], []
+        for d, (tokens, positions, tree_mask, last, hidden) in zip(decoders, feeds):
+            n, past = tokens.shape[0], d.length
+            d._reserve(past + n)
+            causal = positions is None and tree_mask is None
+            positions = torch.arange(past, past + n, device=self.device) if positions is None else positions.to(self.device)
+            parts.append((d, rows, n, past, d._masks(positions, tree_mask, causal, past, n)))
+            all_tokens.append(tokens)
+            all_positions.append(positions)
+            rows += n
+        tokens = all_tokens[0] if len(feeds) == 1 else torch.cat(all_tokens)
+        positions = all_positions[0] if len(feeds) == 1 else torch.cat(all_positions)
+        cos, sin = self.rotary(self.embed.weight[:1].unsqueeze(0), positions.view(1, rows))
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [rows, 1, head_dim]
+        h = self.embed(tokens)  # [rows, H]
         skip_attn = set(skip.attention) if skip is not None else ()
         skip_mlp = set(skip.mlp) if skip is not None else ()
         for i, layer in enumerate(self.layers):
             if i not in skip_attn:
-                h = h + self._attention(i, layer, h, cos, sin, masks[self.windows[i]], past, n)
+                h = h + self._attention(i, layer, h, cos, sin, parts)
             if i not in skip_mlp:
                 x = rms_norm(h, layer.norm_post, layer.eps)
                 gate, up = layer.gate_up(x).split(layer.gate_up.out_features // 2, dim=-1)
                 h = h + layer.down(F.silu(gate) * up)
-        self.length = past + n
-        if hidden == "all":  # every row's hidden state, logits for the last rows only
-            states = rms_norm(h, self.norm, self.norm_eps)
-            return self.head(states[-last:] if last else states), states
-        rows = rms_norm(h[-last:] if last else h, self.norm, self.norm_eps)
-        return self.head(rows), (rows if hidden else None)
+        out_rows, state_rows = [], []  # per sequence: the rows that get logits, the rows whose states return
+        for (d, a, n, past, _), (_, _, _, last, hidden) in zip(parts, feeds):
+            d.length = past + n
+            m = last or n
+            out_rows.append((a + n - m, m))
+            state_rows.append((a, n) if hidden == "all" else (a + n - m, m) if hidden else None)
+        if len(feeds) == 1 and state_rows[0] in (None, out_rows[0]):  # normalise only the rows that need logits
+            b, m = out_rows[0]
+            states = rms_norm(h[b : b + m], self.norm, self.norm_eps)
+            return [(self.head(states), states if state_rows[0] else None)]
+        states = rms_norm(h, self.norm, self.norm_eps)
+        if len(feeds) == 1:
+            b, m = out_rows[0]
+            logits = [self.head(states[b : b + m])]
+        else:
+            index = torch.cat([torch.arange(b, b + m, device=self.device) for b, m in out_rows])
+            logits = self.head(states[index]).split([m for _, m in out_rows])
+        return [(logit, None if s is None else states[s[0] : s[0] + s[1]]) for logit, s in zip(logits, state_rows)]
 
-    def _attention(self, i, layer: _Layer, h, cos, sin, mask, past: int, n: int) -> torch.Tensor:
+    def _attention(self, i, layer: _Layer, h, cos, sin, parts) -> torch.Tensor:
         x = rms_norm(h, layer.norm_in, layer.eps)
         qkv = layer.qkv(x)
-        d = self.head_dim
-        v = qkv[:, layer.q_size + layer.kv_size :].view(n, self.n_kv, d)
-        if layer.q_norm is None:  # rotate q and k together: [n, heads + kv heads, d]
-            qk = qkv[:, : layer.q_size + layer.kv_size].view(n, self.n_heads + self.n_kv, d)
+        d, rows = self.head_dim, h.shape[0]
+        v = qkv[:, layer.q_size + layer.kv_size :].view(rows, self.n_kv, d)
+        if layer.q_norm is None:  # rotate q and k together: [rows, heads + kv heads, d]
+            qk = qkv[:, : layer.q_size + layer.kv_size].view(rows, self.n_heads + self.n_kv, d)
             qk = qk * cos + rotate_half(qk) * sin
             q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
         else:  # Qwen3: per-head norms of q and k first
-            q = rms_norm(qkv[:, : layer.q_size].view(n, self.n_heads, d), *layer.q_norm)
-            k = rms_norm(qkv[:, layer.q_size : layer.q_size + layer.kv_size].view(n, self.n_kv, d), *layer.k_norm)
+            q = rms_norm(qkv[:, : layer.q_size].view(rows, self.n_heads, d), *layer.q_norm)
+            k = rms_norm(qkv[:, layer.q_size : layer.q_size + layer.kv_size].view(rows, self.n_kv, d), *layer.k_norm)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-        keys, values = self.keys[i], self.values[i]
-        keys[:, past : past + n] = k.transpose(0, 1)
-        values[:, past : past + n] = v.transpose(0, 1)
-        if n == 1 and mask is None:  # one query, every key: three small ops beat SDPA's CPU kernel
-            groups = q.view(self.n_kv, self.n_heads // self.n_kv, d)  # query head h reads kv head h // group size
-            scores = torch.bmm(groups, keys[:, : past + 1].transpose(1, 2)).mul_(layer.scaling)
-            out = torch.bmm(scores.softmax(-1, dtype=torch.float32).to(q.dtype), values[:, : past + 1])
-            return layer.o(out.view(1, self.n_heads * d))
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),  # [1, heads, n, d]
-            keys[:, : past + n].unsqueeze(0),  # [1, kv heads, past + n, d]
-            values[:, : past + n].unsqueeze(0),
-            attn_mask=mask,
-            scale=layer.scaling,
-            enable_gqa=self.n_heads != self.n_kv,
-        )  # [1, heads, n, d]
-        return layer.o(out[0].transpose(0, 1).reshape(n, self.n_heads * d))
+        outs = []
+        for dec, a, n, past, masks in parts:  # each sequence against its own cache
+            mask = masks[self.windows[i]]
+            keys, values = dec.keys[i], dec.values[i]
+            keys[:, past : past + n] = k[a : a + n].transpose(0, 1)
+            values[:, past : past + n] = v[a : a + n].transpose(0, 1)
+            if n == 1 and mask is None:  # one query, every key: three small ops beat SDPA's CPU kernel
+                groups = q[a].view(self.n_kv, self.n_heads // self.n_kv, d)  # query head h reads kv head h // group size
+                scores = torch.bmm(groups, keys[:, : past + 1].transpose(1, 2)).mul_(layer.scaling)
+                out = torch.bmm(scores.softmax(-1, dtype=torch.float32).to(q.dtype), values[:, : past + 1])
+                outs.append(out.view(1, self.n_heads * d))
+                continue
+            out = F.scaled_dot_product_attention(
+                q[a : a + n].transpose(0, 1).unsqueeze(0),  # [1, heads, n, d]
+                keys[:, : past + n].unsqueeze(0),  # [1, kv heads, past + n, d]
+                values[:, : past + n].unsqueeze(0),
+                attn_mask=mask,
+                scale=layer.scaling,
+                enable_gqa=self.n_heads != self.n_kv,
+            )  # [1, heads, n, d]
+            outs.append(out[0].transpose(0, 1).reshape(n, self.n_heads * d))
+        return layer.o(outs[0] if len(outs) == 1 else torch.cat(outs))
 
     def _masks(self, positions, tree_mask, causal: bool, past: int, n: int) -> dict:
         """`window_masks` per window size; None = attend everything (one causal token within every window)."""

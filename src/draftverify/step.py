@@ -77,25 +77,49 @@ class Step:
         return [0] + self.verdict.path
 
 
+@dataclass
+class Prepared:
+    """A proposal laid out for one forward: what to feed (`feed`, the keyword arguments of `Runner.forward`)
+    and what `finish_step` needs to read the result."""
+
+    tree: Tree
+    feed: dict
+    base: int  # the runner's cache length before the forward
+    chain: bool  # fed causally, without a mask
+    lay: object = None  # the tree.layout when not a chain
+
+
 def verify_step(runner: Runner, s: Session, root: int, proposal: Proposal) -> Step:
     """Feed proposal.lead + root + tree (+ window) to `runner`, accept what it agrees with, roll back.
 
     The cache must hold everything before the lead; afterwards it holds lead, root and the
     accepted candidate tokens (not the returned next token). A chain with no window and no lead
-    is fed causally, without a mask.
+    is fed causally, without a mask. `prepare_step` and `finish_step` are its two halves, for a
+    caller that runs the forward itself (several sequences in one forward: `round.decode_batch`).
     """
+    prepared = prepare_step(runner, root, proposal)
+    return finish_step(runner, s, proposal, prepared, runner.forward(**prepared.feed))
+
+
+def prepare_step(runner: Runner, root: int, proposal: Proposal) -> Prepared:
     tree = build_tree(root, proposal.paths)
     rows, lead = proposal.rows, proposal.lead
     base = runner.length
-    chain = not rows and not lead and all(p == i for i, p in enumerate(tree.parents, start=-1))
-    if chain:
-        out = runner.forward(tree.tokens, hidden=proposal.hidden)
+    if not rows and not lead and all(p == i for i, p in enumerate(tree.parents, start=-1)):
+        return Prepared(tree, {"tokens": tree.tokens, "hidden": proposal.hidden}, base, chain=True)
+    lay = layout(tree, rows, lead)
+    positions = torch.tensor(lay.offsets) + base + len(lead)
+    feed = {"tokens": lay.tokens, "positions": positions, "tree_mask": lay.mask, "last": lay.keep, "hidden": proposal.hidden}
+    return Prepared(tree, feed, base, chain=False, lay=lay)
+
+
+def finish_step(runner: Runner, s: Session, proposal: Proposal, prepared: Prepared, out) -> Step:
+    """Verify the forward's output `out` (a models.Forward) against the prepared tree and roll the cache back."""
+    tree, base, lay = prepared.tree, prepared.base, prepared.lay
+    if prepared.chain:
         node_logits = out.logits  # [n, V]
         rows_of_nodes = list(range(tree.size))
     else:
-        lay = layout(tree, rows, lead)
-        positions = torch.tensor(lay.offsets) + base + len(lead)
-        out = runner.forward(lay.tokens, positions=positions, tree_mask=lay.mask, last=lay.keep, hidden=proposal.hidden)
         rows_of_nodes = [lay.row(i) for i in lay.tree]
         node_logits = out.logits[rows_of_nodes]  # [n, V]
     tokens = torch.tensor(tree.tokens, device=node_logits.device)
@@ -112,12 +136,12 @@ def verify_step(runner: Runner, s: Session, root: int, proposal: Proposal) -> St
             sampled = [0 < i <= g for i in range(tree.size)]
         verdict = verify_tree(tokens, tree.parents, probs, q, sampled, s.generator(runner.device), greedy=False)
     producers = [0] + verdict.path
-    if chain:
+    if prepared.chain:
         runner.crop(base + len(producers))
     else:
         runner.select(base, [base + i for i in lay.lead + [lay.tree[node] for node in producers]])
     window_out = None
-    if rows:
+    if proposal.rows:
         window_out = out.logits[[lay.row(i) for i in lay.window[-1]]].argmax(-1).tolist()  # [W]
     return Step(
         tree=tree,

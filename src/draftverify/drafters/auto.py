@@ -8,7 +8,9 @@ running means, over the rounds that candidate drafted, of what it cost and earne
 
 with t the target's measured cost curve (`costs.curve`) and `scale` the running ratio of the
 measured verification time to it (so load on the machine moves every candidate alike). Plain
-autoregressive decoding scores 1 / (scale * t(1)). A *free* drafter (`Drafter.free`: a pool or
+autoregressive decoding scores 1 / (scale * t(1)). In a batch (`batch`), t is the time the
+request's rows *add* to the shared forward (`costs.marginal_time` after the other requests'
+rows): drafts pay while the curve is flat and stop paying where it turns linear. A *free* drafter (`Drafter.free`: a pool or
 prompt lookup, no model run) is asked every round, and is a candidate only when it has
 something, priced at its actual number of nodes. The highest rate drafts; a candidate that has
 not drafted for `probe` rounds it could have drafted in drafts once, so a draft that started
@@ -27,7 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from draftverify.costs import forward_time
+from draftverify.costs import forward_time, marginal_time
 from draftverify.drafters.base import Drafter, Proposal, Step, add
 from draftverify.session import Session
 from draftverify.tree import build_tree
@@ -73,24 +75,24 @@ class Auto(Drafter):
         for d in self.candidates.values():
             d.start(s, seq, hidden if d.needs_hidden else None)
 
-    def verify_time(self, nodes: float) -> float:
-        return self.scale[0] * forward_time(self.costs, 1 + nodes)
+    def verify_time(self, nodes: float, others: int) -> float:
+        return self.scale[0] * marginal_time(self.costs, round(1 + nodes), others)
 
-    def rate(self, name: str, nodes: float | None = None) -> float:
+    def rate(self, name: str, others: int, nodes: float | None = None) -> float:
         r = self.records[name]
-        return (1 + r.accepted) / (r.draft_s + self.verify_time(r.nodes if nodes is None else nodes))
+        return (1 + r.accepted) / (r.draft_s + self.verify_time(r.nodes if nodes is None else nodes, others))
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
         t0 = time.perf_counter()
         self.chosen, self.proposal = AR, Proposal()
         if room > 0:
             offers = {name: d.propose(s, seq, room) for name, d in self.candidates.items() if d.free}
-            rates = {AR: 1.0 / self.verify_time(0)}
+            rates = {AR: 1.0 / self.verify_time(0, s.others)}
             for name, d in self.candidates.items():
                 if not d.free:
-                    rates[name] = self.rate(name)
+                    rates[name] = self.rate(name, s.others)
                 elif offers[name].paths:
-                    rates[name] = self.rate(name, build_tree(seq[-1], offers[name].paths).size - 1)
+                    rates[name] = self.rate(name, s.others, build_tree(seq[-1], offers[name].paths).size - 1)
             able = [name for name in rates if name != AR]
             for name in able:
                 self.records[name].idle += 1
@@ -106,7 +108,8 @@ class Auto(Drafter):
 
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
         verify_s = time.perf_counter() - self.sent_at
-        self.scale[0] = self.decay * self.scale[0] + (1 - self.decay) * verify_s / forward_time(self.costs, step.tree.size)
+        if not s.others:  # alone: the measured verification against the curve (in a batch it holds the others' rows)
+            self.scale[0] = self.decay * self.scale[0] + (1 - self.decay) * verify_s / forward_time(self.costs, step.tree.size)
         for name, d in self.candidates.items():
             d.observe(s, seq, self.proposal if name == self.chosen else Proposal(), step)
         if self.chosen != AR:

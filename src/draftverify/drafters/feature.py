@@ -39,7 +39,7 @@ import weakref
 
 import torch
 
-from draftverify.costs import curve, forward_time
+from draftverify.costs import curve, marginal_time
 from draftverify.drafters.base import Drafter, Proposal, Step
 from draftverify.feature_draft import FeatureDraft, HeadCache
 from draftverify.models import Runner
@@ -142,7 +142,7 @@ class FeatureHead(Drafter):
         level = children(root_feature[None], [-1])
         for d in range(1, depth):
             chosen = sorted(level, key=lambda i: -values[i])[:k]
-            if values[chosen[0]] * forward_time(self.costs, 1) < self.expand_s:
+            if values[chosen[0]] * marginal_time(self.costs, 1, s.others) < self.expand_s:
                 break  # even the best new node is worth less than the forward that would grow it
             t0 = time.perf_counter()
             base = cache.length
@@ -161,19 +161,20 @@ class FeatureHead(Drafter):
             feature.update({node: out[j] for j, node in enumerate(chosen)})
             level = children(out, chosen)
             self.expand_s = 0.8 * self.expand_s + 0.2 * (time.perf_counter() - t0)
-        keep = self.best_nodes(parents, values)
+        keep = self.best_nodes(parents, values, s.others)
         path = {n: tuple(tokens[a] for a in [n, *_ancestors(n, parents)][::-1]) for n in keep}
         self.drafted = {path[n]: local[n] for n in keep}
         leaves = [n for n in keep if not any(parents[c] == n for c in keep)]
         return [list(path[leaf]) for leaf in sorted(leaves, key=lambda n: -values[n])]
 
-    def best_nodes(self, parents: list[int], values: list[float]) -> set[int]:
-        """The n most valuable nodes (a tree), n the most expected tokens per second of the target (or `nodes`)."""
+    def best_nodes(self, parents: list[int], values: list[float], others: int = 0) -> set[int]:
+        """The n most valuable nodes (a tree), n the most expected tokens per second of the target (or `nodes`);
+        in a batch, the time the rows add to a forward that carries `others` rows."""
         order = sorted(range(len(values)), key=lambda i: -values[i])[: self.nodes or self.max_nodes]
-        gain, best, best_rate = 1.0, 0, 1.0 / forward_time(self.costs, 1)
+        gain, best, best_rate = 1.0, 0, 1.0 / marginal_time(self.costs, 1, others)
         for n, node in enumerate(order if not self.nodes else [], start=1):
             gain += values[node]
-            rate = gain / forward_time(self.costs, n + 1)
+            rate = gain / marginal_time(self.costs, n + 1, others)
             if rate > best_rate:
                 best, best_rate = n, rate
         keep = set(order[: self.nodes or best])

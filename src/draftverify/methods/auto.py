@@ -78,6 +78,9 @@ class Auto(Method):
         self.records: dict[str, Record] = {}  # per candidate, kept across requests (warm start)
         self.scale = [1.0]  # measured verification time / the cost curve's
 
+    def share(self, first: "Auto") -> None:
+        self.records, self.scale = first.records, first.scale  # one set of figures for every batch slot
+
     def candidates(self, s: Session) -> dict[str, Drafter]:
         has_draft = isinstance(self.draft, Runner)
         use = self.config.names() or ["head" if self.head is not None else "draft", "context"]

@@ -13,7 +13,7 @@ from typing import ClassVar
 from draftverify.drafters.base import Drafter
 from draftverify.errors import require
 from draftverify.models import Runner
-from draftverify.round import decode
+from draftverify.round import Rounds, drive, rounds
 from draftverify.session import Session
 
 METHODS: dict[str, type["Method"]] = {}
@@ -79,6 +79,10 @@ class Method(ABC):
                 values[key] = value
         return cls.Config(**values)
 
+    def share(self, first: "Method") -> None:
+        """This instance serves another batch slot than `first` (slot 0's, same config): share whatever warm state
+        should outlive a request across slots (a phrase pool, `auto`'s figures). Nothing by default."""
+
     def draft_model(self) -> Runner:
         """The draft model's runner, refusing a feature head (for methods that draft with a model of their own)."""
         require(isinstance(self.draft, Runner), f"method {self.name!r} needs a draft model, not a feature head: pass --draft "
@@ -89,9 +93,14 @@ class Method(ABC):
         """What proposes candidates for request `s` (None: nothing, plain autoregressive decoding)."""
         return None
 
+    def rounds(self, s: Session) -> Rounds:
+        """Request `s`'s decoding as a generator of target forwards (`round.rounds`): a subclass with set-up
+        or clean-up around a request overrides this, and both `run` and a batch (`batch.decode_batch`) use it."""
+        return rounds(s, self.target, self.drafter(s))
+
     def run(self, s: Session) -> None:
         """Decode one request, handing accepted tokens to `s.emit` until it returns False."""
-        decode(s, self.target, self.drafter(s))
+        drive(self.rounds(s), self.target)
 
 
 def standalone_method(name: str, drafter: type[Drafter], config: type, presets: dict) -> type[Method]:

@@ -28,7 +28,7 @@ from draftverify.errors import require
 from draftverify.methods.base import Method, register
 from draftverify.models import tokenizer_fingerprint
 from draftverify.drafters.pool import PhrasePool
-from draftverify.round import decode
+from draftverify.round import Rounds, rounds
 from draftverify.session import Session
 
 
@@ -45,15 +45,24 @@ class PoolMethod(Method):
     pool: PhrasePool | None = None
     _fingerprint: str | None = None  # the tokenizer's, once a request has shown it
 
-    def run(self, s: Session) -> None:
-        if self.pool is None or not self.config.reuse:
-            self.pool = self._starting_pool(s)
+    first: "PoolMethod | None" = None  # the slot-0 instance whose pool this one shares (batch slots; `share`)
+
+    def share(self, first: "PoolMethod") -> None:
+        self.first = first
+
+    def rounds(self, s: Session) -> Rounds:
+        owner = self.first or self  # with reuse, every slot of a batch drafts from (and feeds) one pool
+        if not self.config.reuse:
+            owner = self
+        if owner.pool is None or not self.config.reuse:
+            owner.pool = owner._starting_pool(s)
+        pool = owner.pool
         try:
-            decode(s, self.target, self.pool_drafter(s, self.pool))
+            yield from rounds(s, self.target, self.pool_drafter(s, pool))
         finally:
-            s.stats.extra["pool_phrases"] = len(self.pool)
+            s.stats.extra["pool_phrases"] = len(pool)
             if self.config.reuse and self.config.pool_file:
-                self.save_pool()
+                owner.save_pool()
 
     @abstractmethod
     def pool_drafter(self, s: Session, pool: PhrasePool) -> Drafter:

@@ -25,7 +25,7 @@ from draftverify.drafters.skipsets import STRATEGIES, SkipSet, load_skip_set, ma
 from draftverify.methods.base import Method, register
 from draftverify.models import Runner, model_identity
 from draftverify.policies import POLICIES, AdaptiveThreshold, DraftPolicy, make_policy
-from draftverify.round import decode
+from draftverify.round import Rounds, rounds
 from draftverify.session import Session
 
 
@@ -93,8 +93,8 @@ class SelfSpeculative(Method):
         "heuristic": {"strategy": "heuristic"},
     }
 
-    def __init__(self, target: Runner, draft: Runner | None = None, config=None):
-        super().__init__(target, draft, config)
+    def __init__(self, target: Runner, draft: Runner | None = None, config=None, head=None):
+        super().__init__(target, draft, config, head)
         c = self.config
         if c.skip is not None:
             self.skip = c.skip
@@ -108,11 +108,11 @@ class SelfSpeculative(Method):
             return AdaptiveThreshold(c.gamma, c.alpha, c.epsilon, c.beta1, c.beta2, max_k=c.k)
         return make_policy(c.policy, c.k, c.gamma)
 
-    def run(self, s: Session) -> None:
+    def rounds(self, s: Session) -> Rounds:
         policy = self.make_policy()
         s.stats.extra.update(skipped_attention=len(self.skip.attention), skipped_mlp=len(self.skip.mlp))
         try:
-            decode(s, self.target, LayerSkip(self.target, policy, skip=self.skip))
+            yield from rounds(s, self.target, LayerSkip(self.target, policy, skip=self.skip))
         finally:
             if isinstance(policy, AdaptiveThreshold):
                 s.stats.extra["final_gamma"] = policy.gamma

@@ -64,7 +64,8 @@ def with_pool_file(specs: tuple[MethodSpec, ...], path: Path) -> tuple[MethodSpe
 class ServeConfig:
     methods: tuple[MethodSpec, ...] = (MethodSpec("auto", "auto", None, ()),)  # the first is the default
     model_name: str | None = None  # the id clients send as `model`; default: the target's name
-    max_queue: int = 16  # requests that may wait while one generates; more get 429
+    max_queue: int = 16  # requests that may wait for a place in the running batch; more get 429
+    max_batch: int = 8  # requests decoded together (continuous batching; 1 = one at a time)
     timeout_s: float = 600.0  # per request, from arrival to the last token
     shutdown_grace_s: float = 30.0  # on shutdown, how long the running generation may go on
     default_max_tokens: int = 256  # when a request gives no max_tokens
@@ -74,6 +75,7 @@ class ServeConfig:
     def __post_init__(self):
         require(self.methods, "no method given: pass e.g. --methods speculative")
         require(self.max_queue >= 0, f"max_queue={self.max_queue} must be at least 0")
+        require(self.max_batch >= 1, f"max_batch={self.max_batch} must be at least 1")
         require(self.timeout_s > 0, f"timeout={self.timeout_s} must be positive (seconds)")
         require(self.shutdown_grace_s >= 0, f"shutdown_grace={self.shutdown_grace_s} must be at least 0 (seconds)")
         require(self.default_max_tokens >= 1, f"default_max_tokens={self.default_max_tokens} must be at least 1")
@@ -97,7 +99,7 @@ class Service:
                 log.info("pool %s: %d phrases", method.config.pool_file, len(method.pool))
                 self.pooled.append(method)
         self.metrics = Metrics()
-        self.scheduler = Scheduler(engine, config.max_queue, self.metrics)
+        self.scheduler = Scheduler(engine, config.max_queue, self.metrics, config.max_batch)
 
     def start(self) -> None:
         self.scheduler.start()
@@ -259,7 +261,8 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
     async def health():
         closing = service.scheduler.closing
         body = {"status": "shutting_down" if closing else "ok", "model": service.model_name, "methods": list(service.methods),
-                "queue_depth": service.scheduler.depth, "queue_capacity": service.config.max_queue, "busy": service.scheduler.busy}
+                "queue_depth": service.scheduler.depth, "queue_capacity": service.config.max_queue, "busy": service.scheduler.busy,
+                "running": service.scheduler.running, "max_batch": service.config.max_batch}
         return JSONResponse(body, status_code=503 if closing else 200)
 
     @app.get("/metrics")

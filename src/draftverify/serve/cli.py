@@ -20,7 +20,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 for every interface)."),
     port: int = typer.Option(8000, help="Port to listen on (0 = any free port; the chosen one is printed)."),
     model_name: Optional[str] = typer.Option(None, help="The model id clients send as \"model\" (default: the target's name)."),
-    max_queue: int = typer.Option(16, help="Requests that may wait while one generates; more are answered 429 with Retry-After."),
+    max_queue: int = typer.Option(16, help="Requests that may wait for a place in the running batch; more are answered 429 with Retry-After."),
+    max_batch: int = typer.Option(8, help="Requests decoded together (continuous batching: they join and leave between steps; 1 = one at a time)."),
     timeout: float = typer.Option(600.0, help="Seconds a request may take from arrival to its last token; later it is cut off (504)."),
     shutdown_grace: float = typer.Option(30.0, help="On SIGINT/SIGTERM: seconds the running generation may go on; waiting requests get 503 at once."),
     default_max_tokens: int = typer.Option(256, help="New tokens when a request gives no max_tokens (always capped by the context)."),
@@ -39,7 +40,7 @@ def serve(
 
     specs = parse_methods(methods)
     config = ServeConfig(
-        methods=specs, model_name=model_name, max_queue=max_queue, timeout_s=timeout, shutdown_grace_s=shutdown_grace,
+        methods=specs, model_name=model_name, max_queue=max_queue, max_batch=max_batch, timeout_s=timeout, shutdown_grace_s=shutdown_grace,
         default_max_tokens=default_max_tokens, pool_file=pool_file,
     )
     engine = Engine.load(target, draft if any(METHODS[s.name].loads_draft() for s in specs) else "none", dtype=dtype, device=device, device_map=device_map, backend=backend)

@@ -1,13 +1,15 @@
-"""The model's queue: one generation at a time, a bounded line of waiting requests.
+"""The model's queue: continuous batching over a bounded line of waiting requests.
 
-An `Engine` decodes one request at a time (its methods share the KV caches), so requests
-wait in a bounded FIFO line and a single worker thread runs them in turn. A request handler
-(on the asyncio event loop) talks to its request through a `Ticket`: the worker posts each
-accepted chunk of tokens and then the outcome; the handler withdraws the ticket when its
-client goes away. Cancellation is checked at every accepted chunk (`Engine.generate`'s
-`on_tokens` hook), so a disconnected client, a request past its deadline or a shutdown past
-its grace period frees the model within one decoding step. Whatever a generation raises is
-that request's 500; every method starts from a fresh cache, so the next request is unharmed.
+A single worker thread runs up to `max_batch` requests together (`draftverify.batch`: one
+stacked target forward per step, each request in its own engine slot with caches of its own);
+requests join the running batch between steps as slots free up, and wait in a bounded FIFO line
+until then (429 with Retry-After when the line is full). A request handler (on the asyncio
+event loop) talks to its request through a `Ticket`: the worker posts each accepted chunk of
+tokens and then the outcome; the handler withdraws the ticket when its client goes away.
+Cancellation is checked at every accepted chunk (the `on_tokens` hook) and before every step, so
+a disconnected client, a request past its deadline or a shutdown past its grace period frees its
+slot within one step. Whatever a request raises is that request's error (400 for a bad setting,
+500 otherwise); the others in the batch go on.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from draftverify.batch import Batch, Member
 from draftverify.engine import Engine, Result
 from draftverify.errors import DraftVerifyError
 from draftverify.serve.metrics import Metrics
@@ -66,6 +69,7 @@ class Ticket:
     started: float | None = None  # when the worker took it
     withdrawn: bool = False  # the handler stopped listening (client gone, or it gave up waiting)
     cut: str | None = None  # why the worker cancelled the generation: timeout, shutdown, withdrawn
+    slot: int = -1  # the engine's batch slot it runs in
 
     def __post_init__(self):
         self.loop = asyncio.get_running_loop()
@@ -81,15 +85,16 @@ class Ticket:
 
 
 class Scheduler:
-    """A bounded FIFO line of tickets and the worker thread that runs them one at a time."""
+    """A bounded FIFO line of tickets and the worker thread that runs them, up to `max_batch` at once."""
 
-    def __init__(self, engine: Engine, max_queue: int, metrics: Metrics):
-        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+    def __init__(self, engine: Engine, max_queue: int, metrics: Metrics, max_batch: int = 8):
+        self.engine, self.max_queue, self.metrics, self.max_batch = engine, max_queue, metrics, max_batch
         self._line: deque[Ticket] = deque()
         self._cond = threading.Condition()
-        self._running: Ticket | None = None
+        self._batch = Batch()
+        self._joining = 0
         self._closing = False
-        self._cancel_at = math.inf  # once draining: when the running generation is cut short
+        self._cancel_at = math.inf  # once draining: when the running generations are cut short
         self._mean_s = 1.0  # running mean of generation time, for Retry-After
         self._thread = threading.Thread(target=self._work, name="draftverify-worker", daemon=True)
 
@@ -98,8 +103,13 @@ class Scheduler:
         return len(self._line)
 
     @property
+    def running(self) -> int:
+        """Requests the worker has taken: in the batch, or joining it."""
+        return len(self._batch) + self._joining
+
+    @property
     def busy(self) -> bool:
-        return self._running is not None
+        return self.running > 0
 
     @property
     def closing(self) -> bool:
@@ -114,20 +124,20 @@ class Scheduler:
             if self._closing:
                 raise ApiError(503, "the server is shutting down: retry on another replica", code="shutting_down")
             if len(self._line) >= self.max_queue:
-                wait = max(1, math.ceil(self._mean_s * (len(self._line) + 1)))
+                wait = max(1, math.ceil(self._mean_s * (len(self._line) + 1) / self.max_batch))
                 raise ApiError(429, f"the queue is full ({self.max_queue} requests waiting): retry in {wait}s", code="queue_full", headers={"Retry-After": str(wait)})
             self._line.append(ticket)
             self._cond.notify()
 
     def withdraw(self, ticket: Ticket) -> None:
-        """The handler no longer listens: leave the line, or have the worker stop at the next chunk."""
+        """The handler no longer listens: leave the line, or have the worker drop it before its next step."""
         with self._cond:
             ticket.withdrawn = True
             if ticket in self._line:
                 self._line.remove(ticket)
 
     def drain(self, grace_s: float) -> None:
-        """Take no more requests; refuse those waiting (503); cut the running one after `grace_s`."""
+        """Take no more requests; refuse those waiting (503); cut the running ones after `grace_s`."""
         with self._cond:
             self._closing = True
             self._cancel_at = min(self._cancel_at, time.monotonic() + grace_s)
@@ -148,27 +158,35 @@ class Scheduler:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._line and not self._closing:
+                while not self._line and not self._batch.members and not self._closing:
                     self._cond.wait()
-                if not self._line:
+                if not self._line and not self._batch.members:
                     return
-                ticket = self._running = self._line.popleft()
-            ticket.started = time.monotonic()
-            try:
-                ticket.post(self._run(ticket))
-            except DraftVerifyError as exc:  # a setting the request's validation let through
-                ticket.post(Outcome(error=ApiError(400, str(exc), code="invalid_request")))
-            except Exception as exc:  # a bug or a device error (out of memory): fail this request, keep serving
-                log.exception("generation failed")
-                ticket.post(Outcome(error=ApiError(500, f"generation failed: {type(exc).__name__}: {str(exc).partition(chr(10))[0]}", code="generation_failed")))
-                self.metrics.generation(ticket.job.method, None, time.monotonic() - ticket.started)
-            finally:
-                self._running = None
+                joining = []
+                while self._line and len(self._batch) + len(joining) < self.max_batch:
+                    joining.append(self._line.popleft())
+                self._joining = len(joining)
+            for ticket in joining:
+                self._join(ticket)
+                self._joining -= 1
+            for member in list(self._batch.members):  # a client gone, a deadline passed, a shutdown: free the slot now
+                ticket = member.tag
+                ticket.cut = ticket.cut or self._cut_reason(ticket)
+                if ticket.cut is not None:
+                    self._batch.drop(member)
+                    self._end(member)
+            for member in self._batch.step():
+                self._end(member)
 
-    def _run(self, ticket: Ticket) -> Outcome:
-        """Generate the ticket's job, posting each accepted chunk; the outcome to post last."""
+    def _free_slot(self) -> int:
+        taken = {m.tag.slot for m in self._batch.members}
+        return next(i for i in range(self.max_batch) if i not in taken)
+
+    def _join(self, ticket: Ticket) -> None:
+        """Start the ticket's job in a free slot of the batch (its prefill rides in the next step)."""
+        ticket.started = time.monotonic()
         if ticket.started > ticket.deadline:
-            return Outcome(error=timeout_error(ticket))
+            return ticket.post(Outcome(error=timeout_error(ticket)))
         job = ticket.job
 
         def on_tokens(tokens: list[int]) -> bool:
@@ -176,18 +194,39 @@ class Scheduler:
             ticket.cut = self._cut_reason(ticket)
             return ticket.cut is None
 
-        result = self.engine.generate(
-            job.prompt, method=job.name, preset=job.preset, max_new_tokens=job.max_tokens, temperature=job.temperature,
-            top_p=job.top_p, top_k=job.top_k, seed=job.seed, stop=list(job.stop), on_tokens=on_tokens, **job.options,
-        )
+        ticket.slot = self._free_slot()
+        try:
+            method, session = self.engine.request(
+                job.prompt, method=job.name, preset=job.preset, max_new_tokens=job.max_tokens, temperature=job.temperature,
+                top_p=job.top_p, top_k=job.top_k, seed=job.seed, stop=list(job.stop), on_tokens=on_tokens, slot=ticket.slot, **job.options,
+            )
+        except DraftVerifyError as exc:  # a setting the request's validation let through
+            return ticket.post(Outcome(error=ApiError(400, str(exc), code="invalid_request")))
+        except Exception as exc:  # a bug or a device error: fail this request, keep serving
+            log.exception("request set-up failed")
+            return ticket.post(Outcome(error=ApiError(500, f"generation failed: {type(exc).__name__}: {str(exc).partition(chr(10))[0]}", code="generation_failed")))
+        session.stats.start()
+        self._batch.add(session, method.target, method.rounds(session), tag=ticket)
+
+    def _end(self, member: Member) -> None:
+        """Post the outcome of a request that left the batch."""
+        ticket, session = member.tag, member.session
+        self.engine.finish(session)
         wall = time.monotonic() - ticket.started
+        if member.error is not None:
+            if isinstance(member.error, DraftVerifyError):
+                return ticket.post(Outcome(error=ApiError(400, str(member.error), code="invalid_request")))
+            log.error("generation failed", exc_info=member.error)
+            self.metrics.generation(ticket.job.method, None, wall)
+            first = str(member.error).partition(chr(10))[0]
+            return ticket.post(Outcome(error=ApiError(500, f"generation failed: {type(member.error).__name__}: {first}", code="generation_failed")))
         self._mean_s += 0.2 * (wall - self._mean_s)
-        self.metrics.generation(job.method, result.stats, wall, queue_s=ticket.started - ticket.submitted)
+        self.metrics.generation(ticket.job.method, session.stats, wall, queue_s=ticket.started - ticket.submitted)
         if ticket.cut == "timeout":
-            return Outcome(error=timeout_error(ticket))
+            return ticket.post(Outcome(error=timeout_error(ticket)))
         if ticket.cut == "shutdown":
-            return Outcome(error=ApiError(503, "the server shut down during this request: retry on another replica", code="shutting_down"))
-        return Outcome(result=result)
+            return ticket.post(Outcome(error=ApiError(503, "the server shut down during this request: retry on another replica", code="shutting_down")))
+        ticket.post(Outcome(result=self.engine.result(session)))
 
     def _cut_reason(self, ticket: Ticket) -> str | None:
         now = time.monotonic()

@@ -1,0 +1,116 @@
+"""Several requests decoding together: one stacked target forward per step, each request exact on its own.
+
+Every request runs the one round (`round.rounds`, through its method's `Method.rounds`) on a *slot*
+of the engine: a runner with its own KV cache (and, for a draft model, a draft runner of its own),
+and its own drafter, draft length, acceptance and stop. A step collects the forward each live
+request waits for (a prefill, a plain step, or a tree to verify), runs them as ONE forward
+(`models.forward_many`: the rows of all requests stacked, no padding; per-request positions,
+masks and caches), and hands each request its output; each then verifies, rolls back, emits and
+drafts its next proposal. Requests join (`add`) and leave (finished, stopped, cancelled, failed)
+between steps: continuous batching.
+
+Exactness is per request: a request's forward is the same arithmetic on its own cache whatever
+else is stacked with it (the linears are row-wise; attention runs per request), verification is
+its own, and its random draws come from its own seeded generator. Drafting stays per request
+(drafts are small beside the stacked forward on this path); what the batch changes is the price of
+verification: each request's `Session.others` says how many rows the rest of the batch fed last
+step, and `auto` prices a draft by the rows it *adds* to the shared forward (`costs.marginal_time`),
+so draft lengths shrink as the batch grows and speculation stops where the cost curve turns
+linear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftverify.models import Runner, forward_many
+from draftverify.round import Rounds
+from draftverify.session import Session
+
+
+@dataclass(eq=False)
+class Member:
+    """One request in the batch."""
+
+    session: Session
+    runner: Runner  # its slot's target runner
+    rounds: Rounds
+    feed: dict | None = None  # the forward it waits for
+    error: BaseException | None = None
+    done: bool = False
+    tag: object = None  # the caller's handle (the server's ticket)
+    rows: int = field(default=0, init=False)
+
+
+class Batch:
+    """Requests that share every target forward; see the module docstring."""
+
+    def __init__(self):
+        self.members: list[Member] = []
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def add(self, session: Session, runner: Runner, rounds: Rounds, tag: object = None) -> Member:
+        """Start a request (its prefill joins the next step). `rounds` runs on `runner`, which no other member uses."""
+        assert all(m.runner is not runner for m in self.members), "each request of a batch needs a runner of its own"
+        member = Member(session, runner, rounds, tag=tag)
+        self._advance(member, None)
+        self.members.append(member)
+        return member
+
+    def step(self) -> list[Member]:
+        """One stacked forward for every live member; returns the members that ended (and leave the batch)."""
+        live = [m for m in self.members if not m.done]
+        if live:
+            total = 0
+            for m in live:
+                m.rows = len(m.feed["tokens"])
+                total += m.rows
+            for m in live:
+                m.session.others = total - m.rows
+            try:
+                outs = forward_many([m.runner for m in live], [m.feed for m in live])
+            except Exception as exc:  # the stacked forward itself failed: every member in it fails
+                for m in live:
+                    self._fail(m, exc)
+            else:
+                for m, out in zip(live, outs):
+                    self._advance(m, out)
+        ended = [m for m in self.members if m.done]
+        self.members = [m for m in self.members if not m.done]
+        return ended
+
+    def drop(self, member: Member) -> None:
+        """Stop a member now (its client went away): its drafter is told and it leaves the batch."""
+        if not member.done:
+            member.rounds.close()
+            member.done = member.session.done = True
+            member.session.stats.finish_reason = member.session.stats.finish_reason or "cancelled"
+        self.members = [m for m in self.members if m is not member]
+
+    def _advance(self, m: Member, out) -> None:
+        try:
+            m.feed = next(m.rounds) if out is None else m.rounds.send(out)
+        except StopIteration:
+            m.done = True
+        except Exception as exc:  # this request's error; the others go on
+            m.error, m.done = exc, True
+
+    def _fail(self, m: Member, exc: BaseException) -> None:
+        m.error, m.done = exc, True
+        m.rounds.close()
+
+
+def run_batch(members: list[tuple[Session, Runner, Rounds]]) -> Batch:
+    """Decode these requests together to the end (all start at once); returns the spent batch."""
+    batch = Batch()
+    for session, runner, rounds in members:
+        batch.add(session, runner, rounds)
+    ended = []
+    while batch.members:
+        ended += batch.step()
+    for m in ended:
+        if m.error is not None:
+            raise m.error
+    return batch
