@@ -136,35 +136,13 @@ class Engine:
         """The target's stop tokens (`util.eos_ids`)."""
         return eos_ids(self.target)
 
-    def generate(
-        self,
-        prompt: str | list[int] | list[dict],
-        method: str = "auto",
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        eos_token_id: int | list[int] | None = None,
-        stop: str | list[str] | None = None,
-        chat: bool = False,
-        streamer=None,
-        on_tokens: Callable[[list[int]], bool | None] | None = None,
-        generation_config=None,
-        preset: str | None = None,
-        **options,
-    ) -> Result:
+    def generate(self, prompt: str | list[int] | list[dict], method: str = "auto", **settings) -> Result:
         """Generate from `prompt` with `method`; output is identical (greedy) or identically
-        distributed (sampling) to what the target alone produces.
-
-        `generation_config` (a transformers GenerationConfig) overrides max_new_tokens, sampling
-        and EOS settings when given. `streamer` gets the prompt and then every accepted chunk
-        (a transformers TextIteratorStreamer works); `on_tokens` gets each chunk and may
-        return False to cancel the request.
+        distributed (sampling) to what the target alone produces. `settings` are `request`'s:
+        max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stop, chat, streamer,
+        on_tokens, generation_config, preset, and the method's own options.
         """
-        m, session = self.request(
-            prompt, method, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stop, chat, streamer, on_tokens,
-            generation_config, preset, **options)
+        m, session = self.request(prompt, method, **settings)
         session.stats.start()
         try:
             m.run(session)
@@ -209,7 +187,14 @@ class Engine:
         slot: int = 0,
         **options,
     ) -> tuple[Method, Session]:
-        """A validated request (see `generate`): the method instance on `slot` and the request's Session."""
+        """A validated request: the method instance on batch slot `slot` and the request's Session (`generate` runs
+        it, a batch steps it).
+
+        `generation_config` (a transformers GenerationConfig) overrides max_new_tokens, sampling
+        and EOS settings when given. `streamer` gets the prompt and then every accepted chunk
+        (a transformers TextIteratorStreamer works); `on_tokens` gets each chunk and may
+        return False to cancel the request. `options` are the method's (see `draftverify methods`).
+        """
         if generation_config is not None:
             gc = generation_config
             max_new_tokens = gc.max_new_tokens or max_new_tokens
