@@ -33,7 +33,7 @@ class GatedEngine(Engine):
         self.delay = 0.0
         self.fail: Exception | None = None
 
-    def request(self, prompt, on_tokens=None, **kwargs):  # the server starts every request here
+    def request(self, prompt, method="auto", on_tokens=None, **kwargs):  # the server starts every request here
         assert self.gate.wait(WAIT_S)
 
         def slowly(tokens):
@@ -43,7 +43,7 @@ class GatedEngine(Engine):
                 raise fail
             return on_tokens(tokens)
 
-        return super().request(prompt, on_tokens=slowly, **kwargs)
+        return super().request(prompt, method, on_tokens=slowly if on_tokens is not None else None, **kwargs)
 
 
 @contextmanager

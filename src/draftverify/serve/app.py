@@ -93,9 +93,10 @@ class Service:
         instances = [engine.method(s.name, s.preset, **dict(s.options)) for s in specs]  # built once, reused per request
         self.pooled = []  # methods whose phrase pool lives in a file
         for spec, method in zip(specs, instances):
+            # a short warm-up: a pool file is loaded now (a bad one is refused before serving), and what a method
+            # measures once (the cost curve) is measured before the first client waits for it
+            engine.generate([0], method=spec.name, preset=spec.preset, max_new_tokens=2, temperature=0.0, **dict(spec.options))
             if getattr(method.config, "pool_file", None):
-                # a 1-token warm-up loads the pool now, so that a bad file is refused before serving
-                engine.generate([0], method=spec.name, preset=spec.preset, max_new_tokens=1, temperature=0.0, **dict(spec.options))
                 log.info("pool %s: %d phrases", method.config.pool_file, len(method.pool))
                 self.pooled.append(method)
         self.metrics = Metrics()
