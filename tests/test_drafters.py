@@ -143,7 +143,7 @@ LAYERS = [  # docs/architecture.md, lowest first: a module imports from its own 
     {"models", "static", "kernels", "costs", "feature_draft"},
     {"verify", "tree", "step"},
     {"drafters", "policies"},  # drafters/ holds the per-method helpers: pool, skipsets, head
-    {"round", "methods", "engine"},
+    {"round", "batch", "methods", "engine"},
     {"bench", "serve"},
     {"tools"},  # the offline tools: make_draft, search_layers, train_head, pareto
     {"cli", "__main__", ""},

@@ -115,7 +115,7 @@ class Auto(Drafter):
         if self.chosen != AR:
             self.records[self.chosen].update(self.decay, step.accepted, self.draft_s, step.drafted)
         add(s.stats.extra, **{f"auto_{self.chosen}_rounds": 1, f"auto_{self.chosen}_tokens": len(step.tokens)})
-        s.stats.extra["auto_chunks"].append((self.chosen, len(step.tokens)))
+        s.stats.extra["auto_chunks"].append([self.chosen, len(step.tokens)])  # JSON-shaped: records round-trip
 
     def finish(self, s: Session) -> None:
         for d in self.candidates.values():

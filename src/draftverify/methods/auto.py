@@ -15,6 +15,8 @@ step) when nothing pays. The candidates are those the engine has:
   round and priced at what it offers;
 - `lookup`: prompt lookup (`prompt-lookup`), off by default (it offers what `context` does).
 
+In a batch (`serve`, `Engine.generate_batch`) a draft is priced by the rows it adds to the shared
+forward, so drafts shrink as the batch grows and stop where the forward's cost turns linear.
 Self-speculative decoding is not a candidate: on the CPU cost curve it never paid (docs/benchmarks).
 Lossless like every method: switching changes who drafts, never what is accepted. The stats say
 which drafter produced each round's tokens (`Stats.extra["auto_chunks"]`; `generate --explain`).
