@@ -14,8 +14,9 @@ rows): drafts pay while the curve is flat and stop paying where it turns linear.
 prompt lookup, no model run) is asked every round, and is a candidate only when it has
 something, priced at its actual number of nodes. The highest rate drafts; a candidate that has
 not drafted for `probe` rounds it could have drafted in drafts once, so a draft that started
-badly (or a request that turned into a copy of its prompt) is noticed. The running means start
-from the previous requests' values (warm start) or an optimistic prior.
+badly (or a request that turned into a copy of its prompt) is noticed (in a batch, where a
+probe slows every request, every `probe` times one plus the other requests' rows). The running
+means start from the previous requests' values (warm start) or an optimistic prior.
 
 Every candidate is told every round (`observe` with its own proposal when it drafted, an empty
 one otherwise), so the feature head queues the target's features and the pools take the new
@@ -44,13 +45,11 @@ class Record:
     accepted: float = 1.0  # candidate tokens accepted (the prior is optimistic, so every candidate is tried)
     draft_s: float = 0.0  # seconds drafting
     nodes: float = 4.0  # candidate tokens verified
-    idle: int = 0  # rounds since it last drafted, among those it could have
 
     def update(self, decay: float, accepted: int, draft_s: float, nodes: int) -> None:
         self.accepted = decay * self.accepted + (1 - decay) * accepted
         self.draft_s = decay * self.draft_s + (1 - decay) * draft_s
         self.nodes = decay * self.nodes + (1 - decay) * nodes
-        self.idle = 0
 
 
 class Auto(Drafter):
@@ -61,6 +60,7 @@ class Auto(Drafter):
         self.probe, self.decay = probe, decay
         for name in candidates:
             records.setdefault(name, Record())
+        self.idle = dict.fromkeys(candidates, 0)  # this request's rounds since each candidate last drafted (when it could have)
         self.chosen: str = AR
         self.proposal = Proposal()
         self.draft_s = 0.0
@@ -95,9 +95,10 @@ class Auto(Drafter):
                     rates[name] = self.rate(name, s.others, build_tree(seq[-1], offers[name].paths).size - 1)
             able = [name for name in rates if name != AR]
             for name in able:
-                self.records[name].idle += 1
-            stale = [name for name in able if self.records[name].idle > self.probe]
-            self.chosen = max(stale, key=lambda n: self.records[n].idle) if stale else max(rates, key=rates.__getitem__)
+                self.idle[name] += 1
+            every = self.probe * (1 + s.others)  # in a batch a probe slows every request: probe that much less often
+            stale = [name for name in able if self.idle[name] > every]
+            self.chosen = max(stale, key=self.idle.__getitem__) if stale else max(rates, key=rates.__getitem__)
             if self.chosen in offers:
                 self.proposal = offers[self.chosen]
             elif self.chosen != AR:
@@ -114,6 +115,7 @@ class Auto(Drafter):
             d.observe(s, seq, self.proposal if name == self.chosen else Proposal(), step)
         if self.chosen != AR:
             self.records[self.chosen].update(self.decay, step.accepted, self.draft_s, step.drafted)
+            self.idle[self.chosen] = 0
         add(s.stats.extra, **{f"auto_{self.chosen}_rounds": 1, f"auto_{self.chosen}_tokens": len(step.tokens)})
         s.stats.extra["auto_chunks"].append([self.chosen, len(step.tokens)])  # JSON-shaped: records round-trip
 

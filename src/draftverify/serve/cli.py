@@ -51,6 +51,6 @@ def serve(
         typer.echo(f"serving {name} with {', '.join(s.label for s in specs)} on http://{host}:{bound}/v1")
 
     try:
-        Server(app, host=host, port=port, log_level=log_level, announce=announce).run()
+        Server(app, host=host, port=port, log_level=log_level, announce=announce).run_on_main()
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on
         pass

@@ -5,6 +5,9 @@ stops the worker and saves the pool)."""
 
 from __future__ import annotations
 
+import signal
+import threading
+
 import uvicorn
 from fastapi import FastAPI
 
@@ -32,3 +35,27 @@ class Server(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         self.service.drain(self.service.config.shutdown_grace_s)
         await super().shutdown(sockets)
+
+    def run_on_main(self) -> None:
+        """Serve until SIGINT/SIGTERM with the decoding on THIS thread (the main one: see `Scheduler.work`) and
+        uvicorn on another. The signals are caught here and handed to uvicorn's shutdown (drain, grace, close);
+        afterwards the signal is raised again, as uvicorn does, so the process ends the way it was told to."""
+        caught = []
+
+        def handle(sig, frame):
+            caught.append(sig)
+            self.force_exit = self.should_exit  # a second signal: stop waiting
+            self.should_exit = True
+
+        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.service.scheduler.own_thread = False
+        http = threading.Thread(target=self.run, name="draftverify-http", daemon=True)
+        http.start()
+        try:
+            self.service.scheduler.work(alive=http.is_alive)
+            http.join()
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+        for sig in caught[:1]:
+            signal.raise_signal(sig)
