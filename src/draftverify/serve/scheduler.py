@@ -1,6 +1,7 @@
 """The model's queue: continuous batching over a bounded line of waiting requests.
 
-A single worker thread runs up to `max_batch` requests together (`draftverify.batch`: one
+One worker loop (on the main thread under `draftverify serve`, `Server.run_on_main`; on a thread
+of its own for an app embedded elsewhere) runs up to `max_batch` requests together (`draftverify.batch`: one
 stacked target forward per step, each request in its own engine slot with caches of its own);
 requests join the running batch between steps as slots free up, and wait in a bounded FIFO line
 until then (429 with Retry-After when the line is full). A request handler (on the asyncio
