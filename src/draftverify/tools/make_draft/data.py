@@ -69,19 +69,27 @@ def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> li
     return list(out["input_ids"])
 
 
+def left_padded(target: Loaded, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
+    """`prompts` as one left-padded batch for `generate`: ids [B, P], attention mask [B, P], the pad id and the
+    target's EOS ids."""
+    eos = list(eos_ids(target))
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else eos[0]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p) :] = torch.tensor(p)
+        mask[b, width - len(p) :] = 1
+    return ids, mask, pad, eos
+
+
 @torch.inference_mode()
 def generated_records(target: Loaded, prompts: list[list[int]], max_new_tokens: int, k: int, sample: bool) -> list[Record]:
     """The target's continuations of `prompts` (one batched generate), with top-k targets per new token."""
     from transformers import GenerationConfig
 
-    eos = list(eos_ids(target))
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else eos[0]
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # [B, P] left-padded
-    mask = torch.zeros_like(input_ids)
-    for b, p in enumerate(prompts):
-        input_ids[b, width - len(p) :] = torch.tensor(p)
-        mask[b, width - len(p) :] = 1
+    input_ids, mask, pad, eos = left_padded(target, prompts)  # [B, P]
+    width = input_ids.shape[1]
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=sample,

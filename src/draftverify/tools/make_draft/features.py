@@ -24,8 +24,8 @@ import torch
 
 from draftverify.errors import DraftVerifyError, require
 from draftverify.models import Loaded
-from draftverify.tools.make_draft.data import ShardFolder, chat_ids
-from draftverify.util import atomic_path, eos_ids
+from draftverify.tools.make_draft.data import ShardFolder, chat_ids, left_padded
+from draftverify.util import atomic_path
 
 
 @dataclass
@@ -70,14 +70,8 @@ def generate(target: Loaded, prompts: list[list[int]], max_new_tokens: int) -> l
     with the final hidden states the generate computed on the way (no second forward)."""
     from transformers import GenerationConfig
 
-    eos = list(eos_ids(target))
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else eos[0]
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # [B, P] left-padded
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p) :] = torch.tensor(p)
-        mask[b, width - len(p) :] = 1
+    ids, mask, pad, eos = left_padded(target, prompts)  # [B, P]
+    width = ids.shape[1]
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
                               pad_token_id=pad, eos_token_id=eos, output_hidden_states=True, return_dict_in_generate=True)
     out = target.model.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device), generation_config=config)
