@@ -21,7 +21,7 @@ linear.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from draftverify.models import Runner, forward_many
 from draftverify.round import Rounds
@@ -39,7 +39,6 @@ class Member:
     error: BaseException | None = None
     done: bool = False
     tag: object = None  # the caller's handle (the server's ticket)
-    rows: int = field(default=0, init=False)
 
 
 class Batch:
@@ -63,12 +62,9 @@ class Batch:
         """One stacked forward for every live member; returns the members that ended (and leave the batch)."""
         live = [m for m in self.members if not m.done]
         if live:
-            total = 0
-            for m in live:
-                m.rows = len(m.feed["tokens"])
-                total += m.rows
-            for m in live:
-                m.session.others = total - m.rows
+            rows = [len(m.feed["tokens"]) for m in live]
+            for m, n in zip(live, rows):
+                m.session.others = sum(rows) - n
             try:
                 outs = forward_many([m.runner for m in live], [m.feed for m in live])
             except Exception as exc:  # the stacked forward itself failed: every member in it fails

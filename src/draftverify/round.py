@@ -20,7 +20,7 @@ Then each round:
 phrases against itself while drafting.
 
 The round is written once, as a generator (`rounds`) that yields each target forward's inputs and
-is sent its output: `decode` runs the forwards one by one for one request, `batch.decode_batch`
+is sent its output: `decode` runs the forwards one by one for one request, `batch.Batch`
 stacks the forwards of several requests (each with its own cache) into one.
 """
 
@@ -57,7 +57,7 @@ def drive(request: Rounds, runner: Runner) -> None:
 def rounds(s: Session, target: Runner, drafter: Drafter | None = None) -> Rounds:
     """The request's prologue and rounds as a generator that hands out each target forward instead of running
     it, so that one caller runs it alone (`drive`) and another stacks several requests' forwards into one
-    (`batch.decode_batch`). `target` is the request's own runner: its cache is the request's."""
+    (`batch.Batch`). `target` is the request's own runner: its cache is the request's."""
     hidden = drafter is not None and drafter.needs_hidden
     target.reset()
     with s.stats.timer("verify"):  # the prefill: logits for the first new token, the prompt's hidden states if asked

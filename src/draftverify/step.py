@@ -95,7 +95,7 @@ def verify_step(runner: Runner, s: Session, root: int, proposal: Proposal) -> St
     The cache must hold everything before the lead; afterwards it holds lead, root and the
     accepted candidate tokens (not the returned next token). A chain with no window and no lead
     is fed causally, without a mask. `prepare_step` and `finish_step` are its two halves, for a
-    caller that runs the forward itself (several sequences in one forward: `round.decode_batch`).
+    caller that runs the forward itself (several sequences in one forward: `batch.Batch`).
     """
     prepared = prepare_step(runner, root, proposal)
     return finish_step(runner, s, proposal, prepared, runner.forward(**prepared.feed))

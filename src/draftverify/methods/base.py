@@ -95,7 +95,7 @@ class Method(ABC):
 
     def rounds(self, s: Session) -> Rounds:
         """Request `s`'s decoding as a generator of target forwards (`round.rounds`): a subclass with set-up
-        or clean-up around a request overrides this, and both `run` and a batch (`batch.decode_batch`) use it."""
+        or clean-up around a request overrides this, and both `run` and a batch (`batch.Batch`) use it."""
         return rounds(s, self.target, self.drafter(s))
 
     def run(self, s: Session) -> None:

@@ -51,9 +51,7 @@ class PoolMethod(Method):
         self.first = first
 
     def rounds(self, s: Session) -> Rounds:
-        owner = self.first or self  # with reuse, every slot of a batch drafts from (and feeds) one pool
-        if not self.config.reuse:
-            owner = self
+        owner = (self.first or self) if self.config.reuse else self  # with reuse, every slot of a batch drafts from one pool
         if owner.pool is None or not self.config.reuse:
             owner.pool = owner._starting_pool(s)
         pool = owner.pool

@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from urllib.parse import urlparse
 
 import typer
 
+from draftverify.bench.metrics import percentile
 from draftverify.errors import require
 from draftverify.util import atomic_write
 
@@ -64,17 +66,6 @@ class Run:
     ttft_p99_s: float | None
     mismatches: int = 0  # greedy outputs that differ from the reference output of the same prompt
     calls: list[Call] = field(default_factory=list)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100) by linear interpolation; None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    at = (len(xs) - 1) * q / 100
-    lo = int(at)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
 
 
 def check_loopback(url: str) -> str:
@@ -165,26 +156,27 @@ def count_mismatches(runs: list[Run]) -> None:
 
 
 @contextmanager
-def spawned_server(methods: str, target: str | None, draft: str | None, log_path: Path, extra: list[str] = ()):
+def spawned_server(methods: str, target: str | None, draft: str | None, log_path: Path):
     """`draftverify serve` on a free loopback port for the duration of the block; yields its base URL."""
     args = [sys.executable, "-m", "draftverify.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--methods", methods,
-            "--log-level", "warning", "--max-queue", "64", *extra]
+            "--log-level", "warning", "--max-queue", "64"]
     if target:
         args += ["--target", target]
     if draft:
         args += ["--draft", draft]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        # unbuffered bytes: what select() reports ready is all there is, nothing hides in a reader's buffer
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, bufsize=0, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         try:
-            base = None
-            started = time.monotonic()
+            base, until = None, time.monotonic() + SPAWN_WAIT_S
             while base is None:
+                ready, _, _ = select.select([proc.stdout], [], [], max(0.0, until - time.monotonic()))  # never block past the bound
+                require(ready, f"the spawned server did not listen within {SPAWN_WAIT_S:.0f} s: see {log_path}")
                 line = proc.stdout.readline()
                 require(line or proc.poll() is None, f"the spawned server exited (code {proc.poll()}) before listening: see {log_path}")
-                found = re.search(r"on (http://127\.0\.0\.1:\d+/v1)", line or "")
+                found = re.search(r"on (http://127\.0\.0\.1:\d+/v1)", line.decode(errors="replace"))
                 base = found.group(1) if found else None
-                require(time.monotonic() - started < SPAWN_WAIT_S, f"the spawned server did not listen within {SPAWN_WAIT_S:.0f} s: see {log_path}")
             yield base
         finally:
             if proc.poll() is None:

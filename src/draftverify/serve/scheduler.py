@@ -98,7 +98,7 @@ class Scheduler:
         self._cancel_at = math.inf  # once draining: when the running generations are cut short
         self._mean_s = 1.0  # running mean of generation time, for Retry-After
         self._thread = threading.Thread(target=self._work, name="draftverify-worker", daemon=True)
-        self.own_thread = True  # False: the caller runs `work` itself (on the main thread: `Server.serve`)
+        self.own_thread = True  # False: the caller runs `work` itself (on the main thread: `Server.run_on_main`)
 
     @property
     def depth(self) -> int:
@@ -213,11 +213,8 @@ class Scheduler:
                 job.prompt, method=job.name, preset=job.preset, max_new_tokens=job.max_tokens, temperature=job.temperature,
                 top_p=job.top_p, top_k=job.top_k, seed=job.seed, stop=list(job.stop), on_tokens=on_tokens, slot=ticket.slot, **job.options,
             )
-        except DraftVerifyError as exc:  # a setting the request's validation let through
-            return ticket.post(Outcome(error=ApiError(400, str(exc), code="invalid_request")))
-        except Exception as exc:  # a bug or a device error: fail this request, keep serving
-            log.exception("request set-up failed")
-            return ticket.post(Outcome(error=ApiError(500, f"generation failed: {type(exc).__name__}: {str(exc).partition(chr(10))[0]}", code="generation_failed")))
+        except Exception as exc:  # this request's error; keep serving
+            return ticket.post(Outcome(error=failure(exc)))
         session.stats.start()
         self._batch.add(session, method.target, method.rounds(session), tag=ticket)
 
@@ -227,12 +224,10 @@ class Scheduler:
         self.engine.finish(session)
         wall = time.monotonic() - ticket.started
         if member.error is not None:
-            if isinstance(member.error, DraftVerifyError):
-                return ticket.post(Outcome(error=ApiError(400, str(member.error), code="invalid_request")))
-            log.error("generation failed", exc_info=member.error)
-            self.metrics.generation(ticket.job.method, None, wall)
-            first = str(member.error).partition(chr(10))[0]
-            return ticket.post(Outcome(error=ApiError(500, f"generation failed: {type(member.error).__name__}: {first}", code="generation_failed")))
+            error = failure(member.error)
+            if error.status == 500:
+                self.metrics.generation(ticket.job.method, None, wall)
+            return ticket.post(Outcome(error=error))
         self._mean_s += 0.2 * (wall - self._mean_s)
         self.metrics.generation(ticket.job.method, session.stats, wall, queue_s=ticket.started - ticket.submitted)
         if ticket.cut == "timeout":
@@ -250,6 +245,15 @@ class Scheduler:
         if now > self._cancel_at:
             return "shutdown"
         return None
+
+
+def failure(exc: BaseException) -> ApiError:
+    """A request's error as its client gets it: a setting the request's validation let through (400), else a bug
+    or a device error such as running out of memory (500, logged)."""
+    if isinstance(exc, DraftVerifyError):
+        return ApiError(400, str(exc), code="invalid_request")
+    log.error("generation failed", exc_info=exc)
+    return ApiError(500, f"generation failed: {type(exc).__name__}: {str(exc).partition(chr(10))[0]}", code="generation_failed")
 
 
 def timeout_error(ticket: Ticket) -> ApiError:
