@@ -8,8 +8,9 @@ the same arithmetic with three changes that matter on a CPU:
   weight is reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._linear_pointwise`,
   what inductor emits for a frozen fp32 linear), whose time barely grows from 1 to 16 rows,
   where eager `F.linear` doubles: verifying a draft costs little more than one step, with no
-  compile step. One row (autoregressive decoding, drafting) goes to our own AVX2 kernel
-  (kernels/cpu.cpp), which streams the fp32 weights faster still; two rows are padded to three,
+  compile step. On an AVX2 CPU one row (autoregressive decoding, drafting) goes to our own
+  kernel (kernels/cpu.cpp), which streams the fp32 weights faster still there (on an AVX-512
+  CPU oneDNN's own one-row product is the faster, and serves); two rows are padded to three,
   which oneDNN multiplies faster. docs/backends.md has the measured curves.
 - **A static KV cache.** One preallocated buffer per layer, written by slot; `crop` only moves
   the length, `select` gathers the accepted tree slots in place; capacity doubles when full.
@@ -148,10 +149,15 @@ class PackedLinear:
 
 
 def one_row_kernel(weight: torch.Tensor):
-    """The compiled kernels if their one-row product serves this weight (fp32 on CPU, in-features a multiple of 32)."""
+    """The compiled kernels if their one-row product serves this weight: fp32 on a CPU, in-features a
+    multiple of 32, and a CPU without AVX-512, where oneDNN's one-row product is the faster one
+    (on an AVX-512 Zen 5, SmolLM2-135M's forward over one token took 13.2 ms through oneDNN and
+    16.5 ms through this AVX2 kernel; on the AVX2-only Zen 3 the kernel was the faster one)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.shape[1] % 32:
         return None
-    return cpu_kernels()
+    from draftverify.kernels import has_avx512
+
+    return None if has_avx512() else cpu_kernels()
 
 
 def cpu_kernels():

@@ -105,6 +105,11 @@ def environment(device: torch.device) -> dict:
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    from draftverify.kernels import cpu_flags
+
+    flags = cpu_flags()  # the vector width the forward path's kernels get: it moves every curve
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    cpu = f"{cpu}, {vector}" if cpu and vector else cpu
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5

@@ -28,7 +28,8 @@ def unavailable() -> str | None:
     return _why_not
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -37,13 +38,18 @@ def _cpu_flags() -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (then oneDNN's own kernels beat our AVX2 one-row product)."""
+    return "avx512f" in cpu_flags()
+
+
 @functools.cache
 def cpu():
     global _why_not
     if os.environ.get("DRAFTVERIFY_KERNELS", "1") == "0":
         _why_not = "DRAFTVERIFY_KERNELS=0"
         return None
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= cpu_flags():
         _why_not = "the CPU kernels need an x86-64 CPU with AVX2 and FMA"
         return None
     if shutil.which(os.environ.get("CXX", "c++")) is None:
