@@ -7,7 +7,7 @@ import torch
 
 from draftverify import Engine
 from draftverify.costs import curve
-from draftverify.drafters.auto import AR, Auto, Record
+from draftverify.drafters.auto import AR, MAX_BACKOFF, Auto, Record
 from draftverify.drafters.base import Drafter, Proposal
 from draftverify.drafters.draft_model import DraftModel
 from draftverify.drafters.feature import FeatureHead
@@ -107,6 +107,22 @@ def test_auto_follows_the_candidate_that_pays(tiny):
         rounds[who] += 1
     assert rounds["right"] >= 25 and rounds["wrong"] <= rounds["right"] // 8 + 1, rounds
     assert records["right"].accepted > 2 and records["wrong"].accepted < 0.5
+
+
+def test_auto_probes_a_drafter_that_keeps_missing_less_and_less_often(tiny):
+    """Probes that get nothing accepted double the wait for the next (9, 17, 33, 65, 65 ... rounds), where a
+    fixed interval would probe every 9th round; the output stays the target's."""
+    target = tiny("llama", layers=2)
+    runner = Runner(target.model)
+    engine = Engine(target)
+    prompt = engine.encode("abc", chat=True)
+    truth = engine.generate(prompt, method="autoregressive", max_new_tokens=200, eos_token_id=[]).tokens
+    s = Session(prompt, Sampling(), Stopping(200, ()))
+    auto = Auto({"wrong": Fixed(truth, len(prompt), False)}, curve(runner), {"wrong": Record(accepted=0.0)}, [1.0], probe=8)
+    decode(s, runner, auto)
+    assert s.output == truth
+    probes = sum(who == "wrong" for who, _ in s.stats.extra["auto_chunks"])
+    assert 4 <= probes <= 6 and auto.backoff["wrong"] == MAX_BACKOFF, probes
 
 
 def test_auto_options_are_checked_in_one_line(engine):

@@ -15,7 +15,10 @@ prompt lookup, no model run) is asked every round, and is a candidate only when 
 something, priced at its actual number of nodes. The highest rate drafts; a candidate that has
 not drafted for `probe` rounds it could have drafted in drafts once, so a draft that started
 badly (or a request that turned into a copy of its prompt) is noticed (in a batch, where a
-probe slows every request, every `probe` times one plus the other requests' rows). The running
+probe slows every request, every `probe` times one plus the other requests' rows). A probe that
+gets nothing accepted doubles that candidate's wait for its next probe in this request (up to
+`MAX_BACKOFF` times), and a round that gets something accepted resets it: on text where a
+drafter keeps missing, its probes stop costing every `probe`-th round. The running
 means start from the previous requests' values (warm start) or an optimistic prior.
 
 Every candidate is told every round (`observe` with its own proposal when it drafted, an empty
@@ -36,6 +39,7 @@ from draftverify.session import Session
 from draftverify.tree import build_tree
 
 AR = "autoregressive"  # the name of a round nobody drafted
+MAX_BACKOFF = 8  # a candidate whose probes keep missing waits at most this many times `probe` rounds
 
 
 @dataclass
@@ -61,7 +65,9 @@ class Auto(Drafter):
         for name in candidates:
             records.setdefault(name, Record())
         self.idle = dict.fromkeys(candidates, 0)  # this request's rounds since each candidate last drafted (when it could have)
+        self.backoff = dict.fromkeys(candidates, 1)  # each candidate's probe interval, in `probe`s (doubles per empty probe)
         self.chosen: str = AR
+        self.probing = False  # whether the chosen candidate drafts as a probe (it sat out too long), not on its price
         self.proposal = Proposal()
         self.draft_s = 0.0
         self.sent_at = 0.0  # when the proposal went to verification
@@ -97,8 +103,9 @@ class Auto(Drafter):
             for name in able:
                 self.idle[name] += 1
             every = self.probe * (1 + s.others)  # in a batch a probe slows every request: probe that much less often
-            stale = [name for name in able if self.idle[name] > every]
+            stale = [name for name in able if self.idle[name] > every * self.backoff[name]]
             self.chosen = max(stale, key=self.idle.__getitem__) if stale else max(rates, key=rates.__getitem__)
+            self.probing = bool(stale)
             if self.chosen in offers:
                 self.proposal = offers[self.chosen]
             elif self.chosen != AR:
@@ -116,6 +123,10 @@ class Auto(Drafter):
         if self.chosen != AR:
             self.records[self.chosen].update(self.decay, step.accepted, self.draft_s, step.drafted)
             self.idle[self.chosen] = 0
+            if step.accepted:
+                self.backoff[self.chosen] = 1
+            elif self.probing:
+                self.backoff[self.chosen] = min(MAX_BACKOFF, 2 * self.backoff[self.chosen])
         add(s.stats.extra, **{f"auto_{self.chosen}_rounds": 1, f"auto_{self.chosen}_tokens": len(step.tokens)})
         s.stats.extra["auto_chunks"].append([self.chosen, len(step.tokens)])  # JSON-shaped: records round-trip
 
