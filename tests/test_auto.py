@@ -90,17 +90,24 @@ class Fixed(Drafter):
         return Proposal([tokens] if tokens else [])
 
 
-def test_auto_follows_the_candidate_that_pays(tiny):
-    """A candidate that is always right drafts nearly every round; one always wrong drafts only its probes."""
+def decode_with(tiny, n: int, make_candidates, records: dict) -> tuple[Session, Auto, list[int]]:
+    """Decode n tokens of a tiny Llama with `Auto` over `make_candidates(truth, prompt length)` (probe=8);
+    the session, the drafter and autoregressive decoding's tokens."""
     target = tiny("llama", layers=2)
     runner = Runner(target.model)
     engine = Engine(target)
     prompt = engine.encode("abc", chat=True)
-    truth = engine.generate(prompt, method="autoregressive", max_new_tokens=120, eos_token_id=[]).tokens
-    s = Session(prompt, Sampling(), Stopping(120, ()))
-    candidates = {"right": Fixed(truth, len(prompt), True), "wrong": Fixed(truth, len(prompt), False)}
+    truth = engine.generate(prompt, method="autoregressive", max_new_tokens=n, eos_token_id=[]).tokens
+    s = Session(prompt, Sampling(), Stopping(n, ()))
+    auto = Auto(make_candidates(truth, len(prompt)), curve(runner), records, [1.0], probe=8)
+    decode(s, runner, auto)
+    return s, auto, truth
+
+
+def test_auto_follows_the_candidate_that_pays(tiny):
+    """A candidate that is always right drafts nearly every round; one always wrong drafts only its probes."""
     records = {"wrong": Record(accepted=0.0)}  # a warm start that already knows
-    decode(s, runner, Auto(candidates, curve(runner), records, [1.0], probe=8))
+    s, _, truth = decode_with(tiny, 120, lambda truth, at: {"right": Fixed(truth, at, True), "wrong": Fixed(truth, at, False)}, records)
     assert s.output == truth
     rounds = dict.fromkeys(["right", "wrong", AR], 0)
     for who, _ in s.stats.extra["auto_chunks"]:
@@ -112,14 +119,7 @@ def test_auto_follows_the_candidate_that_pays(tiny):
 def test_auto_probes_a_drafter_that_keeps_missing_less_and_less_often(tiny):
     """Probes that get nothing accepted double the wait for the next (9, 17, 33, 65, 65 ... rounds), where a
     fixed interval would probe every 9th round; the output stays the target's."""
-    target = tiny("llama", layers=2)
-    runner = Runner(target.model)
-    engine = Engine(target)
-    prompt = engine.encode("abc", chat=True)
-    truth = engine.generate(prompt, method="autoregressive", max_new_tokens=200, eos_token_id=[]).tokens
-    s = Session(prompt, Sampling(), Stopping(200, ()))
-    auto = Auto({"wrong": Fixed(truth, len(prompt), False)}, curve(runner), {"wrong": Record(accepted=0.0)}, [1.0], probe=8)
-    decode(s, runner, auto)
+    s, auto, truth = decode_with(tiny, 200, lambda truth, at: {"wrong": Fixed(truth, at, False)}, {"wrong": Record(accepted=0.0)})
     assert s.output == truth
     probes = sum(who == "wrong" for who, _ in s.stats.extra["auto_chunks"])
     assert 4 <= probes <= 6 and auto.backoff["wrong"] == MAX_BACKOFF, probes
