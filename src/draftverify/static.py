@@ -150,9 +150,8 @@ class PackedLinear:
 
 def one_row_kernel(weight: torch.Tensor):
     """The compiled kernels if their one-row product serves this weight: fp32 on a CPU, in-features a
-    multiple of 32, and a CPU without AVX-512, where oneDNN's one-row product is the faster one
-    (on an AVX-512 Zen 5, SmolLM2-135M's forward over one token took 13.2 ms through oneDNN and
-    16.5 ms through this AVX2 kernel; on the AVX2-only Zen 3 the kernel was the faster one)."""
+    multiple of 32, and a CPU without AVX-512, where oneDNN's own one-row product is the faster one
+    (measured in docs/backends.md)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.shape[1] % 32:
         return None
     from draftverify.kernels import has_avx512

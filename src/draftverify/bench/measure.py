@@ -105,10 +105,10 @@ def environment(device: torch.device) -> dict:
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    from draftverify.kernels import cpu_flags
+    from draftverify.kernels import cpu_flags, has_avx512
 
-    flags = cpu_flags()  # the vector width the forward path's kernels get: it moves every curve
-    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    # the vector width the forward path's kernels get: it moves every curve
+    vector = "AVX-512" if has_avx512() else "AVX2" if "avx2" in cpu_flags() else None
     cpu = f"{cpu}, {vector}" if cpu and vector else cpu
     try:
         commit = subprocess.run(
