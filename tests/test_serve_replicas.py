@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from draftverify import DraftVerifyError, Engine
+from draftverify.methods.spec import parse_spec
 from draftverify.models import load_draft, load_model
 from test_serve import first_text, sse_events, streamed_text
 
@@ -83,7 +84,10 @@ def model_dir(tmp_path_factory, tiny):
 
 
 def test_two_replicas_behind_round_robin(model_dir, tmp_path):
-    args = ["--target", str(model_dir), "--draft", "self:layers=2", "--methods", "speculative[k=3],autoregressive", "--device", "cpu"]
+    # a constant draft length: the default `cost` policy picks lengths from forward times each
+    # process measures for itself, so a seeded sample is reproducible across processes only with fixed lengths
+    spec = "speculative[k=3,policy=constant]"
+    args = ["--target", str(model_dir), "--draft", "self:layers=2", "--methods", f"{spec},autoregressive", "--device", "cpu"]
     a = Replica([*args, "--shutdown-grace", "0"], tmp_path / "a.log")
     b = Replica([*args, "--device-map", "auto"], tmp_path / "b.log")
     try:
@@ -91,11 +95,11 @@ def test_two_replicas_behind_round_robin(model_dir, tmp_path):
         target = load_model(model_dir, device="cpu")
         offline = Engine(target, load_draft("self:layers=2", target))
         lb = RoundRobin([a.url, b.url])
-        cases = [("speculative[k=3]", {"temperature": 0.0}), ("autoregressive", {"temperature": 0.0}), ("speculative[k=3]", {"temperature": 0.7, "seed": 3}), ("autoregressive", {"temperature": 0.7, "seed": 3})]
+        cases = [(spec, {"temperature": 0.0}), ("autoregressive", {"temperature": 0.0}), (spec, {"temperature": 0.7, "seed": 3}), ("autoregressive", {"temperature": 0.7, "seed": 3})]
         served = set()
         for method, sampling in cases * 2:  # every case on both replicas
-            name, options = method.split("[")[0], ({"k": 3} if "[" in method else {})
-            want = offline.generate("Hello", method=name, max_new_tokens=6, **sampling, **options).text
+            parsed = parse_spec(method)
+            want = offline.generate("Hello", method=parsed.name, max_new_tokens=6, **sampling, **dict(parsed.options)).text
             url, r = lb.post("/v1/completions", {"prompt": "Hello", "max_tokens": 6, "method": method, **sampling})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, (url, method, sampling)
             served.add(url)
