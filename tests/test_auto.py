@@ -43,12 +43,27 @@ def test_auto_is_lossless_while_it_switches(tiny, backend):
             chunks = r.stats.extra["auto_chunks"]
             assert sum(n for _, n in chunks) == len(r.tokens) - 1  # every round's tokens but the prefill's first
             used |= {who for who, _ in chunks}
-    assert used == {"head", "draft", "context", "lookup", AR}, used
+    merged = {f"{m}+{f}" for m in ("head", "draft") for f in ("context", "lookup")}
+    assert used >= {"head", "draft", "context", "lookup", AR} and used - {"head", "draft", "context", "lookup", AR} <= merged, used
+    assert "head+context" in used  # the head's tree and the context's offer verified as one trie
+
+
+class Guess(Drafter):
+    """A free drafter that always offers the same guesses (deterministic, so `auto` may merge them)."""
+
+    free = True
+
+    def __init__(self, guesses: list[int]):
+        self.guesses = guesses
+
+    def propose(self, s, seq, room):
+        return Proposal([[g] for g in self.guesses] if room > 0 else [])
 
 
 def test_auto_sampling_matches_the_target(tiny, monkeypatch):
-    """Rounds drafted by different candidates (a head's tree of guesses, a draft model's sampled chain) keep the
-    target's law: the second token's distribution passes a chi-square test, and the wrong rule is caught."""
+    """Rounds drafted by different candidates (a head's tree of guesses, a draft model's sampled chain, either
+    merged with a free drafter's guesses) keep the target's law: the second token's distribution passes a
+    chi-square test, and the wrong rule is caught."""
     target = tiny("llama", seed=0, layers=2, hidden=32)
     sampling, n, prompt = Sampling(temperature=1.0, top_k=6), 1200, [5, 9, 14]
     with torch.inference_mode():
@@ -63,15 +78,20 @@ def test_auto_sampling_matches_the_target(tiny, monkeypatch):
         for seed in range(n):
             s = Session(prompt, Sampling(temperature=1.0, top_k=6, seed=seed), Stopping(3, ()))
             candidates = {"head": FeatureHead(head, runner, depth=2, nodes=6), "draft": DraftModel(draft, ConstantK(2))}
-            if seed % 3:  # one candidate alone, or (every third request) both, chosen by their figures
-                candidates.pop("head" if seed % 3 == 1 else "draft")
-            decode(s, runner, Auto(candidates, curve(runner), records, [1.0], probe=0))  # 0: every round probes
+            if seed % 4 in (1, 2):  # one candidate alone, or both, chosen by their figures
+                candidates.pop("head" if seed % 4 == 1 else "draft")
+            if seed % 4 == 3:  # one of them and a free one, merged (figures that favour the merged candidate)
+                merged = {"m": candidates["head" if seed // 4 % 2 else "draft"], "guess": Guess(p2.topk(3).indices.tolist()[1:])}
+                auto = Auto(merged, curve(runner), {"m+guess": Record(accepted=3.0)}, [1.0], probe=100)
+            else:
+                auto = Auto(candidates, curve(runner), records, [1.0], probe=0)  # 0: every round probes
+            decode(s, runner, auto)
             counts[s.output[1]] = counts.get(s.output[1], 0) + 1
             first.add(s.stats.extra["auto_chunks"][0][0])
         return second_token_pvalue(target.model, prompt, sampling, counts)
 
     assert pvalue() > 1e-3
-    assert {"head", "draft"} <= first  # the requests switch between the candidates
+    assert {"head", "draft"} <= first and "m+guess" in first  # the requests switch between the candidates
     broken_rule(monkeypatch)
     assert pvalue() < 1e-4
 

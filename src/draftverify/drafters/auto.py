@@ -12,7 +12,11 @@ autoregressive decoding scores 1 / (scale * t(1)). In a batch (`batch`), t is th
 request's rows *add* to the shared forward (`costs.marginal_time` after the other requests'
 rows): drafts pay while the curve is flat and stop paying where it turns linear. A *free* drafter (`Drafter.free`: a pool or
 prompt lookup, no model run) is asked every round, and is a candidate only when it has
-something, priced at its actual number of nodes. The highest rate drafts; a candidate that has
+something, priced at its actual number of nodes. A model-run drafter and a free one that has something also make a
+*merged* candidate (`head+context`): the model's candidates and the free offer verified as one
+trie in one forward, priced by running means of its own (on a flat cost curve the free offer
+rides almost for nothing, and wins where the text repeats itself while the model still drafts
+the rest). The highest rate drafts; a candidate that has
 not drafted for `probe` rounds it could have drafted in drafts once, so a draft that started
 badly (or a request that turned into a copy of its prompt) is noticed (in a batch, where a
 probe slows every request, every `probe` times one plus the other requests' rows). A probe that
@@ -58,17 +62,22 @@ class Record:
 
 class Auto(Drafter):
     def __init__(self, candidates: dict[str, Drafter], costs: dict, records: dict[str, Record], scale: list[float],
-                 probe: int = 8, decay: float = 0.7):
-        """`records` (per candidate) and `scale` (a one-element list) are the caller's, kept across requests."""
+                 probe: int = 8, decay: float = 0.7, merge: bool = True):
+        """`records` (per candidate) and `scale` (a one-element list) are the caller's, kept across requests.
+        `merge`: also offer each model-run drafter's candidates merged with each free drafter's offer."""
         self.candidates, self.costs, self.records, self.scale = candidates, costs, records, scale
         self.probe, self.decay = probe, decay
-        for name in candidates:
+        model_run = [name for name, d in candidates.items() if not d.free]
+        free = [name for name, d in candidates.items() if d.free]
+        self.merged = {f"{m}+{f}": (m, f) for m in model_run for f in free} if merge else {}  # name -> (model-run, free)
+        for name in [*candidates, *self.merged]:
             records.setdefault(name, Record())
-        self.idle = dict.fromkeys(candidates, 0)  # this request's rounds since each candidate last drafted (when it could have)
-        self.backoff = dict.fromkeys(candidates, 1)  # each candidate's probe interval, in `probe`s (doubles per empty probe)
+        self.idle = dict.fromkeys([*candidates, *self.merged], 0)  # this request's rounds since each last drafted (when it could have)
+        self.backoff = dict.fromkeys(self.idle, 1)  # each candidate's probe interval, in `probe`s (doubles per empty probe)
         self.chosen: str = AR
         self.probing = False  # whether the chosen candidate drafts as a probe (it sat out too long), not on its price
         self.proposal = Proposal()
+        self.parts: dict[str, Proposal] = {}  # what each candidate proposed this round (two for a merged one)
         self.draft_s = 0.0
         self.sent_at = 0.0  # when the proposal went to verification
 
@@ -90,15 +99,19 @@ class Auto(Drafter):
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
         t0 = time.perf_counter()
-        self.chosen, self.proposal = AR, Proposal()
+        self.chosen, self.proposal, self.parts = AR, Proposal(), {}
         if room > 0:
             offers = {name: d.propose(s, seq, room) for name, d in self.candidates.items() if d.free}
             rates = {AR: 1.0 / self.verify_time(0, s.others)}
+            size = {name: build_tree(seq[-1], offer.paths).size - 1 for name, offer in offers.items() if offer.paths}
             for name, d in self.candidates.items():
                 if not d.free:
                     rates[name] = self.rate(name, s.others)
-                elif offers[name].paths:
-                    rates[name] = self.rate(name, s.others, build_tree(seq[-1], offers[name].paths).size - 1)
+                elif name in size:
+                    rates[name] = self.rate(name, s.others, size[name])
+            for name, (model_run, free) in self.merged.items():
+                if free in size:
+                    rates[name] = self.rate(name, s.others, self.records[model_run].nodes + size[free])
             able = [name for name in rates if name != AR]
             for name in able:
                 self.idle[name] += 1
@@ -106,10 +119,14 @@ class Auto(Drafter):
             stale = [name for name in able if self.idle[name] > every * self.backoff[name]]
             self.chosen = max(stale, key=self.idle.__getitem__) if stale else max(rates, key=rates.__getitem__)
             self.probing = bool(stale)
-            if self.chosen in offers:
-                self.proposal = offers[self.chosen]
-            elif self.chosen != AR:
-                self.proposal = self.candidates[self.chosen].propose(s, seq, room)
+            model_run, free = self.merged.get(self.chosen, (self.chosen, None))
+            if model_run in offers:
+                self.parts = {model_run: offers[model_run]}
+            elif model_run != AR:
+                self.parts = {model_run: self.candidates[model_run].propose(s, seq, room)}
+            if free is not None:
+                self.parts[free] = offers[free]
+            self.proposal = merge(*self.parts.values()) if self.parts else Proposal()
         self.sent_at = time.perf_counter()
         self.draft_s = self.sent_at - t0
         return replace(self.proposal, hidden=self.proposal.hidden or self.needs_hidden)
@@ -119,7 +136,8 @@ class Auto(Drafter):
         if not s.others:  # alone: the measured verification against the curve (in a batch it holds the others' rows)
             self.scale[0] = self.decay * self.scale[0] + (1 - self.decay) * verify_s / forward_time(self.costs, step.tree.size)
         for name, d in self.candidates.items():
-            d.observe(s, seq, self.proposal if name == self.chosen else Proposal(), step)
+            d.observe(s, seq, self.parts.get(name, Proposal()), step)
+        self.parts = {}
         if self.chosen != AR:
             self.records[self.chosen].update(self.decay, step.accepted, self.draft_s, step.drafted)
             self.idle[self.chosen] = 0
@@ -133,3 +151,11 @@ class Auto(Drafter):
     def finish(self, s: Session) -> None:
         for d in self.candidates.values():
             d.finish(s)
+
+
+def merge(first: Proposal, *more: Proposal) -> Proposal:
+    """One proposal of several candidates' paths (one trie): `first`'s own (its sampled chain, if any, stays
+    the first path) and the others' paths as further deterministic guesses. At most one may carry a window."""
+    windows = [p.rows for p in (first, *more) if p.rows]
+    assert len(windows) <= 1, "one forward holds one lookahead window"
+    return replace(first, paths=[*first.paths, *(path for p in more for path in p.paths)], rows=windows[0] if windows else [])

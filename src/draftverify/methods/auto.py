@@ -13,7 +13,9 @@ step) when nothing pays. The candidates are those the engine has:
   tenth of the cost);
 - `context`: the request's own n-grams (`lookahead:context`), free to look up, so asked every
   round and priced at what it offers;
-- `lookup`: prompt lookup (`prompt-lookup`), off by default (it offers what `context` does).
+- `lookup`: prompt lookup (`prompt-lookup`), off by default (it offers what `context` does);
+- `head+context` (and each such pair): the head's tree and the context's offer merged into one
+  trie, verified in one forward, when `context` has something (`merge=false` leaves it out).
 
 In a batch (`serve`, `Engine.generate_batch`) a draft is priced by the rows it adds to the shared
 forward, so drafts shrink as the batch grows and stop where the forward's cost turns linear.
@@ -50,6 +52,8 @@ class AutoConfig:
        the draft model, and context. A named candidate the engine lacks is skipped.
     probe: a candidate that sat out this many rounds it could have drafted drafts once (its figures stay current).
     decay: the weight of the older rounds in each candidate's running means (lower: quicker to switch).
+    merge: also weigh each model-run candidate's tree merged with a free candidate's offer (`head+context`),
+       verified in one forward and priced by figures of its own.
     Each request starts from the figures the earlier requests of the same method instance left (the engine keeps
     one instance per spec; the bench's `warm=false` makes a fresh one per generation).
     """
@@ -57,6 +61,7 @@ class AutoConfig:
     use: str = ""
     probe: int = 8
     decay: float = 0.7
+    merge: bool = True
 
     def __post_init__(self):
         unknown = next((c for c in self.names() if c not in CANDIDATES), None)
@@ -99,4 +104,4 @@ class Auto(Method):
 
     def drafter(self, s: Session) -> Drafter:
         return AutoDrafter(self.candidates(s), curve(self.target, widths=TREE_WIDTHS), self.records, self.scale,
-                           self.config.probe, self.config.decay)
+                           self.config.probe, self.config.decay, self.config.merge)
