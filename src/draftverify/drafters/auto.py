@@ -76,7 +76,6 @@ class Auto(Drafter):
         self.backoff = dict.fromkeys(self.idle, 1)  # each candidate's probe interval, in `probe`s (doubles per empty probe)
         self.chosen: str = AR
         self.probing = False  # whether the chosen candidate drafts as a probe (it sat out too long), not on its price
-        self.proposal = Proposal()
         self.parts: dict[str, Proposal] = {}  # what each candidate proposed this round (two for a merged one)
         self.draft_s = 0.0
         self.sent_at = 0.0  # when the proposal went to verification
@@ -99,7 +98,7 @@ class Auto(Drafter):
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
         t0 = time.perf_counter()
-        self.chosen, self.proposal, self.parts = AR, Proposal(), {}
+        self.chosen, self.parts = AR, {}
         if room > 0:
             offers = {name: d.propose(s, seq, room) for name, d in self.candidates.items() if d.free}
             rates = {AR: 1.0 / self.verify_time(0, s.others)}
@@ -126,10 +125,10 @@ class Auto(Drafter):
                 self.parts = {model_run: self.candidates[model_run].propose(s, seq, room)}
             if free is not None:
                 self.parts[free] = offers[free]
-            self.proposal = merge(*self.parts.values()) if self.parts else Proposal()
+        proposal = merge(*self.parts.values()) if self.parts else Proposal()
         self.sent_at = time.perf_counter()
         self.draft_s = self.sent_at - t0
-        return replace(self.proposal, hidden=self.proposal.hidden or self.needs_hidden)
+        return replace(proposal, hidden=proposal.hidden or self.needs_hidden)
 
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
         verify_s = time.perf_counter() - self.sent_at
@@ -137,7 +136,6 @@ class Auto(Drafter):
             self.scale[0] = self.decay * self.scale[0] + (1 - self.decay) * verify_s / forward_time(self.costs, step.tree.size)
         for name, d in self.candidates.items():
             d.observe(s, seq, self.parts.get(name, Proposal()), step)
-        self.parts = {}
         if self.chosen != AR:
             self.records[self.chosen].update(self.decay, step.accepted, self.draft_s, step.drafted)
             self.idle[self.chosen] = 0
