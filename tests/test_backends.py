@@ -162,3 +162,83 @@ def test_cpu_kernels_match_aten_and_serve_the_static_path(tiny):
     layer = Runner(tiny("qwen2").model, "static").static.layers[0]
     assert layer.qkv.bias is not None  # Qwen2's q/k/v biases ride along
     assert layer.qkv.kernel is (None if has_avx512() else kernel)  # oneDNN takes one row on AVX-512 CPUs
+
+
+def quantized(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """`w` rounded as llama.cpp quantizes it (Q4_1 or Q8_0 blocks of 32, fp16 scales), dequantized to fp32."""
+    b = w.reshape(w.shape[0], -1, 32)
+    if kind == "q8_0":
+        d = (b.abs().amax(-1) / 127).half().float()
+        return (torch.round(b / d.clamp_min(1e-30)[..., None]).clamp(-127, 127) * d[..., None]).reshape(w.shape)
+    lo = b.amin(-1)
+    d, m = ((b.amax(-1) - lo) / 15).half().float(), lo.half().float()
+    q = torch.round((b - lo[..., None]) / d.clamp_min(1e-30)[..., None]).clamp(0, 15)
+    return (q * d[..., None] + m[..., None]).reshape(w.shape)
+
+
+def test_quantized_blocks_are_recovered_bit_for_bit_or_not_at_all():
+    from draftverify.kernels.quant import exact_blocks
+
+    torch.manual_seed(0)
+    w = torch.randn(48, 96)
+    assert exact_blocks(w) is None  # plain fp32 weights stay on oneDNN
+    for kind in ("q4_1", "q8_0"):
+        exact = quantized(w, kind)
+        blocks = exact_blocks(exact)
+        assert blocks is not None and blocks.kind == kind and torch.equal(blocks.dequantize(), exact)
+        nudged = exact.clone()
+        nudged[3, 5] = torch.nextafter(nudged[3, 5], torch.tensor(9.0))  # one weight off by one ulp
+        assert exact_blocks(nudged) is None
+    assert exact_blocks(torch.randn(4, 40)) is None  # rows not made of 32-weight blocks
+
+
+def test_quantized_product_matches_fp64_and_gives_each_row_the_same_bits_at_any_row_count():
+    from draftverify.kernels import cpu, unavailable
+    from draftverify.kernels.quant import exact_blocks
+
+    kernel = cpu()
+    if kernel is None:
+        pytest.skip(unavailable())
+    torch.manual_seed(0)
+    for kind, (n, k) in (("q4_1", (300, 576)), ("q8_0", (257, 1536)), ("q4_1", (5, 32))):
+        w = quantized(torch.randn(n, k), kind)
+        b, bias = exact_blocks(w), torch.randn(n)
+        x = torch.randn(9, k)
+        y = kernel.quant_linear(x, b.q, b.d, b.m, bias)
+        exact = (x.double() @ w.double().T + bias.double()).float()
+        torch.testing.assert_close(y, exact, atol=1e-4, rtol=1e-5)
+        for rows in (1, 2, 5, 9):  # row 0's logits do not depend on the rows that came with it
+            assert torch.equal(kernel.quant_linear(x[:rows].contiguous(), b.q, b.d, b.m, bias)[0], y[0])
+
+
+def test_a_gguf_style_quantized_model_runs_its_few_row_forwards_on_the_quantized_product(tiny, tokenizer):
+    """A tiny Llama whose weights are exact Q4_1 (layers) and Q8_0 (embeddings, tied head) blocks, as a GGUF
+    model loads: the static path multiplies few rows with the blocks and every method stays token-identical."""
+    from draftverify.kernels import cpu, unavailable
+    from draftverify.static import QUANT_ROWS
+
+    if cpu() is None:
+        pytest.skip(unavailable())
+    model = make_model("llama", 0, layers=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(quantized(p, "q8_0" if "embed" in name or "lm_head" in name else "q4_1"))
+    target = Loaded(model, tokenizer, "tiny-q4")
+    static = Runner(model, "static").static
+    assert static.layers[0].gate_up.blocks.kind == "q4_1" and static.head.blocks.kind == "q8_0"
+    draft = tiny("llama", seed=1, layers=2)  # plain fp32: on oneDNN
+    reference = Engine(target, draft, backend="eager")
+    engine = Engine(target, draft, backend="static")
+    for prompt in PROMPTS:
+        ids = reference.encode(prompt)
+        ar = reference.generate(ids, method="autoregressive", max_new_tokens=30, eos_token_id=[]).tokens
+        for method, preset in METHODS + [("autoregressive", None)]:
+            assert engine.generate(ids, method=method, preset=preset, max_new_tokens=30, eos_token_id=[]).tokens == ar
+    runner = Runner(model, "static")
+    logits = runner.forward(reference.encode(PROMPTS[0])).logits  # many rows: oneDNN
+    runner.crop(0)
+    ids = reference.encode(PROMPTS[0])
+    runner.forward(ids[:-QUANT_ROWS])
+    few = runner.forward(ids[-QUANT_ROWS:]).logits  # the last rows again, on the quantized product
+    torch.testing.assert_close(few, logits[-QUANT_ROWS:], atol=1e-4, rtol=1e-4)

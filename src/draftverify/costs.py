@@ -5,6 +5,12 @@ GPU, or on the static CPU path, verifying 8 tokens costs little more than 1, whi
 eager CPU path it costs 1.7x (see docs/backends.md). `forward_times` measures it (fastest of
 `reps` runs per width after a fixed context); `curve(model, backend)` measures it once per
 model and backend in a process and keeps it; `forward_time` reads it between the widths.
+
+The curve also grows with the context: every new token's attention reads every cached one, so
+on a small model a 16-token forward after 700 tokens costs a quarter more than after 64 (and
+one token hardly more). A `Curve` holds the widths' times after a short context and how they
+grow per token of context (measured a second time after `FAR_CONTEXT` tokens); `at_context`
+gives the table for the context a decision is made at, so long prompts get smaller drafts.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from draftverify.models import Runner
 
 WIDTHS = (1, 2, 4, 8, 16, 32)
 POLICY_CONTEXT = 64  # tokens of context before the policy's timed forwards
+FAR_CONTEXT = 1024  # and before the second measurement, for the growth with context
 _CURVES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -63,14 +70,54 @@ def time_widths(forward, rollback, context: list[int], widths=WIDTHS, reps: int 
     return times
 
 
-def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> dict[int, float]:
-    """The cost curve of `runner`'s model on its backend, measured once per process (3 runs a width)."""
+class Curve(dict):
+    """t(w) in seconds after `context` tokens (the dict itself: width -> seconds, as `forward_times` gives),
+    plus `slope[w]`: the seconds each further token of context adds to it."""
+
+    def __init__(self, times: dict[int, float], context: int, slope: dict[int, float] | None = None):
+        super().__init__(times)
+        self.context, self.slope = context, slope or {}
+
+    def at(self, context: int) -> dict[int, float]:
+        more = max(0, context - self.context)
+        return {w: t + more * self.slope.get(w, 0.0) for w, t in self.items()}
+
+
+def at_context(costs: dict, context: int) -> dict[int, float]:
+    """The cost table for a forward after `context` tokens (a plain table has no context: as it is)."""
+    return costs.at(context) if isinstance(costs, Curve) else costs
+
+
+def context_slope(near: dict[int, float], far: dict[int, float], span: int) -> dict[int, float]:
+    """Per width, the seconds per token of context from two tables measured `span` tokens apart: the
+    per-width growth fitted as a + b w with a, b >= 0 (one line through noisy differences; attention's
+    cost is a fixed part per forward plus a part per new token)."""
+    widths = sorted(near)
+    growth = [(far[w] - near[w]) / span for w in widths]
+    mean_w, mean_g = sum(widths) / len(widths), sum(growth) / len(growth)
+    spread = sum((w - mean_w) ** 2 for w in widths)
+    b = max(0.0, sum((w - mean_w) * (g - mean_g) for w, g in zip(widths, growth)) / spread) if spread else 0.0
+    a = max(0.0, mean_g - b * mean_w)
+    return {w: a + b * w for w in widths}
+
+
+def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> Curve:
+    """The cost curve of `runner`'s model on its backend, measured once per process (3 runs a width),
+    after `POLICY_CONTEXT` tokens and again after `FAR_CONTEXT` (or as many as the model's positions allow)."""
     key = (runner.backend, all_logits, tuple(widths))
     found = _CURVES.setdefault(runner.model, {})
     if key not in found:
         vocab = runner.model.get_input_embeddings().weight.shape[0]
-        context = [(7 * i + 3) % vocab for i in range(POLICY_CONTEXT)]
-        found[key] = forward_times(runner.model, context, widths, reps=3, all_logits=all_logits, backend=runner.backend)
+        limit = getattr(runner.model.config, "max_position_embeddings", None) or FAR_CONTEXT + max(widths)
+        far = min(FAR_CONTEXT, limit - max(widths))
+
+        def times(n: int) -> dict[int, float]:
+            context = [(7 * i + 3) % vocab for i in range(n)]
+            return forward_times(runner.model, context, widths, reps=3, all_logits=all_logits, backend=runner.backend)
+
+        near = times(POLICY_CONTEXT)
+        slope = context_slope(near, times(far), far - POLICY_CONTEXT) if far >= 4 * POLICY_CONTEXT else None
+        found[key] = Curve(near, POLICY_CONTEXT, slope)
     return found[key]
 
 

@@ -1,6 +1,7 @@
 """Draft-length policies: how many tokens to draft before asking the target.
 
-A policy is asked `max_length()` before a round, `keep_drafting(n, logits, hidden)` after
+A policy is told `start_round(context)` (the tokens so far) and asked `max_length()` before a
+round, `keep_drafting(n, logits, hidden)` after
 each drafted token (n = tokens drafted so far this round; logits [V] and hidden [H] are the
 draft's outputs for that token), and told `observe(drafted, accepted)` after verification.
 Stopping rules that look only at the draft keep sampling exact: they choose *how many*
@@ -19,6 +20,9 @@ from draftverify.errors import require
 
 class DraftPolicy(ABC):
     needs_hidden = False
+
+    def start_round(self, context: int) -> None:
+        """Told the sequence length before each round (what a forward costs grows with it)."""
 
     @abstractmethod
     def max_length(self) -> int:
@@ -144,7 +148,8 @@ class CostAware(DraftPolicy):
 
     With per-token acceptance alpha, k drafts give E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens
     per round (the accepted prefix and the target's own next token) for k t_D(1) + t_T(k + 1)
-    seconds, t_D and t_T the draft's and the target's measured forward times (`costs.curve`).
+    seconds, t_D and t_T the draft's and the target's measured forward times (`costs.curve`) at the
+    round's context (`start_round`: after a long prompt, wide forwards cost more).
     alpha = (accepted + 1) / (accepted + rejections + 2) over rounds, older rounds weighted down
     by `decay` (a rejection: a round that kept fewer drafts than it had). The draft length is
     the k in 0..max_k with the most tokens per second; k = 0 (a plain target step) when nothing
@@ -159,6 +164,7 @@ class CostAware(DraftPolicy):
     probe: int = 8
     accepted: float = 0.0
     rejections: float = 0.0
+    context: int = 0
     _k: int = 0
     _idle: int = 0
 
@@ -169,11 +175,15 @@ class CostAware(DraftPolicy):
     def alpha(self) -> float:
         return (self.accepted + 1.0) / (self.accepted + self.rejections + 2.0)
 
-    def best(self) -> int:
-        from draftverify.costs import forward_time
+    def start_round(self, context: int) -> None:
+        self.context = context
 
-        a, t_draft = min(self.alpha, 0.999), forward_time(self.draft_costs, 1)
-        rates = [(1 - a ** (k + 1)) / (1 - a) / (k * t_draft + forward_time(self.target_costs, k + 1)) for k in range(self.max_k + 1)]
+    def best(self) -> int:
+        from draftverify.costs import at_context, forward_time
+
+        target = at_context(self.target_costs, self.context)
+        a, t_draft = min(self.alpha, 0.999), forward_time(at_context(self.draft_costs, self.context), 1)
+        rates = [(1 - a ** (k + 1)) / (1 - a) / (k * t_draft + forward_time(target, k + 1)) for k in range(self.max_k + 1)]
         return max(range(self.max_k + 1), key=rates.__getitem__)
 
     def max_length(self) -> int:

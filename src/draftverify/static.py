@@ -12,6 +12,10 @@ the same arithmetic with three changes that matter on a CPU:
   kernel (kernels/cpu.cpp), which streams the fp32 weights faster still there (on an AVX-512
   CPU oneDNN's own one-row product is the faster, and serves); two rows are padded to three,
   which oneDNN multiplies faster. docs/backends.md has the measured curves.
+- **Quantized weights, read exactly.** A weight that is exactly Q4_1 / Q8_0 blocks (a GGUF model
+  such as the default one, loaded as the blocks dequantized to fp32) keeps those blocks too, and
+  forwards over at most `QUANT_ROWS` tokens multiply with them (kernels/quant.py, cpu.cpp): the
+  same fp32 weights rebuilt in registers, a fifth of the bytes to stream per decoding step.
 - **A static KV cache.** One preallocated buffer per layer, written by slot; `crop` only moves
   the length, `select` gathers the accepted tree slots in place; capacity doubles when full.
 - **Explicit masks and positions.** Every forward builds its boolean mask from the tree mask
@@ -39,6 +43,7 @@ import torch.nn.functional as F
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _PACK_ROWS = 32  # oneDNN packing hint; one packing serves every row count (measured flat 1..32)
+QUANT_ROWS = 6  # up to this many rows, exactly quantized weights go to the quantized product (measured: docs/backends.md)
 
 
 def layer_windows(config) -> list[int | None]:
@@ -129,6 +134,9 @@ class PackedLinear:
         self.packed = packable(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS) if self.packed else weight
         self.out_features = weight.shape[0]
+        # Few rows of a weight that is exactly Q4_1 / Q8_0 blocks (a GGUF model) go to the quantized
+        # product: the same fp32 weights, read at 5 or 8.5 bits each (kernels/quant.py).
+        self.blocks = quant_blocks(weight)
         # One row (autoregressive decoding, drafting) goes to our own kernel when it is built:
         # it streams the plain fp32 weight faster than oneDNN (kernels/cpu.cpp).
         self.kernel = one_row_kernel(weight)
@@ -136,6 +144,9 @@ class PackedLinear:
         self._no_bias = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [m, in] -> [m, out]
+        if self.blocks is not None and x.shape[0] <= QUANT_ROWS:
+            b = self.blocks
+            return cpu_kernels().quant_linear(x.contiguous(), b.q, b.d, b.m, self.bias if self.bias is not None else self._no_bias)
         if self.kernel is not None and x.shape[0] == 1:
             return self.kernel.linear(x.contiguous(), self.dense, self.bias if self.bias is not None else self._no_bias)
         if self.packed:
@@ -146,6 +157,15 @@ class PackedLinear:
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def quant_blocks(weight: torch.Tensor):
+    """The exact Q4_1 / Q8_0 blocks of `weight` when the compiled kernels can multiply them (else None)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or cpu_kernels() is None:
+        return None
+    from draftverify.kernels.quant import exact_blocks
+
+    return exact_blocks(weight)
 
 
 def one_row_kernel(weight: torch.Tensor):

@@ -6,7 +6,8 @@ running means, over the rounds that candidate drafted, of what it cost and earne
 
     rate(c) = (1 + accepted(c)) / (draft_s(c) + scale * t(1 + nodes(c)))
 
-with t the target's measured cost curve (`costs.curve`) and `scale` the running ratio of the
+with t the target's measured cost curve at the request's context (`costs.curve`, `costs.at_context`:
+long prompts make wide forwards dearer) and `scale` the running ratio of the
 measured verification time to it (so load on the machine moves every candidate alike). Plain
 autoregressive decoding scores 1 / (scale * t(1)). In a batch (`batch`), t is the time the
 request's rows *add* to the shared forward (`costs.marginal_time` after the other requests'
@@ -37,7 +38,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from draftverify.costs import forward_time, marginal_time
+from draftverify.costs import at_context, forward_time, marginal_time
 from draftverify.drafters.base import Drafter, Proposal, Step, add
 from draftverify.session import Session
 from draftverify.tree import build_tree
@@ -89,28 +90,29 @@ class Auto(Drafter):
         for d in self.candidates.values():
             d.start(s, seq, hidden if d.needs_hidden else None)
 
-    def verify_time(self, nodes: float, others: int) -> float:
-        return self.scale[0] * marginal_time(self.costs, round(1 + nodes), others)
+    def verify_time(self, costs: dict, nodes: float, others: int) -> float:
+        return self.scale[0] * marginal_time(costs, round(1 + nodes), others)
 
-    def rate(self, name: str, others: int, nodes: float | None = None) -> float:
+    def rate(self, name: str, costs: dict, others: int, nodes: float | None = None) -> float:
         r = self.records[name]
-        return (1 + r.accepted) / (r.draft_s + self.verify_time(r.nodes if nodes is None else nodes, others))
+        return (1 + r.accepted) / (r.draft_s + self.verify_time(costs, r.nodes if nodes is None else nodes, others))
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
         t0 = time.perf_counter()
         self.chosen, self.parts = AR, {}
         if room > 0:
             offers = {name: d.propose(s, seq, room) for name, d in self.candidates.items() if d.free}
-            rates = {AR: 1.0 / self.verify_time(0, s.others)}
+            costs = at_context(self.costs, len(seq))
+            rates = {AR: 1.0 / self.verify_time(costs, 0, s.others)}
             size = {name: build_tree(seq[-1], offer.paths).size - 1 for name, offer in offers.items() if offer.paths}
             for name, d in self.candidates.items():
                 if not d.free:
-                    rates[name] = self.rate(name, s.others)
+                    rates[name] = self.rate(name, costs, s.others)
                 elif name in size:
-                    rates[name] = self.rate(name, s.others, size[name])
+                    rates[name] = self.rate(name, costs, s.others, size[name])
             for name, (model_run, free) in self.merged.items():
                 if free in size:
-                    rates[name] = self.rate(name, s.others, self.records[model_run].nodes + size[free])
+                    rates[name] = self.rate(name, costs, s.others, self.records[model_run].nodes + size[free])
             able = [name for name in rates if name != AR]
             for name in able:
                 self.idle[name] += 1
@@ -133,7 +135,7 @@ class Auto(Drafter):
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
         verify_s = time.perf_counter() - self.sent_at
         if not s.others:  # alone: the measured verification against the curve (in a batch it holds the others' rows)
-            self.scale[0] = self.decay * self.scale[0] + (1 - self.decay) * verify_s / forward_time(self.costs, step.tree.size)
+            self.scale[0] = self.decay * self.scale[0] + (1 - self.decay) * verify_s / forward_time(at_context(self.costs, len(seq)), step.tree.size)
         for name, d in self.candidates.items():
             d.observe(s, seq, self.parts.get(name, Proposal()), step)
         if self.chosen != AR:

@@ -25,6 +25,7 @@ class DraftModel(Drafter):
         self.draft.reset()
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
+        self.policy.start_round(len(seq))
         drafts, qs = self.chain(s, seq[self.draft.length :], min(self.policy.max_length(), room))
         return Proposal([drafts], torch.stack(qs) if qs else None)
 

@@ -39,7 +39,7 @@ import weakref
 
 import torch
 
-from draftverify.costs import curve, marginal_time
+from draftverify.costs import at_context, curve, marginal_time
 from draftverify.drafters.base import Drafter, Proposal, Step
 from draftverify.feature_draft import FeatureDraft, HeadCache
 from draftverify.models import Runner
@@ -115,6 +115,7 @@ class FeatureHead(Drafter):
     def expand(self, s: Session, root_feature: torch.Tensor, root: int, depth: int) -> list[list[int]]:
         """Candidate paths after the root (at position `root`), EAGLE-2 style; see the module docstring."""
         cache = self.cache
+        costs = at_context(self.costs, root + 1)  # the verifying forward reads this many cached tokens
         k = min(self.top_k, self.vocab.numel())
         committed = cache.length
         tokens: list[int] = []  # per draft node (the root excluded)
@@ -142,7 +143,7 @@ class FeatureHead(Drafter):
         level = children(root_feature[None], [-1])
         for d in range(1, depth):
             chosen = sorted(level, key=lambda i: -values[i])[:k]
-            if values[chosen[0]] * marginal_time(self.costs, 1, s.others) < self.expand_s:
+            if values[chosen[0]] * marginal_time(costs, 1, s.others) < self.expand_s:
                 break  # even the best new node is worth less than the forward that would grow it
             t0 = time.perf_counter()
             base = cache.length
@@ -161,20 +162,20 @@ class FeatureHead(Drafter):
             feature.update({node: out[j] for j, node in enumerate(chosen)})
             level = children(out, chosen)
             self.expand_s = 0.8 * self.expand_s + 0.2 * (time.perf_counter() - t0)
-        keep = self.best_nodes(parents, values, s.others)
+        keep = self.best_nodes(parents, values, costs, s.others)
         path = {n: tuple(tokens[a] for a in [n, *_ancestors(n, parents)][::-1]) for n in keep}
         self.drafted = {path[n]: local[n] for n in keep}
         leaves = [n for n in keep if not any(parents[c] == n for c in keep)]
         return [list(path[leaf]) for leaf in sorted(leaves, key=lambda n: -values[n])]
 
-    def best_nodes(self, parents: list[int], values: list[float], others: int = 0) -> set[int]:
-        """The n most valuable nodes (a tree), n the most expected tokens per second of the target (or `nodes`);
-        in a batch, the time the rows add to a forward that carries `others` rows."""
+    def best_nodes(self, parents: list[int], values: list[float], costs: dict, others: int = 0) -> set[int]:
+        """The n most valuable nodes (a tree), n the most expected tokens per second of the target (`costs`, at
+        this context) or `nodes`; in a batch, the time the rows add to a forward that carries `others` rows."""
         order = sorted(range(len(values)), key=lambda i: -values[i])[: self.nodes or self.max_nodes]
-        gain, best, best_rate = 1.0, 0, 1.0 / marginal_time(self.costs, 1, others)
+        gain, best, best_rate = 1.0, 0, 1.0 / marginal_time(costs, 1, others)
         for n, node in enumerate(order if not self.nodes else [], start=1):
             gain += values[node]
-            rate = gain / marginal_time(self.costs, n + 1, others)
+            rate = gain / marginal_time(costs, n + 1, others)
             if rate > best_rate:
                 best, best_rate = n, rate
         keep = set(order[: self.nodes or best])

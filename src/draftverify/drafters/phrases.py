@@ -48,6 +48,7 @@ class Phrases(Drafter):
         draft: list[int] = []
         qs: list[torch.Tensor] = []
         going = True
+        policy.start_round(len(seq))
         while going and len(draft) < min(policy.max_length(), room):
             context = seq + draft
             left = room - len(draft) - 1  # candidate tokens that could still be used

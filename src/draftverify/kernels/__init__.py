@@ -63,8 +63,9 @@ def cpu():
         return None
     from draftverify.util import cache_root
 
+    wide = has_avx512()  # the quantized products use 16-lane AVX-512 where the CPU has it (a per-CPU build)
     tag = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:12]
-    name = f"draftverify_cpu_{tag}"
+    name = f"draftverify_cpu_{tag}_{'avx512' if wide else 'avx2'}"
     folder = cache_root() / "kernels" / name
     fresh = not any(folder.glob("*.so"))
     started = time.monotonic()
@@ -73,7 +74,7 @@ def cpu():
     folder.mkdir(parents=True, exist_ok=True)
     try:
         module = load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
-                      extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False)
+                      extra_cflags=["-O3", "-mavx2", "-mfma", *(["-mavx512f"] if wide else [])], verbose=False)
     except Exception as exc:  # a compiler error, a missing header: run without the kernel
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         _why_not = f"the CPU kernels did not build ({first[:160]})"

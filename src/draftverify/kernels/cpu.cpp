@@ -65,6 +65,123 @@ void norm_row(const float* x, const float* w, float* y, int64_t H, float eps) {
   for (; k < H; ++k) y[k] = w[k] * (x[k] * r);
 }
 
+
+// ---- Quantized weights, exact: y = x W^T where every 32-weight block of a row of W is stored as it
+// was quantized (the model's own GGUF blocks, recovered bit-exactly from its fp32 weights by
+// kernels/quant.py):
+//   q4 (llama.cpp Q4_1): w_i = fma(q_i, d, m), q_i in 0..15, two per byte (byte j: q_j | q_{j+16} << 4)
+//   q8 (llama.cpp Q8_0): w_i = q_i * d,      q_i in -128..127
+// Each weight is rebuilt in fp32 exactly as the fp32 model holds it, then multiplied in fp32: the
+// same model, reading 5 or 8.5 bits a weight instead of 32. One row's sum is formed the same way
+// whatever the number of rows (two 16-lane accumulators over the blocks in order, then one fixed
+// reduction), so a verified token's logits are bit for bit those of a one-token step.
+#ifdef __AVX512F__
+struct V16 {
+  __m512 v;
+  static V16 zero() { return {_mm512_setzero_ps()}; }
+  static V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static V16 set1(float a) { return {_mm512_set1_ps(a)}; }
+  static V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static V16 mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  static V16 add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+  static float sum(V16 a) { return _mm512_reduce_add_ps(a.v); }
+  // q4: 16 bytes -> lanes q_0..15 (low nibbles) and q_16..31 (high nibbles)
+  static void nibbles(const uint8_t* p, V16& lo, V16& hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))};
+    hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
+  }
+  static V16 bytes(const int8_t* p) {  // 16 signed bytes -> 16 floats
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
+};
+#else
+struct V16 {
+  __m256 a, b;  // lanes 0..7, 8..15
+  static V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static V16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  static V16 fma(V16 x, V16 y, V16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+  static V16 mul(V16 x, V16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+  static V16 add(V16 x, V16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+  static float sum(V16 x) {
+    const __m256 z = _mm256_setzero_ps();
+    return hsum4(x.a, x.b, z, z);
+  }
+  static void nibbles(const uint8_t* p, V16& lo, V16& hi) {
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    const __m256i f = _mm256_set1_epi32(15);
+    lo = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, f)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, f))};
+    hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
+  }
+  static V16 bytes(const int8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+  }
+};
+#endif
+
+struct Quant {
+  const uint8_t* q;  // q4: [N, K / 2]; q8: [N, K]
+  const float* d;    // [N, K / 32]
+  const float* m;    // [N, K / 32] (q4) or null (q8)
+  const float* bias; // [N] or null
+};
+
+// One block's 32 weights of output row n, rebuilt in fp32 (lanes 0..15 and 16..31).
+template <bool Q4>
+inline void rebuild(const Quant& w, int64_t i, V16& w0, V16& w1) {  // i = n * blocks + b
+  const V16 dv = V16::set1(w.d[i]);
+  if constexpr (Q4) {
+    V16::nibbles(w.q + i * 16, w0, w1);
+    const V16 mv = V16::set1(w.m[i]);
+    w0 = V16::fma(w0, dv, mv);
+    w1 = V16::fma(w1, dv, mv);
+  } else {
+    const int8_t* q = reinterpret_cast<const int8_t*>(w.q) + i * 32;
+    w0 = V16::mul(V16::bytes(q), dv);
+    w1 = V16::mul(V16::bytes(q + 16), dv);
+  }
+}
+
+// Rows r0..r0+R of x [M, K] against output rows n0..n1 of W: y [M, N]. Every (row, output) sum is
+// formed the same way for any R.
+template <int R, bool Q4>
+void quant_rows(const float* x, const Quant& w, float* y, int64_t K, int64_t N, int64_t r0, int64_t n0, int64_t n1) {
+  const int64_t blocks = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    V16 acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = V16::zero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      V16 w0, w1;
+      rebuild<Q4>(w, n * blocks + b, w0, w1);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + (r0 + r) * K + b * 32;
+        acc0[r] = V16::fma(w0, V16::load(xr), acc0[r]);
+        acc1[r] = V16::fma(w1, V16::load(xr + 16), acc1[r]);
+      }
+    }
+    const float bias = w.bias ? w.bias[n] : 0.0f;
+    for (int r = 0; r < R; ++r) y[(r0 + r) * N + n] = V16::sum(V16::add(acc0[r], acc1[r])) + bias;
+  }
+}
+
+template <bool Q4>
+void quant_block(const float* x, const Quant& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int kRows = 6;  // rows per pass: each pass rebuilds the weights once for this many rows
+  int64_t r = 0;
+  for (; r + kRows <= M; r += kRows) quant_rows<kRows, Q4>(x, w, y, K, N, r, n0, n1);
+  switch (M - r) {
+    case 5: quant_rows<5, Q4>(x, w, y, K, N, r, n0, n1); break;
+    case 4: quant_rows<4, Q4>(x, w, y, K, N, r, n0, n1); break;
+    case 3: quant_rows<3, Q4>(x, w, y, K, N, r, n0, n1); break;
+    case 2: quant_rows<2, Q4>(x, w, y, K, N, r, n0, n1); break;
+    case 1: quant_rows<1, Q4>(x, w, y, K, N, r, n0, n1); break;
+    default: break;
+  }
+}
+
 }  // namespace
 
 // x [1, K], w [N, K]: float32, contiguous, K a multiple of 32; bias [N] or empty.
@@ -94,7 +211,28 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
+// x [M, K] float32 contiguous; q uint8 (q4: [N, K / 2]) or int8 (q8: [N, K]); d [N, K / 32]; m [N, K / 32]
+// (q4) or empty (q8); bias [N] or empty. Returns y [M, N].
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, torch::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "quant_linear: x must be [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1), N = d.size(0);
+  const bool q4 = m.numel() > 0;
+  TORCH_CHECK(K % 32 == 0 && d.size(1) == K / 32 && q.size(0) == N && q.size(1) == (q4 ? K / 2 : K), "quant_linear: shapes");
+  TORCH_CHECK(q.is_contiguous() && d.is_contiguous() && (!q4 || m.is_contiguous()), "quant_linear: layout");
+  auto y = torch::empty({M, N}, x.options());
+  const Quant w{reinterpret_cast<const uint8_t*>(q.data_ptr()), d.data_ptr<float>(), q4 ? m.data_ptr<float>() : nullptr,
+                bias.numel() ? bias.data_ptr<float>() : nullptr};
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    if (q4) quant_block<true>(xp, w, yp, M, K, N, n0, n1);
+    else quant_block<false>(xp, w, yp, M, K, N, n0, n1);
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ w.T (+ bias) for one row, float32");
+  m.def("quant_linear", &quant_linear, "x @ w.T (+ bias) with w in exact Q4_1 / Q8_0 blocks, float32");
   m.def("rms_norm", &rms_norm, "w * x / sqrt(mean(x^2) + eps) per row, float32");
 }
