@@ -70,7 +70,7 @@ def cpu():
     fresh = not any(folder.glob("*.so"))
     started = time.monotonic()
     if fresh:
-        print("draftverify: compiling the CPU kernels (one-row matmul, RMSNorm) once (about 30 s)...", file=sys.stderr, flush=True)
+        print("draftverify: compiling the CPU kernels (quantized and one-row matmuls, RMSNorm) once (about 30 s)...", file=sys.stderr, flush=True)
     folder.mkdir(parents=True, exist_ok=True)
     try:
         module = load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
