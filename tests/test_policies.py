@@ -50,3 +50,23 @@ def test_the_default_cost_policy_is_lossless(tiny, arch):
     ar = engine.generate(ids, method="autoregressive", max_new_tokens=40, eos_token_id=[]).tokens
     out = engine.generate(ids, method="speculative", max_new_tokens=40, eos_token_id=[])
     assert out.tokens == ar and engine.method("speculative").config.policy == "cost"
+
+
+def test_the_cost_curve_grows_with_the_context_wider_forwards_the_more():
+    from draftverify.costs import Curve, at_context, context_slope, forward_time
+
+    near = {1: 1.0, 4: 1.1, 16: 1.6}
+    far = {1: 1.05, 4: 1.5, 16: 3.0}  # measured 1,000 tokens later
+    slope = context_slope(near, far, 1000)
+    assert all(s >= 0 for s in slope.values()) and slope[1] < slope[4] < slope[16]
+    curve = Curve(near, 64, slope)
+    assert at_context(curve, 64) == near and at_context(curve, 10) == near  # no shorter than measured
+    long = at_context(curve, 1064)
+    assert forward_time(long, 16) / forward_time(long, 1) > forward_time(near, 16) / forward_time(near, 1)
+    assert abs(long[16] - far[16]) < 0.2 and at_context(FLAT, 5000) is FLAT  # a plain table has no context
+    assert context_slope(near, {1: 0.9, 4: 1.0, 16: 1.5}, 1000) == {1: 0.0, 4: 0.0, 16: 0.0}  # never negative
+    # a policy priced at a long context drafts shorter than at a short one
+    policy = CostAware(Curve(FLAT, 64, context_slope(FLAT, STEEP, 1000)), {1: 0.05}, accepted=3, rejections=1)
+    short = policy.best()
+    policy.start_round(2064)
+    assert policy.best() < short

@@ -1,11 +1,13 @@
-"""The static path's CPU kernels (cpu.cpp: the one-row matmul, RMSNorm), compiled once per machine and cached.
+"""The static path's CPU kernels (cpu.cpp: the exact Q4_1 / Q8_0 product for few rows, the one-row matmul,
+RMSNorm), compiled once per machine and cached.
 
 `cpu()` returns the compiled module, or None with `unavailable()` saying why in one line
 (not x86-64 with AVX2 + FMA, no C++ compiler or ninja, a failed build, or
 `DRAFTVERIFY_KERNELS=0`); the static path then uses oneDNN for every row count and ATen's
 RMSNorm. The build
 takes about 30 s on 2 cores, says so on stderr, and lands in `~/.cache/draftverify/kernels/`
-under a name that changes with the source, so later processes only load it.
+under a name that changes with the source and the CPU's vector width (an AVX-512 build for a CPU
+that has it, else AVX2), so later processes only load it.
 """
 
 from __future__ import annotations
