@@ -203,12 +203,13 @@ def test_quantized_product_matches_fp64_and_gives_each_row_the_same_bits_at_any_
     for kind, (n, k) in (("q4_1", (300, 576)), ("q8_0", (257, 1536)), ("q4_1", (5, 32))):
         w = quantized(torch.randn(n, k), kind)
         b, bias = exact_blocks(w), torch.randn(n)
-        x = torch.randn(9, k)
+        x = torch.randn(20, k)
         y = kernel.quant_linear(x, b.q, b.d, b.m, bias)
         exact = (x.double() @ w.double().T + bias.double()).float()
         torch.testing.assert_close(y, exact, atol=1e-4, rtol=1e-5)
-        for rows in (1, 2, 5, 9):  # row 0's logits do not depend on the rows that came with it
+        for rows in (1, 2, 5, 9, 13, 20):  # a row's sums do not depend on the rows that came with it (passes of 6)
             assert torch.equal(kernel.quant_linear(x[:rows].contiguous(), b.q, b.d, b.m, bias)[0], y[0])
+            assert torch.equal(kernel.quant_linear(x[rows - 1 :].contiguous(), b.q, b.d, b.m, bias)[0], y[rows - 1])
 
 
 def test_a_gguf_style_quantized_model_runs_its_few_row_forwards_on_the_quantized_product(tiny, tokenizer):
@@ -236,9 +237,9 @@ def test_a_gguf_style_quantized_model_runs_its_few_row_forwards_on_the_quantized
         for method, preset in METHODS + [("autoregressive", None)]:
             assert engine.generate(ids, method=method, preset=preset, max_new_tokens=30, eos_token_id=[]).tokens == ar
     runner = Runner(model, "static")
-    logits = runner.forward(reference.encode(PROMPTS[0])).logits  # many rows: oneDNN
+    ids = (reference.encode(" ".join(PROMPTS)) * 3)[: 2 * QUANT_ROWS + 5]
+    logits = runner.forward(ids).logits  # many rows: oneDNN
     runner.crop(0)
-    ids = reference.encode(PROMPTS[0])
     runner.forward(ids[:-QUANT_ROWS])
     few = runner.forward(ids[-QUANT_ROWS:]).logits  # the last rows again, on the quantized product
     torch.testing.assert_close(few, logits[-QUANT_ROWS:], atol=1e-4, rtol=1e-4)

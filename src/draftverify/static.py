@@ -14,8 +14,10 @@ the same arithmetic with three changes that matter on a CPU:
   which oneDNN multiplies faster. docs/backends.md has the measured curves.
 - **Quantized weights, read exactly.** A weight that is exactly Q4_1 / Q8_0 blocks (a GGUF model
   such as the default one, loaded as the blocks dequantized to fp32) keeps those blocks too, and
-  forwards over at most `QUANT_ROWS` tokens multiply with them (kernels/quant.py, cpu.cpp): the
-  same fp32 weights rebuilt in registers, a fifth of the bytes to stream per decoding step.
+  forwards over at most `QUANT_ROWS` tokens (decoding, drafting, verification; not prefill)
+  multiply with them (kernels/quant.py, cpu.cpp): the same fp32 weights rebuilt in registers, a
+  fifth of the bytes to stream per decoding step, and each row's sums formed the same way for any
+  row count, so a verified token's logits are bit for bit those of a one-token step.
 - **A static KV cache.** One preallocated buffer per layer, written by slot; `crop` only moves
   the length, `select` gathers the accepted tree slots in place; capacity doubles when full.
 - **Explicit masks and positions.** Every forward builds its boolean mask from the tree mask
@@ -43,7 +45,7 @@ import torch.nn.functional as F
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _PACK_ROWS = 32  # oneDNN packing hint; one packing serves every row count (measured flat 1..32)
-QUANT_ROWS = 6  # up to this many rows, exactly quantized weights go to the quantized product (measured: docs/backends.md)
+QUANT_ROWS = 32  # up to this many rows, exactly quantized weights go to the quantized product (measured: docs/backends.md)
 
 
 def layer_windows(config) -> list[int | None]:

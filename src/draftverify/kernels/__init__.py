@@ -74,9 +74,13 @@ def cpu():
     if fresh:
         print("draftverify: compiling the CPU kernels (quantized and one-row matmuls, RMSNorm) once (about 30 s)...", file=sys.stderr, flush=True)
     folder.mkdir(parents=True, exist_ok=True)
+    # -fopenmp: at::parallel_for (cpu.cpp) is OpenMP in torch's CPU build; compiled without it, the
+    # pragma is dropped and every product runs on one core. The runtime is torch's own libgomp
+    # (same soname, already loaded), so there is one thread pool.
     try:
         module = load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
-                      extra_cflags=["-O3", "-mavx2", "-mfma", *(["-mavx512f"] if wide else [])], verbose=False)
+                      extra_cflags=["-O3", "-fopenmp", "-mavx2", "-mfma", *(["-mavx512f"] if wide else [])],
+                      extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # a compiler error, a missing header: run without the kernel
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         _why_not = f"the CPU kernels did not build ({first[:160]})"
