@@ -136,13 +136,16 @@ def test_auto_follows_the_candidate_that_pays(tiny):
     assert records["right"].accepted > 2 and records["wrong"].accepted < 0.5
 
 
-def test_auto_probes_a_drafter_that_keeps_missing_less_and_less_often(tiny):
-    """Probes that get nothing accepted double the wait for the next (9, 17, 33, 65, 65 ... rounds), where a
-    fixed interval would probe every 9th round; the output stays the target's."""
-    s, auto, truth = decode_with(tiny, 200, lambda truth, at: {"wrong": Fixed(truth, at, False)}, {"wrong": Record(accepted=0.0)})
+def test_auto_probes_a_drafter_that_keeps_missing_less_and_less_often_and_remembers_it(tiny):
+    """Probes that do not pay double the wait for the next (9, 17, 33, 65, 65 ... rounds), where a fixed
+    interval would probe every 9th round; the next request starts from that wait; the output stays the target's."""
+    records = {"wrong": Record(accepted=0.0)}
+    s, auto, truth = decode_with(tiny, 200, lambda truth, at: {"wrong": Fixed(truth, at, False)}, records)
     assert s.output == truth
     probes = sum(who == "wrong" for who, _ in s.stats.extra["auto_chunks"])
-    assert 4 <= probes <= 6 and auto.backoff["wrong"] == MAX_BACKOFF, probes
+    assert 4 <= probes <= 6 and records["wrong"].backoff == MAX_BACKOFF, probes
+    s, _, truth = decode_with(tiny, 120, lambda truth, at: {"wrong": Fixed(truth, at, False)}, records)  # warm: one probe at most
+    assert s.output == truth and sum(who == "wrong" for who, _ in s.stats.extra["auto_chunks"]) <= 1
 
 
 def test_auto_options_are_checked_in_one_line(engine):

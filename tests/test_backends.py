@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import phrase_sampling as ps
 from conftest import ARCHS, SLIDING_ARCHS, STATIC_ARCHS, WINDOW, make_model
@@ -104,6 +105,24 @@ def test_runners_of_one_model_share_packed_weights(tiny):
     assert a.static.layers[0].qkv is b.static.layers[0].qkv and a.static.head is b.static.head
     a.forward([5, 6, 7])
     assert b.length == 0  # each runner has its own cache
+
+
+def test_a_draft_multiplies_with_q8_copies_and_its_target_keeps_its_own_weights(tiny):
+    """Rounding is for drafts only: an fp32 draft gets Q8_0 blocks, the fp32 target none, and a runner of the
+    same model as a target (self-speculative, the target itself) does not share the draft's copies."""
+    from draftverify.kernels import cpu, unavailable
+    from draftverify.kernels.quant import q8_blocks
+
+    if cpu() is None:
+        pytest.skip(unavailable())
+    target, draft = tiny("llama"), tiny("llama", seed=1, layers=2)
+    engine = Engine(target, draft, backend="static")
+    drafting, verifying = engine.draft_runner.static.layers[0].qkv, engine.target_runner.static.layers[0].qkv
+    assert drafting.blocks.kind == "q8_0" and verifying.blocks is None
+    assert Runner(draft.model, "static").static.layers[0].qkv.blocks is None
+    w = torch.randn(8, 64)
+    rebuilt = q8_blocks(w).dequantize()
+    assert (rebuilt - w).abs().max() <= w.abs().max() / 254 + 1e-6  # half a step of the block's scale
 
 
 PROMPTS = ["Hello there, how are you doing", "def f(x):\n    return f(x - 1) + f(x - 2)"]
@@ -210,6 +229,30 @@ def test_quantized_product_matches_fp64_and_gives_each_row_the_same_bits_at_any_
         for rows in (1, 2, 5, 9, 13, 20):  # a row's sums do not depend on the rows that came with it (passes of 6)
             assert torch.equal(kernel.quant_linear(x[:rows].contiguous(), b.q, b.d, b.m, bias)[0], y[0])
             assert torch.equal(kernel.quant_linear(x[rows - 1 :].contiguous(), b.q, b.d, b.m, bias)[0], y[rows - 1])
+
+
+def test_attention_kernel_matches_fp64_and_gives_each_row_the_same_bits_at_any_row_count():
+    """cpu.cpp's attention (the static path's, for few new tokens): softmax(q k^T * scale) v with a mask, grouped
+    query heads, against fp64 SDPA; a row's output does not depend on the rows that came with it."""
+    from draftverify.kernels import cpu, unavailable
+
+    kernel = cpu()
+    if kernel is None:
+        pytest.skip(unavailable())
+    torch.manual_seed(0)
+    for n, past, heads, kv, d in ((1, 40, 9, 3, 64), (7, 300, 8, 2, 64), (5, 33, 4, 4, 128), (6, 20, 14, 2, 64)):
+        keys, values = torch.randn(kv, past + n + 5, d), torch.randn(kv, past + n + 5, d)  # capacity beyond the length
+        q = torch.randn(n, heads + kv, d)[:, :heads]  # a view with strided rows, as the static path passes it
+        mask = torch.rand(n, past + n) > 0.4
+        mask[:, past:] |= torch.eye(n, dtype=torch.bool)  # each token sees itself
+        for m in (mask, None):
+            out = kernel.attention(q, keys, values, past + n, torch.empty(0, dtype=torch.bool) if m is None else m, 0.125)
+            exact = F.scaled_dot_product_attention(q.transpose(0, 1)[None].double(), keys[None, :, : past + n].double(),
+                                                   values[None, :, : past + n].double(), attn_mask=m, scale=0.125, enable_gqa=True)
+            torch.testing.assert_close(out, exact[0].transpose(0, 1).reshape(n, heads * d).float(), atol=2e-6, rtol=1e-5)
+        for r in range(n):
+            alone = kernel.attention(q[r : r + 1], keys, values, past + n, mask[r : r + 1].contiguous(), 0.125)
+            assert torch.equal(alone[0], kernel.attention(q, keys, values, past + n, mask, 0.125)[r])
 
 
 def test_a_gguf_style_quantized_model_runs_its_few_row_forwards_on_the_quantized_product(tiny, tokenizer):

@@ -51,7 +51,8 @@ class Engine:
         self.head = head
         self.backend = backend
         self.target_runner = Runner(target.model, backend)
-        self.draft_runner = Runner(draft.model, backend) if draft is not None else None
+        # A separate draft model may run on rounded weights (static.PackedLinear); the target drafting for itself does not.
+        self.draft_runner = Runner(draft.model, backend, draft=draft.model is not target.model) if draft is not None else None
         self._methods: dict[tuple, Method] = {}
         self._slots: list[tuple[Runner, Runner | None]] = [(self.target_runner, self.draft_runner)]
 

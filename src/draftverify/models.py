@@ -368,10 +368,11 @@ class Runner:
 
     `backend` (see `choose_backend`): `static` runs `draftverify.static.StaticDecoder` over a
     preallocated cache; `eager` runs the stock model over a transformers `DynamicCache`.
-    `fallback_reason` says why `auto` chose eager.
+    `fallback_reason` says why `auto` chose eager. `draft=True`: a draft model's runner; on the static
+    path its few-row forwards may use Q8_0-rounded weights (what it proposes, never what is accepted).
     """
 
-    def __init__(self, model: torch.nn.Module, backend: str = "auto"):
+    def __init__(self, model: torch.nn.Module, backend: str = "auto", draft: bool = False):
         impl = getattr(model.config, "_attn_implementation", None)
         require(
             impl in MASKABLE_ATTENTION,
@@ -388,7 +389,8 @@ class Runner:
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
         self.backend, self.fallback_reason = choose_backend(model, backend)
-        self.static = StaticDecoder(model) if self.backend == "static" else None
+        self.draft = draft  # the model only drafts: the static path may round its weights (static.PackedLinear)
+        self.static = StaticDecoder(model, draft) if self.backend == "static" else None
         # Eager: every layer keeps its full history (a sliding layer's own cache would drop keys a
         # rollback needs), and sliding windows are applied through explicit per-layer-type masks.
         self.windows = layer_windows(model.config)
@@ -401,7 +403,7 @@ class Runner:
     def fork(self) -> "Runner":
         """Another runner of the same model on the same path, with a cache of its own (one more sequence of a
         batch). The static path's prepacked weights are shared, not copied (`static.packed_linear`)."""
-        return Runner(self.model, self.backend)
+        return Runner(self.model, self.backend, self.draft)
 
     def _new_cache(self):
         from transformers import DynamicCache

@@ -22,7 +22,9 @@ the same arithmetic with three changes that matter on a CPU:
   the length, `select` gathers the accepted tree slots in place; capacity doubles when full.
 - **Explicit masks and positions.** Every forward builds its boolean mask from the tree mask
   and the per-layer sliding window (key positions are known: slot i of the committed prefix
-  holds position i), so full, sliding and mixed layers all take the same path.
+  holds position i), so full, sliding and mixed layers all take the same path. Up to
+  `QUANT_ROWS` new tokens, attention is one call of our kernel (cpu.cpp), each token's row
+  computed alone; wider forwards (prefill) use SDPA.
 
 This is the one place where draftverify runs a decoder loop of its own instead of the stock
 class (as gpt-fast does): the stock forward allocates per step and pays framework overhead that
@@ -107,23 +109,28 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 _PACKED: "weakref.WeakValueDictionary[tuple, PackedLinear]" = weakref.WeakValueDictionary()
 
 
-def packed_linear(linears: list[torch.nn.Linear]) -> "PackedLinear":
-    """The PackedLinear of these stock linears, shared by every runner of the same weights.
+def packed_linear(linears: list[torch.nn.Linear], draft: bool = False) -> "PackedLinear":
+    """The PackedLinear of these stock linears, shared by every runner of the same weights (`draft`: see
+    PackedLinear).
 
     A live PackedLinear belongs to a decoder that holds its model, so the weights' addresses
     in the key cannot be reused while the entry exists.
     """
-    key = tuple((lin.weight.data_ptr(), tuple(lin.weight.shape), lin.weight.dtype, str(lin.weight.device)) for lin in linears)
+    key = (draft, *((lin.weight.data_ptr(), tuple(lin.weight.shape), lin.weight.dtype, str(lin.weight.device)) for lin in linears))
     found = _PACKED.get(key)
     if found is None:
-        found = _PACKED[key] = PackedLinear(linears)
+        found = _PACKED[key] = PackedLinear(linears, draft)
     return found
 
 
 class PackedLinear:
-    """y = x W^T + b for several stock linears fused along the output dimension, prepacked on CPU."""
+    """y = x W^T + b for several stock linears fused along the output dimension, prepacked on CPU.
 
-    def __init__(self, linears: list[torch.nn.Linear]):
+    `draft`: a draft model's weight that is not exact blocks gets a Q8_0 copy for few-row forwards
+    anyway (`kernels.quant.q8_blocks`, a quarter of the bytes to stream): a draft's precision changes
+    what it proposes, never what verification accepts."""
+
+    def __init__(self, linears: list[torch.nn.Linear], draft: bool = False):
         weight = torch.cat([lin.weight.detach() for lin in linears])  # [out, in]
         biases = [lin.bias for lin in linears]
         if any(b is not None for b in biases):
@@ -138,7 +145,7 @@ class PackedLinear:
         self.out_features = weight.shape[0]
         # Few rows of a weight that is exactly Q4_1 / Q8_0 blocks (a GGUF model) go to the quantized
         # product: the same fp32 weights, read at 5 or 8.5 bits each (kernels/quant.py).
-        self.blocks = quant_blocks(weight)
+        self.blocks = quant_blocks(weight, draft)
         # One row (autoregressive decoding, drafting) goes to our own kernel when it is built:
         # it streams the plain fp32 weight faster than oneDNN (kernels/cpu.cpp).
         self.kernel = one_row_kernel(weight)
@@ -148,7 +155,7 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [m, in] -> [m, out]
         if self.blocks is not None and x.shape[0] <= QUANT_ROWS:
             b = self.blocks
-            return cpu_kernels().quant_linear(x.contiguous(), b.q, b.d, b.m, self.bias if self.bias is not None else self._no_bias)
+            return _kernels[0].quant_linear(x.contiguous(), b.q, b.d, b.m, self.bias if self.bias is not None else self._no_bias)
         if self.kernel is not None and x.shape[0] == 1:
             return self.kernel.linear(x.contiguous(), self.dense, self.bias if self.bias is not None else self._no_bias)
         if self.packed:
@@ -161,13 +168,14 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-def quant_blocks(weight: torch.Tensor):
-    """The exact Q4_1 / Q8_0 blocks of `weight` when the compiled kernels can multiply them (else None)."""
+def quant_blocks(weight: torch.Tensor, draft: bool = False):
+    """The exact Q4_1 / Q8_0 blocks of `weight` (for a draft: else its Q8_0 rounding) when the compiled
+    kernels can multiply them (else None)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or cpu_kernels() is None:
         return None
-    from draftverify.kernels.quant import exact_blocks
+    from draftverify.kernels.quant import exact_blocks, q8_blocks
 
-    return exact_blocks(weight)
+    return exact_blocks(weight) or (q8_blocks(weight) if draft else None)
 
 
 def one_row_kernel(weight: torch.Tensor):
@@ -181,11 +189,16 @@ def one_row_kernel(weight: torch.Tensor):
     return None if has_avx512() else cpu_kernels()
 
 
+_kernels: list = []  # cpu_kernels()'s answer, once asked (it sits on every linear and norm of a forward)
+
+
 def cpu_kernels():
     """kernels/cpu.cpp compiled (None where it cannot be: kernels.unavailable() says why)."""
-    from draftverify.kernels import cpu
+    if not _kernels:
+        from draftverify.kernels import cpu
 
-    return cpu()
+        _kernels.append(cpu())
+    return _kernels[0]
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -218,12 +231,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class _Layer:
     """One decoder layer's weights, read from the stock module."""
 
-    def __init__(self, layer: torch.nn.Module, eps: float):
+    def __init__(self, layer: torch.nn.Module, eps: float, draft: bool):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = packed_linear([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o = packed_linear([attn.o_proj])
-        self.gate_up = packed_linear([mlp.gate_proj, mlp.up_proj])
-        self.down = packed_linear([mlp.down_proj])
+        self.qkv = packed_linear([attn.q_proj, attn.k_proj, attn.v_proj], draft)
+        self.o = packed_linear([attn.o_proj], draft)
+        self.gate_up = packed_linear([mlp.gate_proj, mlp.up_proj], draft)
+        self.down = packed_linear([mlp.down_proj], draft)
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
         self.norm_in = layer.input_layernorm.weight.detach()
         self.norm_post = layer.post_attention_layernorm.weight.detach()
@@ -238,10 +251,11 @@ class StaticDecoder:
     """A stock Llama-family model run over a static KV cache (see the module docstring).
 
     The cache holds `length` tokens in slots 0..length-1; `forward` writes new tokens at the
-    next slots. Same contract as `Runner` (which delegates here).
+    next slots. Same contract as `Runner` (which delegates here). `draft`: the model only drafts
+    (its weights may be rounded to Q8_0, `PackedLinear`).
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, draft: bool = False):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(reason)
@@ -252,10 +266,10 @@ class StaticDecoder:
         self.rotary = inner.rotary_emb
         eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         with torch.no_grad():
-            self.layers = [_Layer(layer, eps) for layer in inner.layers[: cfg.num_hidden_layers]]
+            self.layers = [_Layer(layer, eps, draft) for layer in inner.layers[: cfg.num_hidden_layers]]
             self.norm = inner.norm.weight.detach()
             self.norm_eps = getattr(inner.norm, "variance_epsilon", eps)
-            self.head = packed_linear([model.get_output_embeddings()])
+            self.head = packed_linear([model.get_output_embeddings()], draft)
         first = inner.layers[0].self_attn
         self.head_dim = first.head_dim
         self.n_heads = self.layers[0].q_size // self.head_dim
@@ -264,6 +278,9 @@ class StaticDecoder:
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.max_length = getattr(cfg, "max_position_embeddings", None)
+        kernels = cpu_kernels() if self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim in (64, 128) else None
+        self.attention_kernel = kernels.attention if kernels is not None else None
+        self._no_mask = torch.empty(0, dtype=torch.bool)
         self.length = 0
         self.capacity = 0
         self.keys: list[torch.Tensor] = []  # per layer [n_kv, capacity, head_dim]
@@ -389,6 +406,10 @@ class StaticDecoder:
             keys, values = dec.keys[i], dec.values[i]
             keys[:, past : past + n] = k[a : a + n].transpose(0, 1)
             values[:, past : past + n] = v[a : a + n].transpose(0, 1)
+            if self.attention_kernel is not None and n <= QUANT_ROWS:  # few queries: one call, each row alone (cpu.cpp)
+                mask = self._no_mask if mask is None else mask
+                outs.append(self.attention_kernel(q[a : a + n], keys, values, past + n, mask, layer.scaling))
+                continue
             if n == 1 and mask is None:  # one query, every key: three small ops beat SDPA's CPU kernel
                 groups = q[a].view(self.n_kv, self.n_heads // self.n_kv, d)  # query head h reads kv head h // group size
                 scores = torch.bmm(groups, keys[:, : past + 1].transpose(1, 2)).mul_(layer.scaling)

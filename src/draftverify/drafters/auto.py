@@ -21,10 +21,12 @@ the rest). The highest rate drafts; a candidate that has
 not drafted for `probe` rounds it could have drafted in drafts once, so a draft that started
 badly (or a request that turned into a copy of its prompt) is noticed (in a batch, where a
 probe slows every request, every `probe` times one plus the other requests' rows). A probe that
-gets nothing accepted doubles that candidate's wait for its next probe in this request (up to
-`MAX_BACKOFF` times), and a round that gets something accepted resets it: on text where a
-drafter keeps missing, its probes stop costing every `probe`-th round. The running
-means start from the previous requests' values (warm start) or an optimistic prior.
+did not pay (its tokens per second, priced as above, below plain decoding's) doubles that
+candidate's wait for its next probe (up to `MAX_BACKOFF` times), and a probe that paid, or a
+round chosen on price that got something accepted, resets it: where a drafter does not pay, its
+probes stop costing every `probe`-th round. The waits, like the running means, carry over to
+the next requests (warm start; the means start from an optimistic prior in a fresh process), so
+a process that has learnt that nothing pays probes about once in `probe * MAX_BACKOFF` rounds.
 
 Every candidate is told every round (`observe` with its own proposal when it drafted, an empty
 one otherwise), so the feature head queues the target's features and the pools take the new
@@ -54,6 +56,7 @@ class Record:
     accepted: float = 1.0  # candidate tokens accepted (the prior is optimistic, so every candidate is tried)
     draft_s: float = 0.0  # seconds drafting
     nodes: float = 4.0  # candidate tokens verified
+    backoff: int = 1  # the wait for its next probe, in `probe`s of rounds (doubles per probe that did not pay)
 
     def update(self, decay: float, accepted: int, draft_s: float, nodes: int) -> None:
         self.accepted = decay * self.accepted + (1 - decay) * accepted
@@ -74,7 +77,6 @@ class Auto(Drafter):
         for name in [*candidates, *self.merged]:
             records.setdefault(name, Record())
         self.idle = dict.fromkeys([*candidates, *self.merged], 0)  # this request's rounds since each last drafted (when it could have)
-        self.backoff = dict.fromkeys(self.idle, 1)  # each candidate's probe interval, in `probe`s (doubles per empty probe)
         self.chosen: str = AR
         self.probing = False  # whether the chosen candidate drafts as a probe (it sat out too long), not on its price
         self.parts: dict[str, Proposal] = {}  # what each candidate proposed this round (two for a merged one)
@@ -117,7 +119,7 @@ class Auto(Drafter):
             for name in able:
                 self.idle[name] += 1
             every = self.probe * (1 + s.others)  # in a batch a probe slows every request: probe that much less often
-            stale = [name for name in able if self.idle[name] > every * self.backoff[name]]
+            stale = [name for name in able if self.idle[name] > every * self.records[name].backoff]
             self.chosen = max(stale, key=self.idle.__getitem__) if stale else max(rates, key=rates.__getitem__)
             self.probing = bool(stale)
             model_run, free = self.merged.get(self.chosen, (self.chosen, None))
@@ -139,12 +141,15 @@ class Auto(Drafter):
         for name, d in self.candidates.items():
             d.observe(s, seq, self.parts.get(name, Proposal()), step)
         if self.chosen != AR:
-            self.records[self.chosen].update(self.decay, step.accepted, self.draft_s, step.drafted)
+            record = self.records[self.chosen]
+            record.update(self.decay, step.accepted, self.draft_s, step.drafted)
             self.idle[self.chosen] = 0
-            if step.accepted:
-                self.backoff[self.chosen] = 1
-            elif self.probing:
-                self.backoff[self.chosen] = min(MAX_BACKOFF, 2 * self.backoff[self.chosen])
+            if self.probing:  # judged by the prices every choice uses: did this round beat plain decoding's rate?
+                costs = at_context(self.costs, len(seq))
+                paid = len(step.tokens) / (self.draft_s + self.verify_time(costs, step.drafted, s.others)) >= 1.0 / self.verify_time(costs, 0, s.others)
+                record.backoff = 1 if paid else min(MAX_BACKOFF, 2 * record.backoff)
+            elif step.accepted:
+                record.backoff = 1
         add(s.stats.extra, **{f"auto_{self.chosen}_rounds": 1, f"auto_{self.chosen}_tokens": len(step.tokens)})
         s.stats.extra["auto_chunks"].append([self.chosen, len(step.tokens)])  # JSON-shaped: records round-trip
 

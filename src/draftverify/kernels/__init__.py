@@ -1,10 +1,10 @@
-"""The static path's CPU kernels (cpu.cpp: the exact Q4_1 / Q8_0 product for few rows, the one-row matmul,
-RMSNorm), compiled once per machine and cached.
+"""The static path's CPU kernels (cpu.cpp: the exact Q4_1 / Q8_0 product and the attention for up to 32 new
+tokens, the one-row matmul, RMSNorm), compiled once per machine and cached.
 
 `cpu()` returns the compiled module, or None with `unavailable()` saying why in one line
 (not x86-64 with AVX2 + FMA, no C++ compiler or ninja, a failed build, or
-`DRAFTVERIFY_KERNELS=0`); the static path then uses oneDNN for every row count and ATen's
-RMSNorm. The build
+`DRAFTVERIFY_KERNELS=0`); the static path then uses oneDNN for every row count, ATen's
+RMSNorm and SDPA. The build
 takes about 30 s on 2 cores, says so on stderr, and lands in `~/.cache/draftverify/kernels/`
 under a name that changes with the source and the CPU's vector width (an AVX-512 build for a CPU
 that has it, else AVX2), so later processes only load it.
@@ -72,7 +72,7 @@ def cpu():
     fresh = not any(folder.glob("*.so"))
     started = time.monotonic()
     if fresh:
-        print("draftverify: compiling the CPU kernels (quantized and one-row matmuls, RMSNorm) once (about 30 s)...", file=sys.stderr, flush=True)
+        print("draftverify: compiling the CPU kernels (quantized and one-row matmuls, attention, RMSNorm) once (about 30 s)...", file=sys.stderr, flush=True)
     folder.mkdir(parents=True, exist_ok=True)
     # -fopenmp: at::parallel_for (cpu.cpp) is OpenMP in torch's CPU build; compiled without it, the
     # pragma is dropped and every product runs on one core. The runtime is torch's own libgomp

@@ -1,4 +1,5 @@
-// The static path's CPU kernels (fp32, AVX2 + FMA): the one-row matrix product and RMSNorm.
+// The static path's CPU kernels (fp32, AVX2 + FMA; AVX-512 where the CPU has it): the one-row matrix product,
+// RMSNorm, the exact quantized product and the attention of a few new tokens (below).
 //
 // linear: y[n] = sum_k x[k] * w[n, k] (+ bias[n]) for one row x.
 // Autoregressive decoding and drafting multiply one row by every weight matrix, so their time
@@ -19,6 +20,8 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 namespace {
 
@@ -80,6 +83,7 @@ struct V16 {
   __m512 v;
   static V16 zero() { return {_mm512_setzero_ps()}; }
   static V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
   static V16 set1(float a) { return {_mm512_set1_ps(a)}; }
   static V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   static V16 mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -100,6 +104,7 @@ struct V16 {
   __m256 a, b;  // lanes 0..7, 8..15
   static V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  void store(float* p) const { _mm256_storeu_ps(p, a); _mm256_storeu_ps(p + 8, b); }
   static V16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
   static V16 fma(V16 x, V16 y, V16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
   static V16 mul(V16 x, V16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
@@ -184,6 +189,95 @@ void quant_block(const float* x, const Quant& w, float* y, int64_t M, int64_t K,
   }
 }
 
+
+// ---- Attention of a few new tokens against one layer's static cache: for each query row and head, the
+// scores against every allowed key, a softmax, the weighted sum of the values. Each (row, head) is
+// computed alone, in a fixed order, so a token's attention output does not depend on how many tokens
+// came with it (as for the quantized product), and one kernel call replaces the ~6 small ops of the
+// stock formula (two bmm, scale, softmax, casts; or SDPA), whose fixed costs dominate at decoding sizes.
+
+// e^x for x <= 0 (a softmax's shifted scores): Cephes' polynomial on x - n ln2, scaled by 2^n; within
+// about 1 ulp of expf. Plain float arithmetic, which the compiler vectorises.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// G query heads (d = 16 * C floats each, consecutive in q and out) that read the same keys/values [S, d];
+// allowed: S flags or null (all). Each head's sums are formed the same way for any G.
+template <int C, int G>
+void attend(const float* q, const float* keys, const float* values, const bool* allowed, int64_t S, float scale,
+            float* scores, float* out) {  // scores: G * S floats of scratch
+  V16 qv[G][C];
+  float top[G];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) qv[g][c] = V16::load(q + g * 16 * C + 16 * c);
+    top[g] = -INFINITY;
+  }
+  for (int64_t j = 0; j < S; ++j) {
+    if (allowed && !allowed[j]) continue;
+    const float* k = keys + j * 16 * C;
+    V16 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = V16::load(k + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      V16 acc = V16::mul(qv[g][0], kv[0]);
+      for (int c = 1; c < C; ++c) acc = V16::fma(qv[g][c], kv[c], acc);
+      const float sj = V16::sum(acc) * scale;
+      scores[g * S + j] = sj;
+      top[g] = sj > top[g] ? sj : top[g];
+    }
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * S;
+    float total = 0.0f;
+    for (int64_t j = 0; j < S; ++j) {
+      sg[j] = allowed && !allowed[j] ? 0.0f : exp_nonpositive(sg[j] - top[g]);
+      total += sg[j];
+    }
+    inv[g] = 1.0f / total;
+  }
+  V16 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = V16::zero();
+  for (int64_t j = 0; j < S; ++j) {
+    if (allowed && !allowed[j]) continue;
+    const float* v = values + j * 16 * C;
+    V16 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = V16::load(v + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const V16 pj = V16::set1(scores[g * S + j] * inv[g]);
+      for (int c = 0; c < C; ++c) acc[g][c] = V16::fma(pj, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c].store(out + g * 16 * C + 16 * c);
+}
+
+// The heads of one kv group (`group` of them) for one query row, G at a time.
+template <int C>
+void attend_group(const float* q, const float* keys, const float* values, const bool* allowed, int64_t S, float scale,
+                  float* scores, float* out, int64_t group) {
+  const int64_t d = 16 * C;
+  int64_t h = 0;
+  for (; h + 3 <= group; h += 3) attend<C, 3>(q + h * d, keys, values, allowed, S, scale, scores, out + h * d);
+  for (; h + 2 <= group; h += 2) attend<C, 2>(q + h * d, keys, values, allowed, S, scale, scores, out + h * d);
+  for (; h < group; ++h) attend<C, 1>(q + h * d, keys, values, allowed, S, scale, scores, out + h * d);
+}
+
 }  // namespace
 
 // x [1, K], w [N, K]: float32, contiguous, K a multiple of 32; bias [N] or empty.
@@ -233,8 +327,41 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, to
   return y;
 }
 
+
+// q [n, H, d] (rows may be strided; heads and features contiguous); keys, values [kv, capacity, d], the
+// first S slots valid (kv divides H: query head h reads kv head h / (H / kv)); mask [n, S] bool (True = may
+// attend) or empty (every key); d 64 or 128. All float32. Returns [n, H * d].
+torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t S, torch::Tensor mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "attention: shapes");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat, "attention: float32 only");
+  const int64_t n = q.size(0), H = q.size(1), d = q.size(2), kv = keys.size(0), cap = keys.size(1);
+  TORCH_CHECK(keys.size(2) == d && (d == 64 || d == 128) && H % kv == 0 && S <= cap, "attention: sizes");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && keys.is_contiguous() && values.is_contiguous(), "attention: layout");
+  const bool masked = mask.numel() > 0;
+  TORCH_CHECK(!masked || (mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.size(0) == n && mask.size(1) == S), "attention: mask");
+  auto out = torch::empty({n, H * d}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t group = H / kv, row_stride = q.stride(0);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, n * kv, 1, [&](int64_t t0, int64_t t1) {  // one task: a query row's heads of one kv head
+    std::vector<float> scores(3 * S);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = t / kv, g = t % kv;
+      const float* qh = qp + i * row_stride + g * group * d;
+      const bool* allowed = mp ? mp + i * S : nullptr;
+      float* o = op + i * H * d + g * group * d;
+      if (d == 64) attend_group<4>(qh, kp + g * cap * d, vp + g * cap * d, allowed, S, sc, scores.data(), o, group);
+      else attend_group<8>(qh, kp + g * cap * d, vp + g * cap * d, allowed, S, sc, scores.data(), o, group);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ w.T (+ bias) for one row, float32");
   m.def("quant_linear", &quant_linear, "x @ w.T (+ bias) with w in exact Q4_1 / Q8_0 blocks, float32");
+  m.def("attention", &attention, "softmax(q k^T * scale, masked) v per query row and head, float32");
   m.def("rms_norm", &rms_norm, "w * x / sqrt(mean(x^2) + eps) per row, float32");
 }

@@ -9,6 +9,10 @@ every weight gives back the same fp32 bits (q*d is exact, so fma(q, d, m) rounds
 does); a weight that is not so quantized (a trained draft, a model loaded from safetensors in
 fp32) stays on oneDNN. No GGUF parsing: any weight that happens to be exactly such blocks
 qualifies, whatever file it came from.
+
+`q8_blocks` is the one lossy conversion: Q8_0 blocks of any weight (d kept in fp32), for drafts
+only (the draft model, the feature head), whose precision changes what is proposed, never what
+verification accepts.
 """
 
 from __future__ import annotations
@@ -76,3 +80,15 @@ def _q8_0(w: torch.Tensor) -> Blocks | None:
         return None
     n, blocks, _ = w.shape
     return Blocks("q8_0", q.to(torch.int8).reshape(n, blocks * BLOCK).contiguous(), d.contiguous(), torch.empty(0))
+
+
+def q8_blocks(weight: torch.Tensor) -> Blocks | None:
+    """`weight` [N, K] (fp32, CPU) rounded to Q8_0 blocks (d = the block's largest magnitude / 127, in fp32):
+    NOT the same weight. For drafts, whose outputs are only proposals."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
+        return None
+    n, k = weight.shape
+    w = weight.detach().reshape(n, k // BLOCK, BLOCK)
+    d = w.abs().amax(-1) / 127
+    q = torch.round(w / torch.where(d > 0, d, 1.0)[..., None]).clamp(-127, 127)
+    return Blocks("q8_0", q.to(torch.int8).reshape(n, k).contiguous(), d.contiguous(), torch.empty(0))
