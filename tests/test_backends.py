@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import phrase_sampling as ps
 from conftest import ARCHS, SLIDING_ARCHS, STATIC_ARCHS, WINDOW, make_model
 from draftverify import DraftVerifyError, Engine, Loaded, Runner
+from draftverify.models import forward_many
 
 ALL_ARCHS = ARCHS + ("qwen3",) + SLIDING_ARCHS[2:]  # mistral and qwen2-sliding are static archs too
 
@@ -255,6 +256,42 @@ def test_attention_kernel_matches_fp64_and_gives_each_row_the_same_bits_at_any_r
             assert torch.equal(alone[0], kernel.attention(q, keys, values, past + n, mask, 0.125)[r])
 
 
+def gguf_style_llama():
+    """A tiny Llama whose weights are exact Q4_1 (layers) and Q8_0 (embeddings, tied head) blocks, as a GGUF model loads."""
+    model = make_model("llama", 0, layers=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(quantized(p, "q8_0" if "embed" in name or "lm_head" in name else "q4_1"))
+    return model
+
+
+def test_a_stacked_forward_gives_each_sequence_of_a_quantized_model_its_own_bits():
+    """Batched serving stacks one request's prefill (oneDNN) with others' decoding steps and trees (the
+    quantized product): every sequence's logits and cache are bit for bit what its forward alone gives."""
+    from draftverify.kernels import cpu, unavailable
+    from draftverify.static import QUANT_ROWS
+
+    if cpu() is None:
+        pytest.skip(unavailable())
+    model = gguf_style_llama()
+    prompts = [list(range(3, 3 + QUANT_ROWS + 9)), [5, 9, 14], [8] * 7]
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    steps = [[{"tokens": p} for p in prompts],  # three prefills, one long
+             [{"tokens": [11]}, {"tokens": list(range(20, 20 + QUANT_ROWS + 3))}, {"tokens": [12, 13, 14], "tree_mask": tree,
+              "positions": torch.tensor([7, 8, 8])}],  # a decoding step, a long chunk, a tree
+             [{"tokens": [30 + i for i in range(QUANT_ROWS - 1)]}, {"tokens": [40, 41]}, {"tokens": [42]}]]  # short, over 32 together
+    alone, stacked = [Runner(model, "static") for _ in prompts], [Runner(model, "static") for _ in prompts]
+    for feeds in steps:
+        want = [r.forward(**f) for r, f in zip(alone, feeds)]
+        got = forward_many(stacked, feeds)
+        for r, (w, g) in enumerate(zip(want, got)):
+            assert torch.equal(w.logits, g.logits), (feeds, r)
+    for a, b in zip(alone, stacked):
+        for (ka, va), (kb, vb) in zip(a.cached_kv(), b.cached_kv()):
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
 def test_a_gguf_style_quantized_model_runs_its_few_row_forwards_on_the_quantized_product(tiny, tokenizer):
     """A tiny Llama whose weights are exact Q4_1 (layers) and Q8_0 (embeddings, tied head) blocks, as a GGUF
     model loads: the static path multiplies few rows with the blocks and every method stays token-identical."""
@@ -263,11 +300,7 @@ def test_a_gguf_style_quantized_model_runs_its_few_row_forwards_on_the_quantized
 
     if cpu() is None:
         pytest.skip(unavailable())
-    model = make_model("llama", 0, layers=3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.copy_(quantized(p, "q8_0" if "embed" in name or "lm_head" in name else "q4_1"))
+    model = gguf_style_llama()
     target = Loaded(model, tokenizer, "tiny-q4")
     static = Runner(model, "static").static
     assert static.layers[0].gate_up.blocks.kind == "q4_1" and static.head.blocks.kind == "q8_0"

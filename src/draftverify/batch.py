@@ -10,8 +10,9 @@ drafts its next proposal. Requests join (`add`) and leave (finished, stopped, ca
 between steps: continuous batching.
 
 Exactness is per request: a request's forward is the same arithmetic on its own cache whatever
-else is stacked with it (the linears are row-wise; attention runs per request), verification is
-its own, and its random draws come from its own seeded generator. Drafting stays per request
+else is stacked with it (on the static path each request's rows take the product its own forward
+would take, `static.Spans`, bit for bit on a quantized model; attention runs per request),
+verification is its own, and its random draws come from its own seeded generator. Drafting stays per request
 (drafts are small beside the stacked forward on this path); what the batch changes is the price of
 verification: each request's `Session.others` says how many rows the rest of the batch fed last
 step, and `auto` prices a draft by the rows it *adds* to the shared forward (`costs.marginal_time`),

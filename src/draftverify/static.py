@@ -40,6 +40,7 @@ the stock model (`backend="eager"`); `unsupported_reason` says why in one line.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -152,8 +153,9 @@ class PackedLinear:
         self.dense = weight.contiguous() if self.kernel is not None else None
         self._no_bias = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [m, in] -> [m, out]
-        if self.blocks is not None and x.shape[0] <= QUANT_ROWS:
+    def __call__(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:  # [m, in] -> [m, out]
+        """`quant`: the quantized product (if the weight has blocks) whatever the number of rows."""
+        if self.blocks is not None and (quant or x.shape[0] <= QUANT_ROWS):
             b = self.blocks
             return _kernels[0].quant_linear(x.contiguous(), b.q, b.d, b.m, self.bias if self.bias is not None else self._no_bias)
         if self.kernel is not None and x.shape[0] == 1:
@@ -166,6 +168,31 @@ class PackedLinear:
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+class Spans:
+    """The rows of a stacked forward, (first row, count) per sequence in order, and how a linear takes them:
+    each sequence's rows on the product its own forward would use, so stacking changes no row's arithmetic.
+    The quantized product is row-invariant and takes every short sequence's rows in one call; oneDNN, whose
+    sums may depend on the row count, takes each long sequence's rows (a prefill) alone."""
+
+    def __init__(self, spans: list[tuple[int, int]], device):
+        self.single = len(spans) == 1
+        self.long = [(a, n) for a, n in spans if n > QUANT_ROWS]
+        short = [(a, n) for a, n in spans if n <= QUANT_ROWS]
+        self.short = None if self.single or not short or not self.long else torch.cat([torch.arange(a, a + n, device=device) for a, n in short])
+
+    def __call__(self, linear: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        if self.single or linear.blocks is None:  # one sequence; or no quantized product (oneDNN throughout)
+            return linear(x)
+        if not self.long:
+            return linear(x, quant=True)
+        out = x.new_empty(x.shape[0], linear.out_features)
+        if self.short is not None:
+            out[self.short] = linear(x[self.short], quant=True)
+        for a, n in self.long:
+            out[a : a + n] = linear(x[a : a + n])
+        return out
 
 
 def quant_blocks(weight: torch.Tensor, draft: bool = False):
@@ -338,8 +365,8 @@ class StaticDecoder:
         (tokens [n_i], positions, tree_mask, last, hidden) as in `forward`, goes to `decoders[i]`.
 
         The rows of every sequence are stacked (no padding), so the linears and the LM head run once
-        over all of them, where their cost is nearly flat in the number of rows; only attention runs
-        per sequence, against that sequence's own cache, positions and mask.
+        over all of them (`Spans`: each sequence's rows on the product its own forward would use); only
+        attention runs per sequence, against that sequence's own cache, positions and mask.
         """
         assert all(d.model is self.model for d in decoders), "a batched forward needs decoders of one model"
         parts = []  # per sequence: (decoder, first row, n, past, masks)
@@ -360,13 +387,14 @@ class StaticDecoder:
         h = self.embed(tokens)  # [rows, H]
         skip_attn = set(skip.attention) if skip is not None else ()
         skip_mlp = set(skip.mlp) if skip is not None else ()
+        spans = Spans([(a, n) for _, a, n, _, _ in parts], self.device)
         for i, layer in enumerate(self.layers):
             if i not in skip_attn:
-                h = h + self._attention(i, layer, h, cos, sin, parts)
+                h = h + self._attention(i, layer, h, cos, sin, parts, spans)
             if i not in skip_mlp:
                 x = rms_norm(h, layer.norm_post, layer.eps)
-                gate, up = layer.gate_up(x).split(layer.gate_up.out_features // 2, dim=-1)
-                h = h + layer.down(F.silu(gate) * up)
+                gate, up = spans(layer.gate_up, x).split(layer.gate_up.out_features // 2, dim=-1)
+                h = h + spans(layer.down, F.silu(gate) * up)
         out_rows, state_rows = [], []  # per sequence: the rows that get logits, the rows whose states return
         for (d, a, n, past, _), (_, _, _, last, hidden) in zip(parts, feeds):
             d.length = past + n
@@ -383,12 +411,13 @@ class StaticDecoder:
             logits = [self.head(states[b : b + m])]
         else:
             index = torch.cat([torch.arange(b, b + m, device=self.device) for b, m in out_rows])
-            logits = self.head(states[index]).split([m for _, m in out_rows])
+            starts = [0, *itertools.accumulate(m for _, m in out_rows)]
+            logits = Spans(list(zip(starts, (m for _, m in out_rows))), self.device)(self.head, states[index]).split([m for _, m in out_rows])
         return [(logit, None if s is None else states[s[0] : s[0] + s[1]]) for logit, s in zip(logits, state_rows)]
 
-    def _attention(self, i, layer: _Layer, h, cos, sin, parts) -> torch.Tensor:
+    def _attention(self, i, layer: _Layer, h, cos, sin, parts, spans: Spans) -> torch.Tensor:
         x = rms_norm(h, layer.norm_in, layer.eps)
-        qkv = layer.qkv(x)
+        qkv = spans(layer.qkv, x)
         d, rows = self.head_dim, h.shape[0]
         v = qkv[:, layer.q_size + layer.kv_size :].view(rows, self.n_kv, d)
         if layer.q_norm is None:  # rotate q and k together: [rows, heads + kv heads, d]
@@ -425,7 +454,7 @@ class StaticDecoder:
                 enable_gqa=self.n_heads != self.n_kv,
             )  # [1, heads, n, d]
             outs.append(out[0].transpose(0, 1).reshape(n, self.n_heads * d))
-        return layer.o(outs[0] if len(outs) == 1 else torch.cat(outs))
+        return spans(layer.o, outs[0] if len(outs) == 1 else torch.cat(outs))
 
     def _masks(self, positions, tree_mask, causal: bool, past: int, n: int) -> dict:
         """`window_masks` per window size; None = attend everything (one causal token within every window)."""
