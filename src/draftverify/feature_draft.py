@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftverify.errors import DraftVerifyError, require
-from draftverify.static import packed_linear, rotate_half
+from draftverify.static import QUANT_ROWS, cpu_kernels, packed_linear, rms_norm, rotate_half
 from draftverify.util import atomic_path, atomic_write, describe_identity, same_weights
 
 CONFIG_FILE = "feature_draft.json"
@@ -95,13 +95,14 @@ class FeatureDraft(nn.Module):
         return self
 
     def pack(self) -> "FeatureDraft":
-        """Draft through the static path's prepacked linears in eval mode. The head's own weights stay fp32
-        (no Q8_0 copies as for a draft model, `static.PackedLinear`): ~17 MB that stay in cache between its
-        forwards, where oneDNN's fp32 product is the faster one (measured: the Q8_0 head drafted slower).
-        For inference only: the packed copies do not follow later changes of the weights."""
+        """Draft through the static path's kernels in eval mode: its linears on Q8_0 copies of the head's
+        weights for few rows (`static.PackedLinear` with `draft`: a quarter of the ~17 MB a round streams
+        from memory; a draft's precision changes what it proposes, never what is accepted), its norms and
+        attention on the target's one-pass kernels. For inference only: the packed copies do not follow
+        later changes of the weights."""
         if self._fast is None and self.fc.weight.device.type == "cpu":
             lm = SimpleNamespace(weight=self.lm_head, bias=None, out_features=self.lm_head.shape[0])
-            self._fast = {name: packed_linear([getattr(self, name)]) for name in ("fc", "q", "kv", "o", "gate_up", "down")}
+            self._fast = {name: packed_linear([getattr(self, name)], draft=True) for name in ("fc", "q", "kv", "o", "gate_up", "down")}
             self._fast["lm_head"] = packed_linear([lm])
         return self
 
@@ -137,15 +138,21 @@ class FeatureDraft(nn.Module):
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos().to(self.fc.weight.dtype), angles.sin().to(self.fc.weight.dtype)
 
+    def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        norm = getattr(self, name)
+        if self._fast is None or self.training:
+            return norm(x)
+        return rms_norm(x.contiguous(), norm.weight, norm.eps)  # drafting: the static path's one-pass kernel
+
     def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """[..., H] features and [...] next tokens -> [..., H] layer inputs."""
-        return self._linear("fc", torch.cat([self.norm_feature(features), self.norm_embed(F.embedding(tokens, self.embed))], dim=-1))
+        return self._linear("fc", torch.cat([self._norm("norm_feature", features), self._norm("norm_embed", F.embedding(tokens, self.embed))], dim=-1))
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, H] -> q [B, heads, T, d], k and v [B, kv heads, T, d], rotated."""
         c = self.config
         b, t, _ = x.shape
-        y = self.norm_in(x)
+        y = self._norm("norm_in", x)
         q = self._linear("q", y).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
         k, v = self._linear("kv", y).view(b, t, 2, c.num_kv_heads, c.head_dim).permute(2, 0, 3, 1, 4)
         cos, sin = self.rope(positions)
@@ -157,10 +164,14 @@ class FeatureDraft(nn.Module):
         c = self.config
         b, _, t, _ = q.shape
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=c.num_heads != c.num_kv_heads)
-        x = x + self._linear("o", out.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))
-        gate, up = self._linear("gate_up", self.norm_post(x)).chunk(2, dim=-1)
+        return self.after_attention(x, out.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))
+
+    def after_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Output projection of the attention [B, T, heads * d], MLP, final norm -> [B, T, H]."""
+        x = x + self._linear("o", attended)
+        gate, up = self._linear("gate_up", self._norm("norm_post", x)).chunk(2, dim=-1)
         x = x + self._linear("down", F.silu(gate) * up)
-        return self.norm_out(x)
+        return self._norm("norm_out", x)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[..., H] predicted features -> [..., N] logits over the head's vocabulary."""
@@ -207,6 +218,9 @@ class HeadCache:
         shape = (1, c.num_kv_heads, capacity, c.head_dim)
         self.keys = torch.zeros(shape, dtype=head.fc.weight.dtype, device=head.fc.weight.device)
         self.values = torch.zeros_like(self.keys)
+        fast = head._fast is not None and self.keys.dtype == torch.float32 and c.head_dim in (64, 128)
+        kernels = cpu_kernels() if fast else None
+        self.attention = kernels.attention if kernels is not None else None
 
     def _reserve(self, n: int) -> None:
         if n > self.keys.shape[2]:
@@ -232,6 +246,10 @@ class HeadCache:
             own = mask if mask is not None else torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
             full = torch.cat([torch.ones(n, past + n - own.shape[1], dtype=torch.bool, device=own.device), own], dim=1)
         self.length = past + n
+        if self.attention is not None and not head.training and n <= QUANT_ROWS:  # the static path's attention kernel, as the target's
+            mask = full if full is not None else torch.empty(0, dtype=torch.bool)
+            out = self.attention(q[0].transpose(0, 1).contiguous(), self.keys[0], self.values[0], past + n, mask, head.config.head_dim**-0.5)
+            return head.after_attention(x, out.unsqueeze(0))[0]
         return head.finish(x, q, self.keys[:, :, : past + n], self.values[:, :, : past + n], full)[0]
 
     def crop(self, length: int) -> None:
