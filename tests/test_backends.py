@@ -241,7 +241,7 @@ def test_attention_kernel_matches_fp64_and_gives_each_row_the_same_bits_at_any_r
     if kernel is None:
         pytest.skip(unavailable())
     torch.manual_seed(0)
-    for n, past, heads, kv, d in ((1, 40, 9, 3, 64), (7, 300, 8, 2, 64), (5, 33, 4, 4, 128), (6, 20, 14, 2, 64)):
+    for n, past, heads, kv, d in ((1, 40, 9, 3, 64), (7, 300, 8, 2, 64), (5, 33, 4, 4, 128), (6, 20, 14, 2, 64), (3, 9, 4, 2, 16), (2, 50, 6, 3, 32)):
         keys, values = torch.randn(kv, past + n + 5, d), torch.randn(kv, past + n + 5, d)  # capacity beyond the length
         q = torch.randn(n, heads + kv, d)[:, :heads]  # a view with strided rows, as the static path passes it
         mask = torch.rand(n, past + n) > 0.4
@@ -254,6 +254,33 @@ def test_attention_kernel_matches_fp64_and_gives_each_row_the_same_bits_at_any_r
         for r in range(n):
             alone = kernel.attention(q[r : r + 1], keys, values, past + n, mask[r : r + 1].contiguous(), 0.125)
             assert torch.equal(alone[0], kernel.attention(q, keys, values, past + n, mask, 0.125)[r])
+
+
+def test_rope_attention_kernel_equals_rotation_cache_writes_and_attention():
+    """cpu.cpp's rope_attention (the static path's layer step for few tokens) against the Python formula:
+    q and k rotated (rotate-half), k and v stored at the cache slots past.., then the attention kernel."""
+    from draftverify.kernels import cpu, unavailable
+    from draftverify.static import rotate_half
+
+    kernel = cpu()
+    if kernel is None:
+        pytest.skip(unavailable())
+    torch.manual_seed(1)
+    for n, past, heads, kv, d in ((1, 30, 9, 3, 64), (5, 12, 4, 2, 16)):
+        qkv = torch.randn(n, (heads + 2 * kv) * d)
+        angles = torch.randn(n, d // 2)
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+        keys, values = torch.randn(kv, past + n + 3, d), torch.randn(kv, past + n + 3, d)
+        k2, v2 = keys.clone(), values.clone()
+        mask = torch.rand(n, past + n) > 0.3
+        mask[:, past:] |= torch.eye(n, dtype=torch.bool)
+        out = kernel.rope_attention(qkv, cos, sin, keys, values, past, heads, mask, 0.3)
+        x = qkv.view(n, heads + 2 * kv, d)
+        qk = x[:, : heads + kv] * cos[:, None] + rotate_half(x[:, : heads + kv]) * sin[:, None]
+        k2[:, past : past + n], v2[:, past : past + n] = qk[:, heads:].transpose(0, 1), x[:, heads + kv :].transpose(0, 1)
+        torch.testing.assert_close(keys, k2, atol=1e-6, rtol=1e-6)
+        assert torch.equal(values, v2)
+        torch.testing.assert_close(out, kernel.attention(qk[:, :heads].contiguous(), k2, v2, past + n, mask, 0.3), atol=1e-5, rtol=1e-5)
 
 
 def gguf_style_llama():

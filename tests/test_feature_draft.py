@@ -87,6 +87,32 @@ def test_speculative_and_ouroboros_with_the_head_are_lossless(built, backend):
     assert accepted > 20  # the trained head agrees with its target: the accepted paths' features are exercised
 
 
+def test_a_long_prompt_feeds_the_head_only_its_latest_positions(built, monkeypatch):
+    """The head's catch-up is capped (feature.CATCH_UP): a prompt longer than the cap, and rounds sat out in
+    `auto`, feed only the latest positions; the head still drafts (something is accepted) and output is AR's."""
+    from draftverify.drafters import feature
+
+    monkeypatch.setattr(feature, "CATCH_UP", 6)
+    fed = []
+    forward = feature.HeadCache.forward
+    def catch_up(self, f, t, p, mask=None):  # the catch-up forwards (an expansion passes its tree mask)
+        if mask is None:
+            fed.append(len(t))
+        return forward(self, f, t, p, mask)
+
+    monkeypatch.setattr(feature.HeadCache, "forward", catch_up)
+    target, out, _, _ = built
+    engine = Engine(target, load_draft(str(out), target))
+    ids = engine.encode("apple river 3 cloud stone seven paper apple river", chat=True)
+    assert len(ids) > 6
+    ar = engine.generate(ids, method="autoregressive", max_new_tokens=30, eos_token_id=[])
+    for method, options in (("speculative", {"preset": "chain"}), ("auto", {"use": "head+context", "probe": 3})):
+        fed.clear()
+        r = engine.generate(ids, method=method, max_new_tokens=30, eos_token_id=[], **options)
+        assert r.tokens == ar.tokens and max(fed) == 6, (method, fed)
+    assert engine.generate(ids, method="speculative", preset="chain", max_new_tokens=30, eos_token_id=[]).stats.accepted > 0
+
+
 def test_tree_sampling_matches_the_target(tiny, monkeypatch):
     """Sampled decoding verifies the head's tree by multi-draft rejection sampling: the second token
     follows the target's exact law, and the classic wrong rule is caught. The head drafts only the

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftverify.errors import DraftVerifyError, require
-from draftverify.static import QUANT_ROWS, cpu_kernels, packed_linear, rms_norm, rotate_half
+from draftverify.static import ATTENTION_HEAD_DIMS, QUANT_ROWS, cpu_kernels, packed_linear, rms_norm, rotate_half
 from draftverify.util import atomic_path, atomic_write, describe_identity, same_weights
 
 CONFIG_FILE = "feature_draft.json"
@@ -218,7 +218,7 @@ class HeadCache:
         shape = (1, c.num_kv_heads, capacity, c.head_dim)
         self.keys = torch.zeros(shape, dtype=head.fc.weight.dtype, device=head.fc.weight.device)
         self.values = torch.zeros_like(self.keys)
-        fast = head._fast is not None and self.keys.dtype == torch.float32 and c.head_dim in (64, 128)
+        fast = head._fast is not None and self.keys.dtype == torch.float32 and c.head_dim in ATTENTION_HEAD_DIMS
         kernels = cpu_kernels() if fast else None
         self.attention = kernels.attention if kernels is not None else None
 

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _PACK_ROWS = 32  # oneDNN packing hint; one packing serves every row count (measured flat 1..32)
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # head sizes the attention kernel (cpu.cpp) takes
 QUANT_ROWS = 32  # up to this many rows, exactly quantized weights go to the quantized product (measured: docs/backends.md)
 
 
@@ -305,8 +306,9 @@ class StaticDecoder:
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.max_length = getattr(cfg, "max_position_embeddings", None)
-        kernels = cpu_kernels() if self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim in (64, 128) else None
+        kernels = cpu_kernels() if self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim in ATTENTION_HEAD_DIMS else None
         self.attention_kernel = kernels.attention if kernels is not None else None
+        self.rope_attention = kernels.rope_attention if kernels is not None else None
         self._no_mask = torch.empty(0, dtype=torch.bool)
         self.length = 0
         self.capacity = 0
@@ -418,43 +420,50 @@ class StaticDecoder:
     def _attention(self, i, layer: _Layer, h, cos, sin, parts, spans: Spans) -> torch.Tensor:
         x = rms_norm(h, layer.norm_in, layer.eps)
         qkv = spans(layer.qkv, x)
-        d, rows = self.head_dim, h.shape[0]
-        v = qkv[:, layer.q_size + layer.kv_size :].view(rows, self.n_kv, d)
-        if layer.q_norm is None:  # rotate q and k together: [rows, heads + kv heads, d]
-            qk = qkv[:, : layer.q_size + layer.kv_size].view(rows, self.n_heads + self.n_kv, d)
-            qk = qk * cos + rotate_half(qk) * sin
-            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-        else:  # Qwen3: per-head norms of q and k first
-            q = rms_norm(qkv[:, : layer.q_size].view(rows, self.n_heads, d), *layer.q_norm)
-            k = rms_norm(qkv[:, layer.q_size : layer.q_size + layer.kv_size].view(rows, self.n_kv, d), *layer.k_norm)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+        fused = self.rope_attention is not None and layer.q_norm is None
         outs = []
-        for dec, a, n, past, masks in parts:  # each sequence against its own cache
+        for dec, a, n, past, masks in parts:  # each sequence against its own cache, the way its forward alone goes
             mask = masks[self.windows[i]]
             keys, values = dec.keys[i], dec.values[i]
-            keys[:, past : past + n] = k[a : a + n].transpose(0, 1)
-            values[:, past : past + n] = v[a : a + n].transpose(0, 1)
-            if self.attention_kernel is not None and n <= QUANT_ROWS:  # few queries: one call, each row alone (cpu.cpp)
-                mask = self._no_mask if mask is None else mask
-                outs.append(self.attention_kernel(q[a : a + n], keys, values, past + n, mask, layer.scaling))
+            if fused and n <= QUANT_ROWS:  # one kernel call: rotate q and k, store k and v, attend (cpu.cpp)
+                outs.append(self.rope_attention(qkv[a : a + n], cos[a : a + n, 0], sin[a : a + n, 0], keys, values, past,
+                                                self.n_heads, self._no_mask if mask is None else mask, layer.scaling))
+                continue
+            q, k, v = self._rotated(layer, qkv[a : a + n], cos[a : a + n], sin[a : a + n])
+            keys[:, past : past + n] = k.transpose(0, 1)
+            values[:, past : past + n] = v.transpose(0, 1)
+            if self.attention_kernel is not None and n <= QUANT_ROWS:  # few queries (Qwen3's normed q and k): one call
+                outs.append(self.attention_kernel(q, keys, values, past + n, self._no_mask if mask is None else mask, layer.scaling))
                 continue
             if n == 1 and mask is None:  # one query, every key: three small ops beat SDPA's CPU kernel
-                groups = q[a].view(self.n_kv, self.n_heads // self.n_kv, d)  # query head h reads kv head h // group size
+                groups = q[0].view(self.n_kv, self.n_heads // self.n_kv, self.head_dim)  # query head h reads kv head h // group
                 scores = torch.bmm(groups, keys[:, : past + 1].transpose(1, 2)).mul_(layer.scaling)
                 out = torch.bmm(scores.softmax(-1, dtype=torch.float32).to(q.dtype), values[:, : past + 1])
-                outs.append(out.view(1, self.n_heads * d))
+                outs.append(out.view(1, self.n_heads * self.head_dim))
                 continue
             out = F.scaled_dot_product_attention(
-                q[a : a + n].transpose(0, 1).unsqueeze(0),  # [1, heads, n, d]
+                q.transpose(0, 1).unsqueeze(0),  # [1, heads, n, d]
                 keys[:, : past + n].unsqueeze(0),  # [1, kv heads, past + n, d]
                 values[:, : past + n].unsqueeze(0),
                 attn_mask=mask,
                 scale=layer.scaling,
                 enable_gqa=self.n_heads != self.n_kv,
             )  # [1, heads, n, d]
-            outs.append(out[0].transpose(0, 1).reshape(n, self.n_heads * d))
+            outs.append(out[0].transpose(0, 1).reshape(n, self.n_heads * self.head_dim))
         return spans(layer.o, outs[0] if len(outs) == 1 else torch.cat(outs))
+
+    def _rotated(self, layer: _Layer, qkv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One sequence's rows of the fused projection [n, q + k + v] -> q [n, heads, d], k and v [n, kv heads, d],
+        q and k rotated."""
+        d, n = self.head_dim, qkv.shape[0]
+        v = qkv[:, layer.q_size + layer.kv_size :].view(n, self.n_kv, d)
+        if layer.q_norm is None:  # rotate q and k together: [n, heads + kv heads, d]
+            qk = qkv[:, : layer.q_size + layer.kv_size].view(n, self.n_heads + self.n_kv, d)
+            qk = qk * cos + rotate_half(qk) * sin
+            return qk[:, : self.n_heads], qk[:, self.n_heads :], v
+        q = rms_norm(qkv[:, : layer.q_size].view(n, self.n_heads, d), *layer.q_norm)  # Qwen3: per-head norms first
+        k = rms_norm(qkv[:, layer.q_size : layer.q_size + layer.kv_size].view(n, self.n_kv, d), *layer.k_norm)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
     def _masks(self, positions, tree_mask, causal: bool, past: int, n: int) -> dict:
         """`window_masks` per window size; None = attend everything (one causal token within every window)."""

@@ -330,12 +330,12 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, to
 
 // q [n, H, d] (rows may be strided; heads and features contiguous); keys, values [kv, capacity, d], the
 // first S slots valid (kv divides H: query head h reads kv head h / (H / kv)); mask [n, S] bool (True = may
-// attend) or empty (every key); d 64 or 128. All float32. Returns [n, H * d].
+// attend) or empty (every key); d 16, 32, 64 or 128. All float32. Returns [n, H * d].
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t S, torch::Tensor mask, double scale) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "attention: shapes");
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat, "attention: float32 only");
   const int64_t n = q.size(0), H = q.size(1), d = q.size(2), kv = keys.size(0), cap = keys.size(1);
-  TORCH_CHECK(keys.size(2) == d && (d == 64 || d == 128) && H % kv == 0 && S <= cap, "attention: sizes");
+  TORCH_CHECK(keys.size(2) == d && (d == 16 || d == 32 || d == 64 || d == 128) && H % kv == 0 && S <= cap, "attention: sizes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && keys.is_contiguous() && values.is_contiguous(), "attention: layout");
   const bool masked = mask.numel() > 0;
   TORCH_CHECK(!masked || (mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.size(0) == n && mask.size(1) == S), "attention: mask");
@@ -352,16 +352,57 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
       const float* qh = qp + i * row_stride + g * group * d;
       const bool* allowed = mp ? mp + i * S : nullptr;
       float* o = op + i * H * d + g * group * d;
-      if (d == 64) attend_group<4>(qh, kp + g * cap * d, vp + g * cap * d, allowed, S, sc, scores.data(), o, group);
-      else attend_group<8>(qh, kp + g * cap * d, vp + g * cap * d, allowed, S, sc, scores.data(), o, group);
+      const float *kg = kp + g * cap * d, *vg = vp + g * cap * d;
+      switch (d) {
+        case 16: attend_group<1>(qh, kg, vg, allowed, S, sc, scores.data(), o, group); break;
+        case 32: attend_group<2>(qh, kg, vg, allowed, S, sc, scores.data(), o, group); break;
+        case 64: attend_group<4>(qh, kg, vg, allowed, S, sc, scores.data(), o, group); break;
+        default: attend_group<8>(qh, kg, vg, allowed, S, sc, scores.data(), o, group); break;
+      }
     }
   });
   return out;
+}
+
+// qkv [n, (H + 2 kv) d]: a layer's fused q/k/v projection of n new tokens (float32, contiguous); cos, sin
+// [n, d]: their rotary tables. Rotates q and k (rotate-half convention: x * cos + rotate_half(x) * sin),
+// writes k and v into the cache slots past..past + n - 1 of keys / values [kv, capacity, d], and returns
+// attention(q, keys, values, past + n, mask, scale) [n, H d]: one call for what is otherwise about ten
+// small ops a layer. Each row is handled alone, as in `attention`.
+torch::Tensor rope_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
+                             int64_t past, int64_t heads, torch::Tensor mask, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "rope_attention: qkv");
+  const int64_t n = qkv.size(0), kv = keys.size(0), d = keys.size(2), half = d / 2;
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv) * d && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes(),
+              "rope_attention: shapes");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == n && cos.size(1) == d && cos.stride(1) == 1 && sin.sizes() == cos.sizes() && sin.stride(1) == 1 &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "rope_attention: rotary tables");
+  TORCH_CHECK(past + n <= keys.size(1), "rope_attention: cache too small");
+  auto q = torch::empty({n, heads, d}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  const int64_t cap = keys.size(1), width = qkv.size(1);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = src + i * width;
+    const float* c = cos.data_ptr<float>() + i * cos.stride(0);
+    const float* sn = sin.data_ptr<float>() + i * sin.stride(0);
+    for (int64_t h = 0; h < heads + kv; ++h) {  // q heads, then k heads: rotated
+      const float* x = row + h * d;
+      float* out = h < heads ? qp + (i * heads + h) * d : kp + ((h - heads) * cap + past + i) * d;
+      for (int64_t j = 0; j < half; ++j) {
+        out[j] = x[j] * c[j] - x[j + half] * sn[j];
+        out[j + half] = x[j + half] * c[j + half] + x[j] * sn[j + half];
+      }
+    }
+    for (int64_t g = 0; g < kv; ++g) std::memcpy(vp + (g * cap + past + i) * d, row + (heads + kv + g) * d, d * sizeof(float));
+  }
+  return attention(q, keys, values, past + n, mask, scale);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ w.T (+ bias) for one row, float32");
   m.def("quant_linear", &quant_linear, "x @ w.T (+ bias) with w in exact Q4_1 / Q8_0 blocks, float32");
   m.def("attention", &attention, "softmax(q k^T * scale, masked) v per query row and head, float32");
+  m.def("rope_attention", &rope_attention, "rotate q, k; store k, v in the cache; attention; float32");
   m.def("rms_norm", &rms_norm, "w * x / sqrt(mean(x^2) + eps) per row, float32");
 }
