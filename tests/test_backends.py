@@ -162,7 +162,7 @@ def test_tree_sampling_on_sliding_models_matches_the_target(tokenizer, arch):
 
 
 def test_cpu_kernels_match_aten_and_serve_the_static_path(tiny):
-    from draftverify.kernels import cpu, has_avx512, unavailable
+    from draftverify.kernels import cpu, unavailable
 
     kernel = cpu()
     if kernel is None:  # no compiler / AVX2 here: the static path runs on oneDNN and ATen alone
@@ -181,7 +181,7 @@ def test_cpu_kernels_match_aten_and_serve_the_static_path(tiny):
     assert torch.equal(kernel.rms_norm(rows, w := torch.rand(576), 1e-5)[3], kernel.rms_norm(rows[3:4], w, 1e-5)[0])
     layer = Runner(tiny("qwen2").model, "static").static.layers[0]
     assert layer.qkv.bias is not None  # Qwen2's q/k/v biases ride along
-    assert layer.qkv.kernel is (None if has_avx512() else kernel)  # oneDNN takes one row on AVX-512 CPUs
+    assert layer.qkv.kernel is kernel  # one row of fp32 weights: our kernel
 
 
 def quantized(w: torch.Tensor, kind: str) -> torch.Tensor:

@@ -8,9 +8,8 @@ the same arithmetic with three changes that matter on a CPU:
   weight is reordered once into oneDNN's blocked layout (`torch.ops.mkldnn._linear_pointwise`,
   what inductor emits for a frozen fp32 linear), whose time barely grows from 1 to 16 rows,
   where eager `F.linear` doubles: verifying a draft costs little more than one step, with no
-  compile step. On an AVX2 CPU one row (autoregressive decoding, drafting) goes to our own
-  kernel (kernels/cpu.cpp), which streams the fp32 weights faster still there (on an AVX-512
-  CPU oneDNN's own one-row product is the faster, and serves); two rows are padded to three,
+  compile step. One row (autoregressive decoding, drafting) of plain fp32 weights goes to our
+  own kernel (kernels/cpu.cpp), which streams them faster still; two rows are padded to three,
   which oneDNN multiplies faster. docs/backends.md has the measured curves.
 - **Quantized weights, read exactly.** A weight that is exactly Q4_1 / Q8_0 blocks (a GGUF model
   such as the default one, loaded as the blocks dequantized to fp32) keeps those blocks too, and
@@ -208,13 +207,10 @@ def quant_blocks(weight: torch.Tensor, draft: bool = False):
 
 def one_row_kernel(weight: torch.Tensor):
     """The compiled kernels if their one-row product serves this weight: fp32 on a CPU, in-features a
-    multiple of 32, and a CPU without AVX-512, where oneDNN's own one-row product is the faster one
-    (measured in docs/backends.md)."""
+    multiple of 32 (it streams fp32 weights faster than oneDNN's one-row product: docs/backends.md)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.shape[1] % 32:
         return None
-    from draftverify.kernels import has_avx512
-
-    return None if has_avx512() else cpu_kernels()
+    return cpu_kernels()
 
 
 _kernels: list = []  # cpu_kernels()'s answer, once asked (it sits on every linear and norm of a forward)
