@@ -14,6 +14,7 @@ import phrase_sampling as ps
 from conftest import ARCHS, SLIDING_ARCHS, STATIC_ARCHS, WINDOW, make_model
 from draftverify import DraftVerifyError, Engine, Loaded, Runner
 from draftverify.models import forward_many
+from draftverify.sampling import Sampling
 
 ALL_ARCHS = ARCHS + ("qwen3",) + SLIDING_ARCHS[2:]  # mistral and qwen2-sliding are static archs too
 
@@ -291,6 +292,33 @@ def gguf_style_llama():
             if p.dim() == 2:
                 p.copy_(quantized(p, "q8_0" if "embed" in name or "lm_head" in name else "q4_1"))
     return model
+
+
+def test_sampling_through_the_quantized_product_and_kernels_matches_the_target(tokenizer, monkeypatch):
+    """Sampled speculative decoding on a GGUF-style model (the quantized product and the rope/attention kernels
+    for every forward; a Q8_0 draft) draws the second token from the target's exact law; the classic wrong
+    rule is caught."""
+    from draftverify.kernels import cpu, unavailable
+
+    if cpu() is None:
+        pytest.skip(unavailable())
+    target, sharper = Loaded(gguf_style_llama(), tokenizer, "tiny-q4"), gguf_style_llama()
+    with torch.no_grad():  # a draft close to the target but not it: q = p at a lower temperature, so guesses hit and miss
+        sharper.model.norm.weight.mul_(3.0)
+    engine = Engine(target, Loaded(sharper, tokenizer, "tiny-q4-sharper"), backend="static")
+    assert engine.target_runner.static.layers[0].qkv.blocks is not None and engine.target_runner.static.rope_attention is not None
+    sampling, prompt = Sampling(temperature=1.0, top_k=6), [5, 9, 14]
+
+    def pvalue():
+        counts: dict[int, int] = {}
+        for seed in range(2500):
+            r = engine.generate(prompt, method="speculative", max_new_tokens=3, temperature=1.0, top_k=6, seed=seed, eos_token_id=[], k=1, policy="constant")
+            counts[r.tokens[1]] = counts.get(r.tokens[1], 0) + 1
+        return ps.second_token_pvalue(target.model, prompt, sampling, counts)
+
+    assert pvalue() > 1e-3
+    ps.broken_rule(monkeypatch)
+    assert pvalue() < 1e-4
 
 
 def test_a_stacked_forward_gives_each_sequence_of_a_quantized_model_its_own_bits():
