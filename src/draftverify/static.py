@@ -147,9 +147,10 @@ class PackedLinear:
         # Few rows of a weight that is exactly Q4_1 / Q8_0 blocks (a GGUF model) go to the quantized
         # product: the same fp32 weights, read at 5 or 8.5 bits each (kernels/quant.py).
         self.blocks = quant_blocks(weight, draft)
-        # One row (autoregressive decoding, drafting) goes to our own kernel when it is built:
-        # it streams the plain fp32 weight faster than oneDNN (kernels/cpu.cpp).
-        self.kernel = one_row_kernel(weight)
+        # One row (autoregressive decoding, drafting) of a weight without blocks goes to our own kernel
+        # when it is built: it streams the plain fp32 weight faster than oneDNN (kernels/cpu.cpp). A weight
+        # with blocks takes the quantized product for one row, so it keeps no second plain copy.
+        self.kernel = one_row_kernel(weight) if self.blocks is None else None
         self.dense = weight.contiguous() if self.kernel is not None else None
         self._no_bias = torch.empty(0, dtype=weight.dtype, device=weight.device)
 

@@ -267,13 +267,16 @@ void attend(const float* q, const float* keys, const float* values, const bool* 
     for (int c = 0; c < C; ++c) acc[g][c].store(out + g * 16 * C + 16 * c);
 }
 
-// The heads of one kv group (`group` of them) for one query row, G at a time.
+// The heads of one kv group (`group` of them) for one query row, up to kHeadsAtOnce at a time (scores:
+// kHeadsAtOnce * S floats of scratch).
+constexpr int kHeadsAtOnce = 3;
+
 template <int C>
 void attend_group(const float* q, const float* keys, const float* values, const bool* allowed, int64_t S, float scale,
                   float* scores, float* out, int64_t group) {
   const int64_t d = 16 * C;
   int64_t h = 0;
-  for (; h + 3 <= group; h += 3) attend<C, 3>(q + h * d, keys, values, allowed, S, scale, scores, out + h * d);
+  for (; h + kHeadsAtOnce <= group; h += kHeadsAtOnce) attend<C, kHeadsAtOnce>(q + h * d, keys, values, allowed, S, scale, scores, out + h * d);
   for (; h + 2 <= group; h += 2) attend<C, 2>(q + h * d, keys, values, allowed, S, scale, scores, out + h * d);
   for (; h < group; ++h) attend<C, 1>(q + h * d, keys, values, allowed, S, scale, scores, out + h * d);
 }
@@ -346,7 +349,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
   const int64_t group = H / kv, row_stride = q.stride(0);
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, n * kv, 1, [&](int64_t t0, int64_t t1) {  // one task: a query row's heads of one kv head
-    std::vector<float> scores(3 * S);
+    std::vector<float> scores(kHeadsAtOnce * S);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t i = t / kv, g = t % kv;
       const float* qh = qp + i * row_stride + g * group * d;
