@@ -104,6 +104,20 @@ def test_bad_input_messages(engine, kwargs, message):
     assert "\n" not in str(err.value)
 
 
+def test_method_options_never_shadow_request_settings():
+    """A method's options travel beside the request's settings (`Engine.generate(**settings)`, the bench, the
+    server): an option named like a setting (`top_k`, `seed`) would fail as a duplicate keyword or, worse, be taken for it."""
+    import dataclasses
+    import inspect
+
+    from draftverify.methods import METHODS
+
+    settings = set(inspect.signature(Engine.request).parameters) - {"self", "options"}
+    for name, cls in METHODS.items():
+        clash = settings & {f.name for f in dataclasses.fields(cls.Config)}
+        assert not clash, f"{name} has options named like request settings: {clash}"
+
+
 def test_method_needing_draft_without_one(tiny):
     with pytest.raises(DraftVerifyError, match="needs a draft model"):
         Engine(tiny("llama")).generate("Hello", method="speculative")

@@ -71,6 +71,27 @@ def test_drafting_reproduces_the_training_rollout(tiny):
         assert torch.allclose(g, outs[s][0, p + s], atol=1e-4), s
 
 
+def test_packed_drafting_takes_the_fused_kernel_and_computes_the_layer(tiny):
+    """Drafting on packed weights runs the layer through the target's fused kernel (rotate, store k/v, attend in one
+    call, q/k/v in one product): the same features as the head's own rotary and attention on those weights, for a
+    catch-up, a causal pair and a tree-masked expansion."""
+    target = tiny("llama", layers=2)
+    head = random_head(target).pack()
+    ids = torch.randint(3, 90, (16,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        feats = target.model.get_decoder()(input_ids=ids[None]).last_hidden_state[0]
+    fused, plain = HeadCache(head), HeadCache(head)
+    assert fused.rope_attention is not None, "the compiled kernels are missing: this test would check nothing"
+    plain.rope_attention = None
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
+    for rows, positions, mask in ((slice(0, 10), torch.arange(10), None), (slice(10, 12), torch.arange(10, 12), None),
+                                  (slice(12, 15), torch.tensor([12, 13, 13]), tree)):
+        a = fused.forward(feats[rows], ids[rows], positions, mask)
+        b = plain.forward(feats[rows], ids[rows], positions, mask)
+        assert torch.allclose(a, b, atol=1e-5), (rows, (a - b).abs().max())
+    assert torch.allclose(fused.keys[:, :, :15], plain.keys[:, :, :15], atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["static", "eager"])
 def test_speculative_and_ouroboros_with_the_head_are_lossless(built, backend):
     target, out, _, _ = built

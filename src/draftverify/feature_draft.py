@@ -79,6 +79,7 @@ class FeatureDraft(nn.Module):
         self.register_buffer("vocab", torch.tensor(c.vocab, dtype=torch.long), persistent=False)
         self.name = "feature-head"  # the folder's name once loaded
         self._fast: dict | None = None  # prepacked linears for drafting (`pack`)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin tables by position (`rope_rows`)
         self.embed: torch.Tensor | None = None  # [V, H] the target's, frozen
         self.lm_head: torch.Tensor | None = None  # [N, H] the target's LM head rows of `vocab`, frozen
 
@@ -103,6 +104,7 @@ class FeatureDraft(nn.Module):
         if self._fast is None and self.fc.weight.device.type == "cpu":
             lm = SimpleNamespace(weight=self.lm_head, bias=None, out_features=self.lm_head.shape[0])
             self._fast = {name: packed_linear([getattr(self, name)], draft=True) for name in ("fc", "q", "kv", "o", "gate_up", "down")}
+            self._fast["qkv"] = packed_linear([self.q, self.kv], draft=True)  # q | k | v rows: `rope_attention`'s layout
             self._fast["lm_head"] = packed_linear([lm])
         return self
 
@@ -137,6 +139,13 @@ class FeatureDraft(nn.Module):
         angles = positions.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq  # [..., T, d/2]
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos().to(self.fc.weight.dtype), angles.sin().to(self.fc.weight.dtype)
+
+    def rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope` [T, head_dim] for positions [T], read from tables grown on demand (drafting: one gather each)."""
+        end = int(positions.max()) + 1
+        if self._rope is None or self._rope[0].shape[0] < end:
+            self._rope = self.rope(torch.arange(max(end, 2 * (0 if self._rope is None else self._rope[0].shape[0]), 256)))
+        return self._rope[0][positions], self._rope[1][positions]
 
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         norm = getattr(self, name)
@@ -220,7 +229,8 @@ class HeadCache:
         self.values = torch.zeros_like(self.keys)
         fast = head._fast is not None and self.keys.dtype == torch.float32 and c.head_dim in ATTENTION_HEAD_DIMS
         kernels = cpu_kernels() if fast else None
-        self.attention = kernels.attention if kernels is not None else None
+        self.rope_attention = kernels.rope_attention if kernels is not None else None
+        self.no_mask = torch.empty(0, dtype=torch.bool)
 
     def _reserve(self, n: int) -> None:
         if n > self.keys.shape[2]:
@@ -238,18 +248,22 @@ class HeadCache:
         """
         head, past, n = self.head, self.length, tokens.shape[0]
         self._reserve(past + n)
-        x = head.inputs(features, tokens).unsqueeze(0)  # [1, n, H]
-        q, k, v = head.qkv(x, positions.view(1, n))
-        self.keys[:, :, past : past + n], self.values[:, :, past : past + n] = k, v
         full = None
         if mask is not None or n > 1:
             own = mask if mask is not None else torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
             full = torch.cat([torch.ones(n, past + n - own.shape[1], dtype=torch.bool, device=own.device), own], dim=1)
         self.length = past + n
-        if self.attention is not None and not head.training and n <= QUANT_ROWS:  # the static path's attention kernel, as the target's
-            mask = full if full is not None else torch.empty(0, dtype=torch.bool)
-            out = self.attention(q[0].transpose(0, 1).contiguous(), self.keys[0], self.values[0], past + n, mask, head.config.head_dim**-0.5)
-            return head.after_attention(x, out.unsqueeze(0))[0]
+        x = head.inputs(features, tokens)  # [n, H]
+        if self.rope_attention is not None and not head.training and n <= QUANT_ROWS:
+            # drafting: the target's fused kernel (rotate q and k, store k and v, attend), as its static path does
+            cos, sin = head.rope_rows(positions)
+            qkv = head._linear("qkv", head._norm("norm_in", x))
+            out = self.rope_attention(qkv, cos, sin, self.keys[0], self.values[0], past, head.config.num_heads,
+                                      self.no_mask if full is None else full, head.config.head_dim**-0.5)
+            return head.after_attention(x, out)
+        x = x.unsqueeze(0)  # [1, n, H]
+        q, k, v = head.qkv(x, positions.view(1, n))
+        self.keys[:, :, past : past + n], self.values[:, :, past : past + n] = k, v
         return head.finish(x, q, self.keys[:, :, : past + n], self.values[:, :, : past + n], full)[0]
 
     def crop(self, length: int) -> None:

@@ -6,13 +6,14 @@ returns anyway (`Proposal.hidden`), so drafting costs only the head's small forw
 1. the head catches up on the positions the target accepted last round (true features, one
    forward of those rows into its KV cache; at most the latest `CATCH_UP` of them, so a long
    prompt costs little) and predicts the feature at the root;
-2. expansion (EAGLE-2, Li et al. 2024): the children of a node are the head's `top_k` most
+2. expansion (EAGLE-2, Li et al. 2024): the children of a node are the head's `width` most
    likely tokens, each valued by the chance that the target accepts the whole path: the product
    along it of each token's *calibrated* draft probability (below); up to `depth - 1` times, the
-   `top_k` most valuable nodes of the newest level are fed to the head together, in one
-   tree-masked forward of its own (expansion stops early once even the best new node is worth
-   less, in expected accepted tokens times a target forward, than the measured time of one more
-   expansion);
+   `width` most valuable nodes of the newest level are fed to the head together, in one
+   tree-masked forward of its own (expansion stops early once even the best new node's best
+   child, guessed as worth that node's value times its own calibrated chance, would save less, in
+   expected accepted tokens times a target forward, than the measured time of one more expansion
+   plus the time one more candidate adds to the verification);
 3. reranking: of all nodes, the n most valuable form the tree (a child is never worth more than
    its parent, so they form a tree), n chosen from the target's measured cost curve: the n with
    the most expected tokens per second, (1 + sum of the n values) / t_target(n + 1) (or a fixed
@@ -29,7 +30,7 @@ worth). The counts are kept per head and sampling setting for the process (`acce
 
 The candidates are deterministic guesses (no q): greedy decoding accepts the child that equals
 the target's argmax, sampled decoding verifies them by multi-draft rejection sampling
-(`verify.verify_tree`), so both stay exact. `top_k = 1` drafts a chain.
+(`verify.verify_tree`), so both stay exact. `width = 1` drafts a chain.
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def acceptance(head: FeatureDraft, s: Session) -> Acceptance:
 class FeatureHead(Drafter):
     needs_hidden = True
 
-    def __init__(self, head: FeatureDraft, target: Runner, depth: int = 6, top_k: int = 8, nodes: int = 0, max_nodes: int = 48, vocab: int = 0):
-        self.head, self.depth, self.top_k, self.nodes, self.max_nodes = head.pack(), depth, top_k, nodes, max_nodes
+    def __init__(self, head: FeatureDraft, target: Runner, depth: int = 6, width: int = 8, nodes: int = 0, max_nodes: int = 48, vocab: int = 0):
+        self.head, self.depth, self.width, self.nodes, self.max_nodes = head.pack(), depth, width, nodes, max_nodes
         n = vocab or head.vocab.numel()  # FR-Spec: the head's vocabulary is most frequent first, so a prefix is a smaller head
         self.vocab = head.vocab[:n]
         self.logits = head.logits if n == head.vocab.numel() else lambda out: out @ head.lm_head[:n].T
@@ -124,7 +125,7 @@ class FeatureHead(Drafter):
         """Candidate paths after the root (at position `root`), EAGLE-2 style; see the module docstring."""
         cache = self.cache
         costs = at_context(self.costs, root + 1)  # the verifying forward reads this many cached tokens
-        k = min(self.top_k, self.vocab.numel())
+        k = min(self.width, self.vocab.numel())
         committed = cache.length
         tokens: list[int] = []  # per draft node (the root excluded)
         parents: list[int] = []  # -1: the root
@@ -135,12 +136,13 @@ class FeatureHead(Drafter):
 
         def children(out: torch.Tensor, nodes: list[int]) -> list[int]:
             """Add the k best children of each fed node (its row of `out` [m, H]); return the new nodes."""
-            probs = torch.softmax(self.logits(out).float(), dim=-1)  # [m, N]
-            top, idx = probs.topk(k, dim=-1)
+            logits = self.logits(out).float()  # [m, N]
+            top, idx = logits.topk(k, dim=-1)
+            top = (top - logits.logsumexp(-1, keepdim=True)).exp()  # their probabilities (no softmax of all N)
             new = []
-            for row, node in enumerate(nodes):
+            for node, row_tokens, row_probs in zip(nodes, self.vocab[idx].tolist(), top.tolist()):
                 above = values[node] if node >= 0 else 1.0
-                for token, p in zip(self.vocab[idx[row]].tolist(), top[row].tolist()):
+                for token, p in zip(row_tokens, row_probs):
                     tokens.append(token)
                     parents.append(node)
                     local.append(p)
@@ -148,11 +150,14 @@ class FeatureHead(Drafter):
                     new.append(len(tokens) - 1)
             return new
 
+        step = marginal_time(costs, 1, s.others)  # what an accepted token saves: a target forward
+        row = marginal_time(costs, 2, s.others) - step  # what one more candidate adds to the verification
         level = children(root_feature[None], [-1])
         for d in range(1, depth):
             chosen = sorted(level, key=lambda i: -values[i])[:k]
-            if values[chosen[0]] * marginal_time(costs, 1, s.others) < self.expand_s:
-                break  # even the best new node is worth less than the forward that would grow it
+            best = chosen[0]  # its best child's worth, guessed: its own value times its own calibrated chance
+            if values[best] * self.calibration(local[best]) * step < self.expand_s + row:
+                break  # even that child would not pay for the head forward that grows it and its verification
             t0 = time.perf_counter()
             base = cache.length
             slot.update({node: base + j for j, node in enumerate(chosen)})

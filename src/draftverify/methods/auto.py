@@ -54,6 +54,8 @@ class AutoConfig:
     decay: the weight of the older rounds in each candidate's running means (lower: quicker to switch).
     merge: also weigh each model-run candidate's tree merged with a free candidate's offer (`head+context`),
        verified in one forward and priced by figures of its own.
+    depth, width: the head's tree (`speculative`'s k and width): at most `depth` tokens deep, `width` children per
+       expanded node (1 = a chain); its size still follows the cost curve.
     Each request starts from the figures the earlier requests of the same method instance left (the engine keeps
     one instance per spec; the bench's `warm=false` makes a fresh one per generation).
     """
@@ -62,6 +64,8 @@ class AutoConfig:
     probe: int = 8
     decay: float = 0.7
     merge: bool = True
+    depth: int = 6
+    width: int = 8
 
     def __post_init__(self):
         unknown = next((c for c in self.names() if c not in CANDIDATES), None)
@@ -93,7 +97,7 @@ class Auto(Method):
         use = self.config.names() or ["head" if self.head is not None else "draft", "context"]
         out: dict[str, Drafter] = {}
         if "head" in use and self.head is not None:
-            out["head"] = FeatureHead(self.head, self.target)
+            out["head"] = FeatureHead(self.head, self.target, depth=self.config.depth, width=self.config.width)
         if "draft" in use and has_draft:
             out["draft"] = DraftModel(self.draft, make_policy("cost", 8, 0.4, self.target, self.draft))
         if "context" in use:

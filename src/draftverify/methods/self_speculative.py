@@ -39,7 +39,7 @@ class SelfSpeculativeConfig:
     skip_file    a skip-set JSON from `draftverify search-layers` (refused on another model)
     skip         a SkipSet object (Python API); overrides strategy and skip_file
     n_attention, n_mlp   first/middle/last/random: how many attention / MLP sub-layers to skip
-    seed         random: which random layers
+    layer_seed   random: which random layers (not `seed`, the sampling seed)
     How long each draft is (Sec. 3.4):
     policy       adaptive (gamma adapts toward alpha), confidence (static threshold gamma),
                  constant (always k tokens) or heuristic (transformers' schedule)
@@ -56,7 +56,7 @@ class SelfSpeculativeConfig:
     skip: SkipSet | None = None
     n_attention: int | None = None  # None: as many as the searched skip set (or the heuristic one)
     n_mlp: int | None = None
-    seed: int = 0
+    layer_seed: int = 0
     policy: str = "adaptive"
     k: int = 12
     gamma: float = 0.6
@@ -100,7 +100,7 @@ class SelfSpeculative(Method):
             self.skip = c.skip
         else:
             searched = load_skip_set(c.skip_file, model_identity(target.model)) if c.skip_file else shipped_skip_set(target.model)
-            self.skip = make_skip_set(c.strategy, target.model, searched, c.n_attention, c.n_mlp, c.seed)
+            self.skip = make_skip_set(c.strategy, target.model, searched, c.n_attention, c.n_mlp, c.layer_seed)
 
     def make_policy(self) -> DraftPolicy:
         c = self.config

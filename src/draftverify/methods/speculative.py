@@ -14,7 +14,7 @@ Drafting is `drafters.draft_model.DraftModel`; steps 2-4 are the shared round (`
 
 With a feature draft head (`--draft` a folder made by `make-draft --kind head`) the head drafts
 instead (`drafters.feature.FeatureHead`): an EAGLE-2 dynamic tree of depth up to k whose size
-follows the target's measured cost curve (`top_k=1`, preset `chain`: one chain).
+follows the target's measured cost curve (`width=1`, preset `chain`: one chain).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class SpeculativeConfig:
     policy: str = "cost"  # cost (the measured cost curve) | constant | heuristic | confidence
     k: int = 8  # cap (cost, confidence), draft length (constant) or start length (heuristic)
     threshold: float = 0.4  # confidence: stop when the draft's top probability is below it
-    top_k: int = 8  # feature head: children per expanded node and nodes expanded per level (1 = a chain)
+    width: int = 8  # feature head: children per expanded node and nodes expanded per level (1 = a chain; not `top_k`,
+    # which is the sampling setting)
     nodes: int = 0  # feature head: draft tree size (0 = the most expected tokens/s under the cost curve)
     vocab: int = 0  # feature head: draft only its `vocab` most frequent tokens (FR-Spec; 0 = all it was trained on)
 
@@ -44,7 +45,7 @@ class SpeculativeConfig:
         require(self.policy in POLICIES, f"unknown draft policy {self.policy!r}: use one of {', '.join(POLICIES)}")
         require(1 <= self.k <= 64, f"k={self.k} must lie in 1..64")
         require(0 <= self.threshold <= 1, f"threshold={self.threshold} must lie in [0, 1]")
-        require(1 <= self.top_k <= 64, f"top_k={self.top_k} must lie in 1..64")
+        require(1 <= self.width <= 64, f"width={self.width} must lie in 1..64")
         require(0 <= self.nodes <= 256, f"nodes={self.nodes} must lie in 0..256")
         require(self.vocab >= 0, f"vocab={self.vocab} must be >= 0")
 
@@ -61,7 +62,7 @@ class Speculative(Method):
         "k6": {"policy": "constant", "k": 6},
         "heuristic": {"policy": "heuristic", "k": 5},
         "confidence": {"policy": "confidence", "k": 10, "threshold": 0.4},
-        "chain": {"top_k": 1},  # feature head: one chain instead of a tree
+        "chain": {"width": 1},  # feature head: one chain instead of a tree
     }
 
     def make_policy(self) -> DraftPolicy:
@@ -69,5 +70,5 @@ class Speculative(Method):
 
     def drafter(self, s: Session) -> Drafter:
         if isinstance(self.draft, FeatureDraft):
-            return FeatureHead(self.draft, self.target, depth=self.config.k, top_k=self.config.top_k, nodes=self.config.nodes, vocab=self.config.vocab)
+            return FeatureHead(self.draft, self.target, depth=self.config.k, width=self.config.width, nodes=self.config.nodes, vocab=self.config.vocab)
         return DraftModel(self.draft, self.make_policy())
