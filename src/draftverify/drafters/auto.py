@@ -20,7 +20,8 @@ rides almost for nothing, and wins where the text repeats itself while the model
 the rest). The highest rate drafts; a candidate that has
 not drafted for `probe` rounds it could have drafted in drafts once, so a draft that started
 badly (or a request that turned into a copy of its prompt) is noticed (in a batch, where a
-probe slows every request, every `probe` times one plus the other requests' rows). A probe that
+probe slows every request, every `probe` times one plus the other requests' rows); a free
+drafter's probe verifies only the first `PROBE_TOKENS` tokens of its first path. A probe that
 did not pay (its tokens per second, priced as above, below plain decoding's) doubles that
 candidate's wait for its next probe (up to `MAX_BACKOFF` times), and a probe that paid, or a
 round chosen on price that got something accepted, resets it: where a drafter does not pay, its
@@ -47,6 +48,7 @@ from draftverify.tree import build_tree
 
 AR = "autoregressive"  # the name of a round nobody drafted
 MAX_BACKOFF = 8  # a candidate whose probes keep missing waits at most this many times `probe` rounds
+PROBE_TOKENS = 2  # a free drafter's offer in a probe: the first path's first tokens (a wide trie costs a probe dearly)
 
 
 @dataclass
@@ -122,13 +124,14 @@ class Auto(Drafter):
             stale = [name for name in able if self.idle[name] > every * self.records[name].backoff]
             self.chosen = max(stale, key=self.idle.__getitem__) if stale else max(rates, key=rates.__getitem__)
             self.probing = bool(stale)
-            model_run, free = self.merged.get(self.chosen, (self.chosen, None))
-            if model_run in offers:
-                self.parts = {model_run: offers[model_run]}
-            elif model_run != AR:
+            model_run, free = self.merged.get(self.chosen, (AR, self.chosen) if self.chosen in offers else (self.chosen, None))
+            if model_run != AR:
                 self.parts = {model_run: self.candidates[model_run].propose(s, seq, room)}
             if free is not None:
-                self.parts[free] = offers[free]
+                offer = offers[free]
+                if self.probing:  # a probe asks whether the offer is right at all: its first guesses, not a wide trie
+                    offer = replace(offer, paths=[offer.paths[0][:PROBE_TOKENS]])
+                self.parts[free] = offer
         proposal = merge(*self.parts.values()) if self.parts else Proposal()
         self.sent_at = time.perf_counter()
         self.draft_s = self.sent_at - t0
