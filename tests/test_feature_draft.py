@@ -74,7 +74,7 @@ def test_drafting_reproduces_the_training_rollout(tiny):
 def test_packed_drafting_takes_the_fused_kernel_and_computes_the_layer(tiny):
     """Drafting on packed weights runs the layer through the target's fused kernel (rotate, store k/v, attend in one
     call, q/k/v in one product): the same features as the head's own rotary and attention on those weights, for a
-    catch-up, a causal pair and a tree-masked expansion."""
+    catch-up, a causal pair and a tree-masked expansion; and logits over a prefix of its vocabulary."""
     target = tiny("llama", layers=2)
     head = random_head(target).pack()
     ids = torch.randint(3, 90, (16,), generator=torch.Generator().manual_seed(2))
@@ -90,6 +90,8 @@ def test_packed_drafting_takes_the_fused_kernel_and_computes_the_layer(tiny):
         b = plain.forward(feats[rows], ids[rows], positions, mask)
         assert torch.allclose(a, b, atol=1e-5), (rows, (a - b).abs().max())
     assert torch.allclose(fused.keys[:, :, :15], plain.keys[:, :, :15], atol=1e-5)
+    x = feats[:3]  # FR-Spec's smaller vocabulary: a prefix of the LM head's rows, on the packed path too
+    assert torch.allclose(head.logits(x, 20), x @ head.lm_head[:20].T, atol=1e-4) and head.logits(x, 20).shape == (3, 20)
 
 
 @pytest.mark.parametrize("backend", ["static", "eager"])

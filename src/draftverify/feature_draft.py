@@ -182,9 +182,16 @@ class FeatureDraft(nn.Module):
         x = x + self._linear("down", F.silu(gate) * up)
         return self._norm("norm_out", x)
 
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """[..., H] predicted features -> [..., N] logits over the head's vocabulary."""
-        return self._linear("lm_head", features)
+    def logits(self, features: torch.Tensor, n: int = 0) -> torch.Tensor:
+        """[..., H] predicted features -> [..., n] logits over the head's n most frequent tokens (0: all N)."""
+        if not n or n == self.lm_head.shape[0]:
+            return self._linear("lm_head", features)
+        if self._fast is None or self.training:
+            return features @ self.lm_head[:n].T
+        key = f"lm_head[:{n}]"  # FR-Spec's smaller head: a prefix of the rows, packed as the whole is
+        if key not in self._fast:
+            self._fast[key] = packed_linear([SimpleNamespace(weight=self.lm_head[:n], bias=None, out_features=n)])
+        return self._linear(key, features)
 
     # -- files -------------------------------------------------------------------------------------
 

@@ -91,7 +91,7 @@ class FeatureHead(Drafter):
         self.head, self.depth, self.width, self.nodes, self.max_nodes = head.pack(), depth, width, nodes, max_nodes
         n = vocab or head.vocab.numel()  # FR-Spec: the head's vocabulary is most frequent first, so a prefix is a smaller head
         self.vocab = head.vocab[:n]
-        self.logits = head.logits if n == head.vocab.numel() else lambda out: out @ head.lm_head[:n].T
+        self.logits = lambda out: head.logits(out, n)
         self.expand_s = 0.0  # seconds one expansion step takes (a running mean)
         self.costs = curve(target, widths=TREE_WIDTHS)
         self.device = head.fc.weight.device
