@@ -153,6 +153,8 @@ def test_auto_options_are_checked_in_one_line(engine):
         engine.generate("hi", method="auto", use="heads+context")
     with pytest.raises(DraftVerifyError, match="probe=0 must be at least 1"):
         engine.generate("hi", method="auto", probe=0)
+    with pytest.raises(DraftVerifyError, match="width=0 must lie in 1..64"):
+        engine.generate("hi", method="auto", width=0)
 
 
 def test_generate_explain_names_who_drafted(tiny, tmp_path):

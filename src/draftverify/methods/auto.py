@@ -72,6 +72,7 @@ class AutoConfig:
         require(unknown is None, f"unknown auto candidate {unknown!r}: use some of {', '.join(CANDIDATES)} joined by '+', e.g. use=head+context")
         require(self.probe >= 1, f"probe={self.probe} must be at least 1")
         require(0 <= self.decay < 1, f"decay={self.decay} must lie in [0, 1)")
+        require(1 <= self.depth <= 64 and 1 <= self.width <= 64, f"depth={self.depth} and width={self.width} must lie in 1..64")
 
     def names(self) -> list[str]:
         return [c.strip() for c in self.use.split("+") if c.strip()]
