@@ -84,6 +84,7 @@ class Auto(Drafter):
         self.parts: dict[str, Proposal] = {}  # what each candidate proposed this round (two for a merged one)
         self.draft_s = 0.0
         self.sent_at = 0.0  # when the proposal went to verification
+        self.costs_now: dict = {}  # the cost table at this round's context (`costs.at_context`)
 
     @property
     def needs_hidden(self) -> bool:
@@ -104,9 +105,9 @@ class Auto(Drafter):
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
         t0 = time.perf_counter()
         self.chosen, self.parts = AR, {}
+        self.costs_now = costs = at_context(self.costs, len(seq))
         if room > 0:
             offers = {name: d.propose(s, seq, room) for name, d in self.candidates.items() if d.free}
-            costs = at_context(self.costs, len(seq))
             rates = {AR: 1.0 / self.verify_time(costs, 0, s.others)}
             size = {name: build_tree(seq[-1], offer.paths).size - 1 for name, offer in offers.items() if offer.paths}
             for name, d in self.candidates.items():
@@ -140,7 +141,7 @@ class Auto(Drafter):
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
         verify_s = time.perf_counter() - self.sent_at
         if not s.others:  # alone: the measured verification against the curve (in a batch it holds the others' rows)
-            self.scale[0] = self.decay * self.scale[0] + (1 - self.decay) * verify_s / forward_time(at_context(self.costs, len(seq)), step.tree.size)
+            self.scale[0] = self.decay * self.scale[0] + (1 - self.decay) * verify_s / forward_time(self.costs_now, step.tree.size)
         for name, d in self.candidates.items():
             d.observe(s, seq, self.parts.get(name, Proposal()), step)
         if self.chosen != AR:
@@ -148,7 +149,7 @@ class Auto(Drafter):
             record.update(self.decay, step.accepted, self.draft_s, step.drafted)
             self.idle[self.chosen] = 0
             if self.probing:  # judged by the prices every choice uses: did this round beat plain decoding's rate?
-                costs = at_context(self.costs, len(seq))
+                costs = self.costs_now
                 paid = len(step.tokens) / (self.draft_s + self.verify_time(costs, step.drafted, s.others)) >= 1.0 / self.verify_time(costs, 0, s.others)
                 record.backoff = 1 if paid else min(MAX_BACKOFF, 2 * record.backoff)
             elif step.accepted:

@@ -91,7 +91,6 @@ class FeatureHead(Drafter):
         self.head, self.depth, self.width, self.nodes, self.max_nodes = head.pack(), depth, width, nodes, max_nodes
         n = vocab or head.vocab.numel()  # FR-Spec: the head's vocabulary is most frequent first, so a prefix is a smaller head
         self.vocab = head.vocab[:n]
-        self.logits = lambda out: head.logits(out, n)
         self.expand_s = 0.0  # seconds one expansion step takes (a running mean)
         self.costs = curve(target, widths=TREE_WIDTHS)
         self.device = head.fc.weight.device
@@ -136,7 +135,7 @@ class FeatureHead(Drafter):
 
         def children(out: torch.Tensor, nodes: list[int]) -> list[int]:
             """Add the k best children of each fed node (its row of `out` [m, H]); return the new nodes."""
-            logits = self.logits(out).float()  # [m, N]
+            logits = self.head.logits(out, self.vocab.numel()).float()  # [m, N]
             top, idx = logits.topk(k, dim=-1)
             top = (top - logits.logsumexp(-1, keepdim=True)).exp()  # their probabilities (no softmax of all N)
             new = []

@@ -48,13 +48,18 @@ def _fp16_exact(t: torch.Tensor) -> bool:
     return bool((t.half().float() == t).all())
 
 
-def exact_blocks(weight: torch.Tensor) -> Blocks | None:
-    """`weight` [N, K] (fp32, CPU) as exact Q4_1 or Q8_0 blocks, or None if it is neither bit for bit."""
+def _in_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [N, K] (fp32, CPU, K a multiple of 32) viewed as [N, K/32, 32] blocks, else None."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
         return None
     n, k = weight.shape
-    w = weight.detach().reshape(n, k // BLOCK, BLOCK)
-    return _q4_1(w) or _q8_0(w)
+    return weight.detach().reshape(n, k // BLOCK, BLOCK)
+
+
+def exact_blocks(weight: torch.Tensor) -> Blocks | None:
+    """`weight` [N, K] (fp32, CPU) as exact Q4_1 or Q8_0 blocks, or None if it is neither bit for bit."""
+    w = _in_blocks(weight)
+    return None if w is None else _q4_1(w) or _q8_0(w)
 
 
 def _q4_1(w: torch.Tensor) -> Blocks | None:
@@ -71,24 +76,27 @@ def _q4_1(w: torch.Tensor) -> Blocks | None:
     return Blocks("q4_1", packed.reshape(n, blocks * BLOCK // 2).contiguous(), d.contiguous(), m.contiguous())
 
 
-def _q8_0(w: torch.Tensor) -> Blocks | None:
-    d = w.abs().amax(-1) / 127  # the block's largest magnitude has |q| = 127
-    q = torch.round(w / torch.where(d > 0, d, 1.0)[..., None])
-    if not (q.abs().amax() <= 127 and _fp16_exact(d)):
-        return None
-    if not torch.equal(q * d[..., None], w):
-        return None
-    n, blocks, _ = w.shape
+def _q8_rounding(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [N, B, 32] -> q [N, B, 32] (whole numbers in -127..127) and d [N, B]: the block's largest
+    magnitude has |q| = 127."""
+    d = w.abs().amax(-1) / 127
+    return torch.round(w / torch.where(d > 0, d, 1.0)[..., None]).clamp(-127, 127), d
+
+
+def _q8_0_blocks(q: torch.Tensor, d: torch.Tensor) -> Blocks:
+    n, blocks, _ = q.shape
     return Blocks("q8_0", q.to(torch.int8).reshape(n, blocks * BLOCK).contiguous(), d.contiguous(), torch.empty(0))
+
+
+def _q8_0(w: torch.Tensor) -> Blocks | None:
+    q, d = _q8_rounding(w)
+    if not (_fp16_exact(d) and torch.equal(q * d[..., None], w)):
+        return None
+    return _q8_0_blocks(q, d)
 
 
 def q8_blocks(weight: torch.Tensor) -> Blocks | None:
     """`weight` [N, K] (fp32, CPU) rounded to Q8_0 blocks (d = the block's largest magnitude / 127, in fp32):
     NOT the same weight. For drafts, whose outputs are only proposals."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
-        return None
-    n, k = weight.shape
-    w = weight.detach().reshape(n, k // BLOCK, BLOCK)
-    d = w.abs().amax(-1) / 127
-    q = torch.round(w / torch.where(d > 0, d, 1.0)[..., None]).clamp(-127, 127)
-    return Blocks("q8_0", q.to(torch.int8).reshape(n, k).contiguous(), d.contiguous(), torch.empty(0))
+    w = _in_blocks(weight)
+    return None if w is None else _q8_0_blocks(*_q8_rounding(w))
