@@ -178,6 +178,9 @@ def test_cpu_kernels_match_aten_and_serve_the_static_path(tiny):
     for shape in ((1, 576), (5, 576), (3, 4, 100), (2, 7)):  # rows of any width, vector part and tail
         x, w = torch.randn(shape), torch.rand(shape[-1])
         torch.testing.assert_close(kernel.rms_norm(x, w, 1e-5), torch.rms_norm(x, w.shape, w, 1e-5))
+    for gate_up in (torch.randn(1, 3072) * 6, torch.randn(40, 10)):  # silu(gate) * up: vector part and tail, both signs
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch.testing.assert_close(kernel.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
     rows = torch.randn(8, 576)  # each row alone: its result does not depend on the rows beside it
     assert torch.equal(kernel.rms_norm(rows, w := torch.rand(576), 1e-5)[3], kernel.rms_norm(rows[3:4], w, 1e-5)[0])
     layer = Runner(tiny("qwen2").model, "static").static.layers[0]
@@ -345,6 +348,27 @@ def test_a_stacked_forward_gives_each_sequence_of_a_quantized_model_its_own_bits
     for a, b in zip(alone, stacked):
         for (ka, va), (kb, vb) in zip(a.cached_kv(), b.cached_kv()):
             assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_the_one_call_layer_gives_the_op_by_op_layers_bits(monkeypatch):
+    """A short forward of one sequence runs each layer in one kernel call (`layer`); its logits and cache are
+    bit for bit those of the op-by-op layers (prefill, decoding step, tree)."""
+    from draftverify.kernels import cpu, unavailable
+
+    if cpu() is None:
+        pytest.skip(unavailable())
+    model = gguf_style_llama()
+    fused, plain = Runner(model, "static"), Runner(model, "static")
+    calls = []
+    monkeypatch.setattr(fused.static, "layer_kernel", lambda *a: calls.append(1) or cpu().layer(*a))
+    for layer in plain.static.layers:
+        layer.fused = None
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    for feed in ({"tokens": [3, 17, 5, 9, 14, 2]}, {"tokens": [11]}, {"tokens": [12, 13, 14], "tree_mask": tree, "positions": torch.tensor([7, 8, 8])}):
+        assert torch.equal(fused.forward(**feed).logits, plain.forward(**feed).logits), feed
+    assert len(calls) == 3 * len(model.model.layers)
+    for (ka, va), (kb, vb) in zip(fused.cached_kv(), plain.cached_kv()):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
 def test_a_gguf_style_quantized_model_runs_its_few_row_forwards_on_the_quantized_product(tiny, tokenizer):

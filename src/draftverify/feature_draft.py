@@ -237,6 +237,9 @@ class HeadCache:
         fast = head._fast is not None and self.keys.dtype == torch.float32 and c.head_dim in ATTENTION_HEAD_DIMS
         kernels = cpu_kernels() if fast else None
         self.rope_attention = kernels.rope_attention if kernels is not None else None
+        self.layer = kernels.layer if kernels is not None else None
+        weights = [head._fast[name].quant_args() for name in ("qkv", "o", "gate_up", "down")] if kernels is not None else [None]
+        self.fused = weights if all(w is not None for w in weights) else None  # Q8_0 copies: the one-call layer takes them
         self.no_mask = torch.empty(0, dtype=torch.bool)
 
     def _reserve(self, n: int) -> None:
@@ -264,9 +267,13 @@ class HeadCache:
         if self.rope_attention is not None and not head.training and n <= QUANT_ROWS:
             # drafting: the target's fused kernel (rotate q and k, store k and v, attend), as its static path does
             cos, sin = head.rope_rows(positions)
+            mask, scale = self.no_mask if full is None else full, head.config.head_dim**-0.5
+            if self.fused is not None:  # the whole layer in one call, as the target's static path runs its own
+                x = self.layer(x, head.norm_in.weight, head.norm_post.weight, head.config.rms_eps, *self.fused, cos, sin,
+                               self.keys[0], self.values[0], past, head.config.num_heads, mask, scale)
+                return head._norm("norm_out", x)
             qkv = head._linear("qkv", head._norm("norm_in", x))
-            out = self.rope_attention(qkv, cos, sin, self.keys[0], self.values[0], past, head.config.num_heads,
-                                      self.no_mask if full is None else full, head.config.head_dim**-0.5)
+            out = self.rope_attention(qkv, cos, sin, self.keys[0], self.values[0], past, head.config.num_heads, mask, scale)
             return head.after_attention(x, out)
         x = x.unsqueeze(0)  # [1, n, H]
         q, k, v = head.qkv(x, positions.view(1, n))

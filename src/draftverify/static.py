@@ -24,6 +24,12 @@ the same arithmetic with three changes that matter on a CPU:
   holds position i), so full, sliding and mixed layers all take the same path. Up to
   `QUANT_ROWS` new tokens, attention is one call of our kernel (cpu.cpp), each token's row
   computed alone; wider forwards (prefill) use SDPA.
+- **One call per layer.** A forward of one sequence over at most `QUANT_ROWS` tokens whose layer
+  has only quantized products runs that layer in one kernel call (cpu.cpp `layer`: norm, q/k/v,
+  rotary + attention, o, norm, gate/up, SiLU, down), the same kernels in the same order as the
+  op-by-op layer, so the same bits; it saves the dispatch of about a dozen small ops a layer.
+  SiLU(gate) * up is our kernel on every
+  path (`silu_mul`), so stacked (batched) forwards still give each sequence its own bits.
 
 This is the one place where draftverify runs a decoder loop of its own instead of the stock
 class (as gpt-fast does): the stock forward allocates per step and pays framework overhead that
@@ -167,6 +173,11 @@ class PackedLinear:
             return self._onednn(x)
         return F.linear(x, self.weight, self.bias)
 
+    def quant_args(self) -> list[torch.Tensor] | None:
+        """The weight as the kernels' fused layer takes it ({q, d, m, bias}), or None without blocks."""
+        b = self.blocks
+        return None if b is None else [b.q, b.d, b.m, self.bias if self.bias is not None else self._no_bias]
+
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
@@ -248,6 +259,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a gated MLP's [m, 2 I] gate | up product: our kernel on a CPU in fp32 (which the fused
+    layer uses too, so every path forms each element alike), else ATen's."""
+    kernels = cpu_kernels() if gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" else None
+    if kernels is not None:
+        return kernels.silu_mul(gate_up.contiguous())
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -270,6 +291,9 @@ class _Layer:
         self.q_norm = None if q_norm is None else (q_norm.weight.detach(), getattr(q_norm, "variance_epsilon", eps))
         self.k_norm = None if k_norm is None else (k_norm.weight.detach(), getattr(k_norm, "variance_epsilon", eps))
         self.scaling = float(getattr(attn, "scaling", attn.head_dim**-0.5))
+        # every product quantized and no q/k norms: a few rows go through the kernels' one-call layer
+        weights = [lin.quant_args() for lin in (self.qkv, self.o, self.gate_up, self.down)]
+        self.fused = weights if self.q_norm is None and all(w is not None for w in weights) else None
 
 
 class StaticDecoder:
@@ -306,6 +330,7 @@ class StaticDecoder:
         kernels = cpu_kernels() if self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim in ATTENTION_HEAD_DIMS else None
         self.attention_kernel = kernels.attention if kernels is not None else None
         self.rope_attention = kernels.rope_attention if kernels is not None else None
+        self.layer_kernel = kernels.layer if kernels is not None else None
         self._no_mask = torch.empty(0, dtype=torch.bool)
         self.length = 0
         self.capacity = 0
@@ -387,13 +412,19 @@ class StaticDecoder:
         skip_attn = set(skip.attention) if skip is not None else ()
         skip_mlp = set(skip.mlp) if skip is not None else ()
         spans = Spans([(a, n) for _, a, n, _, _ in parts], self.device)
+        # one short sequence, nothing skipped: each layer in one kernel call (`layer`: the same kernels as below)
+        one = parts[0] if len(parts) == 1 and parts[0][2] <= QUANT_ROWS and skip is None and self.layer_kernel is not None else None
         for i, layer in enumerate(self.layers):
+            if one is not None and layer.fused is not None:
+                d, _, _, past, masks = one
+                mask = masks[self.windows[i]]
+                h = self.layer_kernel(h, layer.norm_in, layer.norm_post, layer.eps, *layer.fused, cos[:, 0], sin[:, 0], d.keys[i], d.values[i],
+                                      past, self.n_heads, self._no_mask if mask is None else mask, layer.scaling)
+                continue
             if i not in skip_attn:
                 h = h + self._attention(i, layer, h, cos, sin, parts, spans)
             if i not in skip_mlp:
-                x = rms_norm(h, layer.norm_post, layer.eps)
-                gate, up = spans(layer.gate_up, x).split(layer.gate_up.out_features // 2, dim=-1)
-                h = h + spans(layer.down, F.silu(gate) * up)
+                h = h + spans(layer.down, silu_mul(spans(layer.gate_up, rms_norm(h, layer.norm_post, layer.eps))))
         out_rows, state_rows = [], []  # per sequence: the rows that get logits, the rows whose states return
         for (d, a, n, past, _), (_, _, _, last, hidden) in zip(parts, feeds):
             d.length = past + n
