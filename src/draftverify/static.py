@@ -28,8 +28,8 @@ the same arithmetic with three changes that matter on a CPU:
   has only quantized products runs that layer in one kernel call (cpu.cpp `layer`: norm, q/k/v,
   rotary + attention, o, norm, gate/up, SiLU, down), the same kernels in the same order as the
   op-by-op layer, so the same bits; it saves the dispatch of about a dozen small ops a layer.
-  SiLU(gate) * up is our kernel on every
-  path (`silu_mul`), so stacked (batched) forwards still give each sequence its own bits.
+  SiLU(gate) * up is our kernel on every path (`silu_mul`), so stacked (batched) forwards,
+  which run the layers op by op, still give each sequence its own bits.
 
 This is the one place where draftverify runs a decoder loop of its own instead of the stock
 class (as gpt-fast does): the stock forward allocates per step and pays framework overhead that
