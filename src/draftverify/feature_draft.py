@@ -238,7 +238,7 @@ class HeadCache:
         kernels = cpu_kernels() if fast else None
         self.rope_attention = kernels.rope_attention if kernels is not None else None
         self.layer = kernels.layer if kernels is not None else None
-        weights = [head._fast[name].quant_args() for name in ("qkv", "o", "gate_up", "down")] if kernels is not None else [None]
+        weights = [head._fast[name].quant for name in ("qkv", "o", "gate_up", "down")] if kernels is not None else [None]
         self.fused = weights if all(w is not None for w in weights) else None  # Q8_0 copies: the one-call layer takes them
         self.no_mask = torch.empty(0, dtype=torch.bool)
 

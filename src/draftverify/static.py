@@ -153,18 +153,19 @@ class PackedLinear:
         # Few rows of a weight that is exactly Q4_1 / Q8_0 blocks (a GGUF model) go to the quantized
         # product: the same fp32 weights, read at 5 or 8.5 bits each (kernels/quant.py).
         self.blocks = quant_blocks(weight, draft)
+        self._no_bias = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        b = self.blocks  # the quantized product's arguments, as `quant_linear` and the one-call `layer` take them
+        self.quant = None if b is None else [b.q, b.d, b.m, self.bias if self.bias is not None else self._no_bias]
         # One row (autoregressive decoding, drafting) of a weight without blocks goes to our own kernel
         # when it is built: it streams the plain fp32 weight faster than oneDNN (kernels/cpu.cpp). A weight
         # with blocks takes the quantized product for one row, so it keeps no second plain copy.
         self.kernel = one_row_kernel(weight) if self.blocks is None else None
         self.dense = weight.contiguous() if self.kernel is not None else None
-        self._no_bias = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def __call__(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:  # [m, in] -> [m, out]
         """`quant`: the quantized product (if the weight has blocks) whatever the number of rows."""
-        if self.blocks is not None and (quant or x.shape[0] <= QUANT_ROWS):
-            b = self.blocks
-            return _kernels[0].quant_linear(x.contiguous(), b.q, b.d, b.m, self.bias if self.bias is not None else self._no_bias)
+        if self.quant is not None and (quant or x.shape[0] <= QUANT_ROWS):
+            return _kernels[0].quant_linear(x.contiguous(), *self.quant)
         if self.kernel is not None and x.shape[0] == 1:
             return self.kernel.linear(x.contiguous(), self.dense, self.bias if self.bias is not None else self._no_bias)
         if self.packed:
@@ -172,11 +173,6 @@ class PackedLinear:
                 return self._onednn(torch.cat([x, x[1:]]))[:2]
             return self._onednn(x)
         return F.linear(x, self.weight, self.bias)
-
-    def quant_args(self) -> list[torch.Tensor] | None:
-        """The weight as the kernels' fused layer takes it ({q, d, m, bias}), or None without blocks."""
-        b = self.blocks
-        return None if b is None else [b.q, b.d, b.m, self.bias if self.bias is not None else self._no_bias]
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -292,7 +288,7 @@ class _Layer:
         self.k_norm = None if k_norm is None else (k_norm.weight.detach(), getattr(k_norm, "variance_epsilon", eps))
         self.scaling = float(getattr(attn, "scaling", attn.head_dim**-0.5))
         # every product quantized and no q/k norms: a few rows go through the kernels' one-call layer
-        weights = [lin.quant_args() for lin in (self.qkv, self.o, self.gate_up, self.down)]
+        weights = [lin.quant for lin in (self.qkv, self.o, self.gate_up, self.down)]
         self.fused = weights if self.q_norm is None and all(w is not None for w in weights) else None
 
 
@@ -414,11 +410,12 @@ class StaticDecoder:
         spans = Spans([(a, n) for _, a, n, _, _ in parts], self.device)
         # one short sequence, nothing skipped: each layer in one kernel call (`layer`: the same kernels as below)
         one = parts[0] if len(parts) == 1 and parts[0][2] <= QUANT_ROWS and skip is None and self.layer_kernel is not None else None
+        rows_cos, rows_sin = cos[:, 0], sin[:, 0]  # [rows, head_dim]: the kernels' layout
         for i, layer in enumerate(self.layers):
             if one is not None and layer.fused is not None:
                 d, _, _, past, masks = one
                 mask = masks[self.windows[i]]
-                h = self.layer_kernel(h, layer.norm_in, layer.norm_post, layer.eps, *layer.fused, cos[:, 0], sin[:, 0], d.keys[i], d.values[i],
+                h = self.layer_kernel(h, layer.norm_in, layer.norm_post, layer.eps, *layer.fused, rows_cos, rows_sin, d.keys[i], d.values[i],
                                       past, self.n_heads, self._no_mask if mask is None else mask, layer.scaling)
                 continue
             if i not in skip_attn:

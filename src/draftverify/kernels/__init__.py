@@ -1,5 +1,6 @@
 """The static path's CPU kernels (cpu.cpp: the exact Q4_1 / Q8_0 product and the attention for up to 32 new
-tokens, the one-row matmul, RMSNorm), compiled once per machine and cached.
+tokens, a whole decoder layer of those in one call, the one-row matmul, RMSNorm, SiLU(gate) * up), compiled
+once per machine and cached.
 
 `cpu()` returns the compiled module, or None with `unavailable()` saying why in one line
 (not x86-64 with AVX2 + FMA, no C++ compiler or ninja, a failed build, or

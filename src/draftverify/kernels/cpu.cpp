@@ -1,5 +1,6 @@
 // The static path's CPU kernels (fp32, AVX2 + FMA; AVX-512 where the CPU has it): the one-row matrix product,
-// RMSNorm, the exact quantized product and the attention of a few new tokens (below).
+// RMSNorm, the exact quantized product and the attention of a few new tokens, SiLU(gate) * up, and one
+// decoder layer of those in one call (below).
 //
 // linear: y[n] = sum_k x[k] * w[n, k] (+ bias[n]) for one row x.
 // Autoregressive decoding and drafting multiply one row by every weight matrix, so their time
