@@ -13,6 +13,8 @@ from draftverify.errors import DraftVerifyError
 from draftverify.feature_draft import FeatureDraft, HeadCache, HeadConfig
 from draftverify.models import load_draft
 from draftverify.sampling import Sampling
+from draftverify.models import Runner
+from draftverify.tools.make_draft.features import FeatureCache, FeaturePlan, generate
 from draftverify.tools.make_draft.head import HeadTraining, build_head, rollout, rollout_mask
 from phrase_sampling import broken_rule, second_token_pvalue
 
@@ -210,3 +212,42 @@ def test_cli_builds_a_head(built, tmp_path):
     assert {"feature_draft.json", "model.safetensors", "README.md"} <= {p.name for p in (tmp_path / "h").iterdir()}
     result = CliRunner().invoke(app, ["make-draft", "--kind", "head", "--out", str(tmp_path / "h2")])
     assert result.exit_code != 0 and "--prompts" in str(result.exception)
+
+
+def test_batched_replies_match_model_generate_and_feature_t_gives_token_t_plus_1(tiny):
+    target = tiny("llama", layers=2)
+    prompts = [[1, 5, 9, 13], [2, 7], [3, 3, 8, 21, 4, 6]]
+    runners = [Runner(target.model) for _ in prompts]
+    assert runners[0].static is not None
+    ours = generate(target, prompts, 12, runners=runners)
+    stock = generate(target, prompts, 12)
+    for a, b, p in zip(ours, stock, prompts):
+        assert a.ids.tolist() == b.ids.tolist() and a.start == b.start == len(p)
+        assert a.features.shape == (len(a.ids) - 1, target.model.config.hidden_size)
+        assert torch.allclose(a.features.float(), b.features.float(), atol=2e-2)
+        greedy = (a.features.float() @ target.model.get_output_embeddings().weight.T).argmax(-1)
+        assert greedy[a.start - 1 :].tolist() == a.ids[a.start :].tolist()  # feature t: what produced token t + 1
+    sampled = generate(target, prompts, 12, seeds=[7, 8, 9], runners=runners)
+    again = generate(target, prompts, 12, seeds=[7, 8, 9], runners=runners)
+    assert [s.ids.tolist() for s in sampled] == [s.ids.tolist() for s in again]
+    assert [s.ids.tolist() for s in sampled] != [s.ids.tolist() for s in ours]
+
+
+def test_sampled_replies_join_each_shard_and_an_older_plan_still_fits(tiny, tmp_path):
+    target = tiny("llama", layers=2)
+    plan = dict(target=target.identity, prompts="p:12", seed=0, heldout=2, max_prompt_tokens=64, max_new_tokens=6)
+    texts = [f"{WORDS[i % 8]} {WORDS[i * 5 % 8]}" for i in range(12)]
+    cache = FeatureCache(tmp_path, FeaturePlan(**plan, sampled=2))
+    cache.fill(target, texts, 5, deadline=float("inf"), log=quiet)
+    shards = [cache.load(p) for p in cache.shards()]
+    assert [len(s) for s in shards] == [15, 15]  # 10 training prompts in batches of 5, a greedy and 2 sampled replies each
+    assert all(s[i].ids[: s[i].start].tolist() == s[i + 5].ids[: s[i + 5].start].tolist() for s in shards for i in range(5))
+    assert len(cache.heldout()) == 2  # held out: greedy only
+    old = tmp_path / "old"
+    FeatureCache(old, FeaturePlan(**plan))
+    stored = json.loads((old / "features" / "plan.json").read_text())
+    del stored["sampled"]  # a cache made before the setting existed
+    (old / "features" / "plan.json").write_text(json.dumps(stored))
+    FeatureCache(old, FeaturePlan(**plan))
+    with pytest.raises(DraftVerifyError, match="another target or settings"):
+        FeatureCache(old, FeaturePlan(**plan, sampled=1))

@@ -101,6 +101,20 @@ def test_sampling_processing():
     assert torch.allclose(Sampling(temperature=0.0).probs(torch.tensor([0.0, 1.0])), torch.tensor([0.0, 1.0]))
 
 
+def test_top_p_keeps_the_smallest_likeliest_set_reaching_p_however_far_it_reaches():
+    torch.manual_seed(0)
+    # rows needing a few, hundreds and most of a 20k vocabulary in one call (the set is read from the top k, k growing)
+    logits = torch.randn(3, 20000) * torch.tensor([[12.0], [2.5], [0.3]])
+    for top_p in (0.3, 0.9, 0.999):
+        probs = Sampling(temperature=1.0, top_p=top_p).probs(logits)
+        p = logits.softmax(-1)
+        for row, kept in zip(p, probs > 0):
+            ranked = row.sort(descending=True).values
+            n = int((ranked.cumsum(0) - ranked < top_p).sum())  # the smallest likeliest set with mass >= top_p
+            assert int(kept.sum()) == n and bool((row[kept].min() >= row[~kept].max()) if n < len(row) else True)
+        assert torch.allclose(probs.sum(-1), torch.ones(3))
+
+
 def test_tiny_temperature_is_the_greedy_limit_not_nan():
     logits = torch.tensor([[1.0, 3.0, 2.0, float("-inf")]])
     probs = Sampling(temperature=1e-40).probs(logits)

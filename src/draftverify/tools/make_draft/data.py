@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -147,7 +147,8 @@ def keep_plan(folder: Path, plan, what: str) -> None:
         stored = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise DraftVerifyError(f"{path} is corrupt: delete {folder} and run again") from exc
-    require(stored == json.loads(json.dumps(asdict(plan))),
+    defaults = {f.name: f.default for f in fields(plan) if f.default is not MISSING}  # settings added since it was made
+    require({**json.loads(json.dumps(defaults)), **stored} == json.loads(json.dumps(asdict(plan))),
             f"{what} in {folder} was made for another target or settings: use another --work folder or delete it")
 
 

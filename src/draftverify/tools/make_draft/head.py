@@ -50,6 +50,7 @@ class HeadTraining:
     gen_batch: int = 64
     max_new_tokens: int = 96
     max_prompt_tokens: int = 256
+    sampled: int = 0  # replies per prompt sampled besides the greedy one (features.SAMPLED)
     heldout: int = 64
     checkpoint_minutes: float = 3.0
     steps: int | None = None  # stop after this many optimiser steps (the schedule still spans the epochs)
@@ -60,6 +61,7 @@ class HeadTraining:
         require(self.epochs > 0 and self.lr > 0 and self.budget_minutes > 0, "epochs, lr and the budget must be positive")
         require(0 <= self.data_share < 1, f"data_share={self.data_share} must lie in [0, 1)")
         require(self.batch_tokens >= self.max_len >= 16, "batch_tokens must be >= max_len >= 16")
+        require(self.sampled >= 0, f"--sampled {self.sampled} must be 0 or more")
 
 
 TRAINING_KEYS = ("vocab", "rollout", "batch_tokens", "max_len", "lr", "warmup", "feature_weight", "seed")  # what a resumed build must keep
@@ -183,7 +185,8 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
     require(resume or not ckpt_path.exists(), f"{ckpt_path} exists from an earlier build: pass --resume to continue it, or delete {work}")
     texts = read_prompts(Path(prompts))
     plan = FeaturePlan(target=target.identity, prompts=f"{Path(prompts).name}:{len(texts)}", seed=config.seed,
-                       heldout=config.heldout, max_prompt_tokens=config.max_prompt_tokens, max_new_tokens=config.max_new_tokens)
+                       heldout=config.heldout, max_prompt_tokens=config.max_prompt_tokens, max_new_tokens=config.max_new_tokens,
+                       sampled=config.sampled)
     cache = FeatureCache(work, plan)
     deadline = t_start + config.budget_minutes * 60
     if config.data_share > 0:
