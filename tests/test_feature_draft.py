@@ -231,6 +231,8 @@ def test_batched_replies_match_model_generate_and_feature_t_gives_token_t_plus_1
     again = generate(target, prompts, 12, seeds=[7, 8, 9], runners=runners)
     assert [s.ids.tolist() for s in sampled] == [s.ids.tolist() for s in again]
     assert [s.ids.tolist() for s in sampled] != [s.ids.tolist() for s in ours]
+    by_generate = [generate(target, prompts, 12, seeds=[7, 8, 9]) for _ in range(2)]  # model.generate samples too, seeded
+    assert [s.ids.tolist() for s in by_generate[0]] == [s.ids.tolist() for s in by_generate[1]]
 
 
 def test_sampled_replies_join_each_shard_and_an_older_plan_still_fits(tiny, tmp_path):

@@ -7,9 +7,10 @@ the target's own distribution: more data from the same prompts). Its last hidden
 the final norm: what its LM head reads) at every position comes out of the same decoding, no
 second forward. Where the target runs on the static path (`static.py`), the replies are decoded
 together by the engine's batch (`batch.Batch`: one stacked forward per step; `Recorder` keeps
-the states), on a CPU faster than `model.generate` (in-process, 64 prompts: 7 s against 27 s), and the same greedy tokens as
-`draftverify generate`; elsewhere by a batched `model.generate`. A `Sequence` stores the
-token ids and those features in fp16; feature t predicts token t + 1 through the LM head.
+the states), on a CPU faster than `model.generate` (in-process, 64 prompts: 7 s against 27 s),
+and the same greedy tokens as `draftverify generate`; elsewhere by a batched `model.generate`.
+A `Sequence` stores the token ids and those features in fp16; feature t predicts token t + 1
+through the LM head.
 
 Shards (`shard-NNNNN.pt`) are written atomically, one per batch of prompts in a fixed seeded
 order, so an interrupted build keeps every finished shard and a resumed one continues with the
@@ -31,7 +32,7 @@ from draftverify.errors import DraftVerifyError, require
 from draftverify.models import Loaded, Runner
 from draftverify.sampling import Sampling
 from draftverify.session import Session, Stopping
-from draftverify.step import Proposal
+from draftverify.step import Proposal, Step
 from draftverify.tools.make_draft.data import ShardFolder, chat_ids, left_padded
 from draftverify.util import atomic_path, eos_ids
 
@@ -87,7 +88,7 @@ class Recorder(Drafter):
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
         return Proposal(hidden=True)
 
-    def observe(self, s, seq, proposal, step) -> None:
+    def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
         self.rows.append(step.hidden)
 
 
@@ -175,24 +176,24 @@ class FeatureCache(ShardFolder):
         encoded = [chat_ids(tok, [{"role": "user", "content": t}], True) for t in texts]
         encoded = [e for e in encoded if len(e) <= limit]  # longer prompts cost more prefill than they teach
         batches, held = self.split(encoded, batch)
-        first = Runner(target.model)  # static runners decode a batch together (module docstring); else model.generate
-        runners = [first] + [Runner(target.model) for _ in range(min(batch, max(map(len, batches + [held]))) - 1)] if first.static else None
+        width = min(batch, max(map(len, batches + [held])))  # replies decoded together
+        first = Runner(target.model)  # static runners decode them in the engine's batch (module docstring)
+        runners = [first, *(Runner(target.model) for _ in range(width - 1))] if first.static is not None else None
         heldout = self.folder / "heldout.pt"
         if not heldout.is_file():
-            self._write(heldout, target, sorted(held, key=len), runners, log, "held-out set", sampled=0)
+            self._write(heldout, target, sorted(held, key=len), width, runners, log, "held-out set", sampled=0)
         done = len(self.shards())
         for i in range(done, len(batches)):
             if i > done and time.monotonic() > deadline:
                 break
-            self._write(self.folder / f"shard-{i:05d}.pt", target, batches[i], runners, log, f"data shard {i + 1}/{len(batches)}", index=i)
+            self._write(self.folder / f"shard-{i:05d}.pt", target, batches[i], width, runners, log, f"data shard {i + 1}/{len(batches)}", index=i)
 
-    def _write(self, path: Path, target: Loaded, prompts: list[list[int]], runners, log, what: str, sampled: int | None = None,
-               index: int = 0) -> None:
-        """One shard: the greedy replies to `prompts` (in groups of the batch size) and `sampled` (default: the plan's)
-        sampled replies each, seeded by (plan seed, shard `index`, reply)."""
+    def _write(self, path: Path, target: Loaded, prompts: list[list[int]], group: int, runners: list[Runner] | None, log, what: str,
+               sampled: int | None = None, index: int = 0) -> None:
+        """One shard: the greedy replies to `prompts` (`group` decoded together, on `runners` when given) and
+        `sampled` (default: the plan's) sampled replies each, seeded by (plan seed, shard `index`, reply)."""
         t0 = time.monotonic()
         sequences = []
-        group = len(runners) if runners else len(prompts)
         base = random.Random(f"{self.plan.seed}:{index}").getrandbits(30)
         for k in range(1 + (self.plan.sampled if sampled is None else sampled)):
             for i in range(0, len(prompts), group):
