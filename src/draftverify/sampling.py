@@ -56,7 +56,7 @@ class Sampling:
     def _nucleus(self, probs: torch.Tensor) -> torch.Tensor:
         """The top-p set of probs [..., V] (True = kept): the likeliest tokens, in order, while the mass ranked
         ahead of a token is below top_p. Read from the k likeliest only, k growing until the set ends inside
-        them (a handful of tokens for a peaked distribution): a full sort of the vocabulary costs ~100x more."""
+        them (a handful of tokens for a peaked distribution): sorting the whole vocabulary per row costs far more."""
         v = probs.shape[-1]
         k = min(64, v)
         while True:

@@ -273,6 +273,8 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
 
 def model_card(f: dict) -> str:
     acc = " / ".join(f"{a:.3f}" for a in f["heldout_top1"])
+    sampled = f["training"].get("sampled", 0)
+    replies = "greedy" if not sampled else f"a greedy one and {sampled} sampled at T=0.8, top-p 0.95 each"
     return f"""# Feature draft head for {f['target']}
 
 An EAGLE-style draft head (one decoder layer over the target's final hidden state and the next
@@ -280,7 +282,7 @@ token's embedding) with a frequency-ranked vocabulary of {f['vocab']} tokens (FR
 draftverify. It uses the target's own embeddings and LM head and is refused on any other model.
 
 - Built with: `{f['command']}`
-- Data: the target's own greedy replies to {f['sequences']} prompts of `{f['prompts']}` ({f['tokens']} tokens with features);
+- Data: the target's own replies to {f['sequences'] // (1 + f['training'].get('sampled', 0))} prompts of `{f['prompts']}` ({replies}; {f['tokens']} tokens with features);
   the benchmark sets were never used.
 - Vocabulary coverage of held-out reply tokens: {f['vocab_coverage']:.1%}
 - Training: {f['steps']} of {f['of_steps']} steps; whole build {f['minutes']:.0f} minutes on {f['machine']}
