@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftverify.errors import DraftVerifyError, require
-from draftverify.static import ATTENTION_HEAD_DIMS, QUANT_ROWS, cpu_kernels, packed_linear, rms_norm, rotate_half
+from draftverify.static import ATTENTION_HEAD_DIMS, QUANT_ROWS, cpu_kernels, layer_weights, packed_linear, rms_norm, rotate_half
 from draftverify.util import atomic_path, atomic_write, describe_identity, same_weights
 
 CONFIG_FILE = "feature_draft.json"
@@ -238,8 +238,8 @@ class HeadCache:
         kernels = cpu_kernels() if fast else None
         self.rope_attention = kernels.rope_attention if kernels is not None else None
         self.layer = kernels.layer if kernels is not None else None
-        weights = [head._fast[name].quant for name in ("qkv", "o", "gate_up", "down")] if kernels is not None else [None]
-        self.fused = weights if all(w is not None for w in weights) else None  # Q8_0 copies: the one-call layer takes them
+        # Q8_0 copies: the one-call layer takes them
+        self.fused = layer_weights(*(head._fast[name] for name in ("qkv", "o", "gate_up", "down"))) if kernels is not None else None
         self.no_mask = torch.empty(0, dtype=torch.bool)
 
     def _reserve(self, n: int) -> None:

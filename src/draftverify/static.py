@@ -265,6 +265,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def layer_weights(qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear) -> list | None:
+    """A layer's products as the kernels' one-call `layer` takes them, or None unless every one is quantized."""
+    weights = [lin.quant for lin in (qkv, o, gate_up, down)]
+    return weights if all(w is not None for w in weights) else None
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -287,9 +293,8 @@ class _Layer:
         self.q_norm = None if q_norm is None else (q_norm.weight.detach(), getattr(q_norm, "variance_epsilon", eps))
         self.k_norm = None if k_norm is None else (k_norm.weight.detach(), getattr(k_norm, "variance_epsilon", eps))
         self.scaling = float(getattr(attn, "scaling", attn.head_dim**-0.5))
-        # every product quantized and no q/k norms: a few rows go through the kernels' one-call layer
-        weights = [lin.quant for lin in (self.qkv, self.o, self.gate_up, self.down)]
-        self.fused = weights if self.q_norm is None and all(w is not None for w in weights) else None
+        # no q/k norms: a few rows may go through the kernels' one-call layer
+        self.fused = layer_weights(self.qkv, self.o, self.gate_up, self.down) if self.q_norm is None else None
 
 
 class StaticDecoder:

@@ -176,13 +176,15 @@ class FeatureCache(ShardFolder):
         encoded = [chat_ids(tok, [{"role": "user", "content": t}], True) for t in texts]
         encoded = [e for e in encoded if len(e) <= limit]  # longer prompts cost more prefill than they teach
         batches, held = self.split(encoded, batch)
+        heldout = self.folder / "heldout.pt"
+        done = len(self.shards())
+        if heldout.is_file() and done == len(batches):
+            return  # all made: no runners to set up
         width = min(batch, max(map(len, batches + [held])))  # replies decoded together
         first = Runner(target.model)  # static runners decode them in the engine's batch (module docstring)
         runners = [first, *(Runner(target.model) for _ in range(width - 1))] if first.static is not None else None
-        heldout = self.folder / "heldout.pt"
         if not heldout.is_file():
             self._write(heldout, target, sorted(held, key=len), width, runners, log, "held-out set", sampled=0)
-        done = len(self.shards())
         for i in range(done, len(batches)):
             if i > done and time.monotonic() > deadline:
                 break
