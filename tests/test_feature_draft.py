@@ -15,7 +15,7 @@ from draftverify.models import load_draft
 from draftverify.sampling import Sampling
 from draftverify.models import Runner
 from draftverify.tools.make_draft.features import FeatureCache, FeaturePlan, generate
-from draftverify.tools.make_draft.head import HeadTraining, build_head, rollout, rollout_mask
+from draftverify.tools.make_draft.head import HeadTraining, build_head, head_losses, rollout, rollout_mask
 from phrase_sampling import broken_rule, second_token_pvalue
 
 WORDS = ["apple", "river", "stone", "cloud", "green", "quick", "seven", "paper"]
@@ -173,6 +173,29 @@ def test_built_head_has_a_card_and_learned(built):
     card = (out / "README.md").read_text()
     assert "Built with" in card and f"{facts['heldout_top1'][0]:.3f}" in card
     assert facts["heldout_top1"][0] > 0.3, facts["heldout_top1"]
+
+
+def test_bf16_training_computes_the_fp32_loss_and_gradients_closely(tiny):
+    """`--train-dtype bf16` runs the matmuls in bf16 and keeps the norms, weights and loss in fp32: the same
+    loss and gradient direction as fp32 to bf16's precision (not a different objective)."""
+    target = tiny("llama", layers=2)
+    head = random_head(target).train()
+    torch.manual_seed(1)
+    ids = torch.randint(0, target.model.config.vocab_size, (3, 20))
+    feats = 4 * torch.randn(3, 19, target.model.config.hidden_size)
+    args = (ids, feats, torch.tensor([20, 17, 12]), torch.tensor([4, 6, 2]), 3, 0.1)
+    grads, losses = [], []
+    for bf16 in (False, True):
+        head.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = head_losses(head, *args)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append(torch.cat([p.grad.flatten() for p in head.parameters() if p.grad is not None]))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-3)
+    assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.999
+    with pytest.raises(DraftVerifyError, match="--train-dtype"):
+        HeadTraining(train_dtype="fp16")
 
 
 def test_interrupted_build_resumes_to_the_same_weights(built, tmp_path):

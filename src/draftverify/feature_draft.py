@@ -149,7 +149,9 @@ class FeatureDraft(nn.Module):
 
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         norm = getattr(self, name)
-        if self._fast is None or self.training:
+        if self.training:  # in fp32 under a bf16 autocast too (`make-draft --train-dtype`): the norm's own dtype
+            return norm(x.to(norm.weight.dtype))
+        if self._fast is None:
             return norm(x)
         return rms_norm(x.contiguous(), norm.weight, norm.eps)  # drafting: the static path's one-pass kernel
 

@@ -32,6 +32,7 @@ def make_draft(
     work: Optional[Path] = typer.Option(None, help="Folder for the data cache and checkpoints. Default: OUT/.make-draft."),
     share_embeddings: bool = typer.Option(False, help="Do not store the embeddings and head (the target's own): a much smaller folder that only draftverify can load, with its target."),
     save_dtype: str = typer.Option("fp32", help="Dtype of the saved weights: fp32, bf16 or fp16."),
+    train_dtype: str = typer.Option("auto", help="--kind head: the training matmuls: auto (bf16 where the CPU has bf16 instructions, else fp32), fp32 or bf16."),
     batch_tokens: Optional[int] = typer.Option(None, help="Tokens per training step. Default: 1024 (model), 4096 (head)."),
     lr: Optional[float] = typer.Option(None, help="Peak learning rate (AdamW, warm-up then cosine decay). Default: 5e-4 (model), 1e-3 (head)."),
     gen_batch: Optional[int] = typer.Option(None, help="Prompts per batched generate when making data. Default: 16 (model), 64 (head)."),
@@ -56,7 +57,7 @@ def make_draft(
     if kind == "head":
         from draftverify.tools.make_draft.head import HeadTraining, build_head
 
-        config = HeadTraining(vocab=vocab, epochs=epochs, sampled=sampled, **{k: v for k, v in given.items() if v is not None},
+        config = HeadTraining(vocab=vocab, epochs=epochs, sampled=sampled, train_dtype=train_dtype, **{k: v for k, v in given.items() if v is not None},
                               **({"heldout": heldout} if heldout is not None else {}))
         build_head(loaded, out, prompts, config, work=work, resume=resume, command=command, log=log, save_dtype=save_dtype)
         return
