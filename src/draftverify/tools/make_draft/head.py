@@ -204,6 +204,7 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
                        heldout=config.heldout, max_prompt_tokens=config.max_prompt_tokens, max_new_tokens=config.max_new_tokens,
                        sampled=config.sampled)
     cache = FeatureCache(work, plan)
+    resumed = bool(cache.shards()) or ckpt_path.exists()  # some of the build was made by an earlier run
     deadline = t_start + config.budget_minutes * 60
     if config.data_share > 0:
         cache.fill(target, texts, config.gen_batch, t_start + config.data_share * config.budget_minutes * 60, log)
@@ -282,7 +283,7 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
         "command": command, "target": target.name, "identity": target.identity, "prompts": str(prompts), "sequences": len(train),
         "tokens": made, "vocab": len(vocab), "vocab_coverage": covered, "steps": step, "of_steps": total,
         "minutes": (time.monotonic() - t_start) / 60, "heldout_top1": acc, "expected_chain": expected,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "training": asdict(config), "bf16": bf16,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "training": asdict(config), "bf16": bf16, "resumed": resumed,
     }
     head.save(out, SAVE_DTYPES[save_dtype])
     atomic_write(Path(out) / "README.md", model_card(facts))
@@ -294,6 +295,8 @@ def model_card(f: dict) -> str:
     acc = " / ".join(f"{a:.3f}" for a in f["heldout_top1"])
     sampled = f["training"].get("sampled", 0)
     replies = "greedy" if not sampled else f"a greedy one and {sampled} sampled at T=0.8, top-p 0.95 each"
+    when = (f"resumed over several runs on {f['machine']} (each run logs its shards' and steps' times)" if f.get("resumed")
+            else f"whole build {f['minutes']:.0f} minutes on {f['machine']}")
     return f"""# Feature draft head for {f['target']}
 
 An EAGLE-style draft head (one decoder layer over the target's final hidden state and the next
@@ -304,7 +307,7 @@ draftverify. It uses the target's own embeddings and LM head and is refused on a
 - Data: the target's own replies to {f['sequences'] // (1 + f['training'].get('sampled', 0))} prompts of `{f['prompts']}` ({replies}; {f['tokens']} tokens with features);
   the benchmark sets were never used.
 - Vocabulary coverage of held-out reply tokens: {f['vocab_coverage']:.1%}
-- Training: {f['steps']} of {f['of_steps']} steps ({'matmuls in bf16' if f.get('bf16') else 'fp32'}; a resumed build's steps may mix); whole build {f['minutes']:.0f} minutes on {f['machine']}
+- Training: {f['steps']} of {f['of_steps']} steps ({'matmuls in bf16' if f.get('bf16') else 'fp32'}{"; a resumed build's steps may mix" if f.get('resumed') else ''}); {when}
 - Held-out top-1 agreement with the target at draft depth 1 / 2 / ...: {acc}
   (expected accepted chain, greedy: {f['expected_chain']:.2f} tokens per round before the bonus token)
 - Settings: `{f['training']}`
