@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from draftverify.drafters.base import Drafter
 from draftverify.drafters.draft_model import DraftModel
-from draftverify.drafters.feature import FeatureHead
+from draftverify.drafters.feature import DRAFT_VOCAB, FeatureHead
 from draftverify.errors import require
 from draftverify.feature_draft import FeatureDraft
 from draftverify.methods.base import Method, register
@@ -39,7 +39,7 @@ class SpeculativeConfig:
     width: int = 8  # feature head: children per expanded node and nodes expanded per level (1 = a chain; not `top_k`,
     # which is the sampling setting)
     nodes: int = 0  # feature head: draft tree size (0 = the most expected tokens/s under the cost curve)
-    vocab: int = 0  # feature head: draft only its `vocab` most frequent tokens (FR-Spec; 0 = all it was trained on)
+    vocab: int = DRAFT_VOCAB  # feature head: draft only its `vocab` most frequent tokens (FR-Spec; 0 = all it was trained on)
 
     def __post_init__(self):
         require(self.policy in POLICIES, f"unknown draft policy {self.policy!r}: use one of {', '.join(POLICIES)}")
