@@ -171,7 +171,7 @@ def test_the_head_is_refused_on_another_target(built, tiny):
 def test_built_head_has_a_card_and_learned(built):
     _, out, _, facts = built
     card = (out / "README.md").read_text()
-    assert "Built with" in card and f"{facts['heldout_top1'][0]:.3f}" in card
+    assert "Built with" in card and f"{facts['heldout_top1'][0]:.3f}" in card and "whole build" in card
     assert facts["heldout_top1"][0] > 0.3, facts["heldout_top1"]
 
 
@@ -207,6 +207,7 @@ def test_interrupted_build_resumes_to_the_same_weights(built, tmp_path):
         build_head(target, tmp_path / "b", prompts, HeadTraining(**settings, steps=6), log=quiet, progress=False)
     resumed = build_head(target, tmp_path / "b", prompts, HeadTraining(**settings, steps=6), resume=True, log=quiet, progress=False)
     assert resumed["steps"] == whole["steps"] == 6
+    assert "resumed over several runs" in (tmp_path / "b" / "README.md").read_text()
     a = FeatureDraft.load(tmp_path / "a").state_dict()
     b = FeatureDraft.load(tmp_path / "b").state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

@@ -75,8 +75,8 @@ SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 
 
 def native_bf16() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX): there a bf16 matmul runs ~3x
-    an fp32 one (measured: a [4096, 576] x [576, 8192] product); elsewhere bf16 is emulated and no faster."""
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX): there a bf16 matmul runs several
+    times faster than an fp32 one (a [4096, 576] x [576, 8192] product on a Zen 5 EPYC); elsewhere bf16 is emulated."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
