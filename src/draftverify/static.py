@@ -415,12 +415,12 @@ class StaticDecoder:
         spans = Spans([(a, n) for _, a, n, _, _ in parts], self.device)
         # one short sequence, nothing skipped: each layer in one kernel call (`layer`: the same kernels as below)
         one = parts[0] if len(parts) == 1 and parts[0][2] <= QUANT_ROWS and skip is None and self.layer_kernel is not None else None
-        rows_cos, rows_sin = cos[:, 0], sin[:, 0]  # [rows, head_dim]: the kernels' layout
+        rows = (cos[:, 0], sin[:, 0]) if one is not None else None  # [rows, head_dim]: the kernels' layout
         for i, layer in enumerate(self.layers):
             if one is not None and layer.fused is not None:
                 d, _, _, past, masks = one
                 mask = masks[self.windows[i]]
-                h = self.layer_kernel(h, layer.norm_in, layer.norm_post, layer.eps, *layer.fused, rows_cos, rows_sin, d.keys[i], d.values[i],
+                h = self.layer_kernel(h, layer.norm_in, layer.norm_post, layer.eps, *layer.fused, *rows, d.keys[i], d.values[i],
                                       past, self.n_heads, self._no_mask if mask is None else mask, layer.scaling)
                 continue
             if i not in skip_attn:

@@ -30,7 +30,7 @@ from draftverify.errors import require
 from draftverify.feature_draft import FeatureDraft, HeadConfig
 from draftverify.models import Loaded
 from draftverify.tools.make_draft.data import load_checked
-from draftverify.tools.make_draft.features import FeatureCache, FeaturePlan, Sequence, read_prompts
+from draftverify.tools.make_draft.features import SAMPLED, FeatureCache, FeaturePlan, Sequence, read_prompts
 from draftverify.util import atomic_path, atomic_write, eos_ids
 
 
@@ -294,7 +294,7 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
 def model_card(f: dict) -> str:
     acc = " / ".join(f"{a:.3f}" for a in f["heldout_top1"])
     sampled = f["training"].get("sampled", 0)
-    replies = "greedy" if not sampled else f"a greedy one and {sampled} sampled at T=0.8, top-p 0.95 each"
+    replies = "greedy" if not sampled else f"a greedy one and {sampled} sampled at T={SAMPLED['temperature']}, top-p {SAMPLED['top_p']} each"
     when = (f"resumed over several runs on {f['machine']} (each run logs its shards' and steps' times)" if f.get("resumed")
             else f"whole build {f['minutes']:.0f} minutes on {f['machine']}")
     return f"""# Feature draft head for {f['target']}
@@ -304,7 +304,7 @@ token's embedding) with a frequency-ranked vocabulary of {f['vocab']} tokens (FR
 draftverify. It uses the target's own embeddings and LM head and is refused on any other model.
 
 - Built with: `{f['command']}`
-- Data: the target's own replies to {f['sequences'] // (1 + f['training'].get('sampled', 0))} prompts of `{f['prompts']}` ({replies}; {f['tokens']} tokens with features);
+- Data: the target's own replies to {f['sequences'] // (1 + sampled)} prompts of `{f['prompts']}` ({replies}; {f['tokens']} tokens with features);
   the benchmark sets were never used.
 - Vocabulary coverage of held-out reply tokens: {f['vocab_coverage']:.1%}
 - Training: {f['steps']} of {f['of_steps']} steps ({'matmuls in bf16' if f.get('bf16') else 'fp32'}{"; a resumed build's steps may mix" if f.get('resumed') else ''}); {when}
