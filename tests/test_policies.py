@@ -70,3 +70,14 @@ def test_the_cost_curve_grows_with_the_context_wider_forwards_the_more():
     short = policy.best()
     policy.start_round(2064)
     assert policy.best() < short
+
+
+@pytest.mark.parametrize("others", [0, 3])
+def test_marginal_times_reads_a_table_as_marginal_time_does(others):
+    from draftverify.costs import Curve, Table, at_context, marginal_time, marginal_times
+
+    plain = {16: 1.6, 1: 1.0, 4: 1.1, 2: 1.0}  # any order; a dip that the batch floor catches
+    curve = Curve(plain, 64, {1: 0.001, 2: 0.001, 4: 0.002, 16: 0.004})
+    for table in (plain, Table(plain), curve, at_context(curve, 500)):
+        assert marginal_times(table, 40, others) == [marginal_time(plain if table is plain else dict(table), w, others) for w in range(1, 41)]
+    assert isinstance(at_context(curve, 500), Table) and at_context(curve, 500).points == sorted(at_context(curve, 500).items())

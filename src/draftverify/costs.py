@@ -70,17 +70,26 @@ def time_widths(forward, rollback, context: list[int], widths=WIDTHS, reps: int 
     return times
 
 
-class Curve(dict):
-    """t(w) in seconds after `context` tokens (the dict itself: width -> seconds, as `forward_times` gives),
+class Table(dict):
+    """A cost table (width -> seconds) that keeps its points in ascending order for `forward_time`: the
+    drafters read one several times a round. Built once, never changed."""
+
+    def __init__(self, times: dict[int, float]):
+        super().__init__(times)
+        self.points = sorted((int(w), t) for w, t in self.items())
+
+
+class Curve(Table):
+    """t(w) in seconds after `context` tokens (the table itself: width -> seconds, as `forward_times` gives),
     plus `slope[w]`: the seconds each further token of context adds to it."""
 
     def __init__(self, times: dict[int, float], context: int, slope: dict[int, float] | None = None):
         super().__init__(times)
         self.context, self.slope = context, slope or {}
 
-    def at(self, context: int) -> dict[int, float]:
+    def at(self, context: int) -> Table:
         more = max(0, context - self.context)
-        return {w: t + more * self.slope.get(w, 0.0) for w, t in self.items()}
+        return Table({w: t + more * self.slope.get(w, 0.0) for w, t in self.items()})
 
 
 def at_context(costs: dict, context: int) -> dict[int, float]:
@@ -123,7 +132,11 @@ def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> C
 
 def forward_time(table: dict[int, float], width: int) -> float:
     """t(width) from a table of measured widths: linear between points, extended linearly beyond."""
-    points = sorted((int(w), t) for w, t in table.items())
+    return _between(_points(table), width)
+
+
+def _between(points: list[tuple[int, float]], width: int) -> float:
+    """`forward_time` on the table's (width, seconds) points in ascending order."""
     if len(points) == 1:
         return points[0][1]
     for (w0, t0), (w1, t1) in zip(points, points[1:]):
@@ -135,7 +148,20 @@ def forward_time(table: dict[int, float], width: int) -> float:
 def marginal_time(table: dict[int, float], width: int, others: int = 0) -> float:
     """Seconds `width` rows add to a forward that carries `others` rows of other sequences (a batch); alone
     (others = 0) that is t(width). Never below a twentieth of t(1) per row: a measured curve can dip."""
+    return _marginal(_points(table), width, others)
+
+
+def marginal_times(table: dict[int, float], upto: int, others: int = 0) -> list[float]:
+    """[marginal_time(table, w, others) for w in 1..upto], reading the table once (a tree's sizes, each round)."""
+    points = _points(table)
+    return [_marginal(points, w, others) for w in range(1, upto + 1)]
+
+
+def _points(table: dict[int, float]) -> list[tuple[int, float]]:
+    return table.points if isinstance(table, Table) else sorted((int(w), t) for w, t in table.items())
+
+
+def _marginal(points: list[tuple[int, float]], width: int, others: int) -> float:
     if others <= 0:
-        return forward_time(table, width)
-    floor = 0.05 * width * forward_time(table, 1)
-    return max(forward_time(table, others + width) - forward_time(table, others), floor)
+        return _between(points, width)
+    return max(_between(points, others + width) - _between(points, others), 0.05 * width * _between(points, 1))

@@ -72,6 +72,7 @@ class Auto(Drafter):
         """`records` (per candidate) and `scale` (a one-element list) are the caller's, kept across requests.
         `merge`: also offer each model-run drafter's candidates merged with each free drafter's offer."""
         self.candidates, self.costs, self.records, self.scale = candidates, costs, records, scale
+        self.needs_hidden = any(d.needs_hidden for d in candidates.values())
         self.probe, self.decay = probe, decay
         model_run = [name for name, d in candidates.items() if not d.free]
         free = [name for name, d in candidates.items() if d.free]
@@ -85,10 +86,6 @@ class Auto(Drafter):
         self.draft_s = 0.0
         self.sent_at = 0.0  # when the proposal went to verification
         self.costs_now: dict = {}  # the cost table at this round's context (`costs.at_context`)
-
-    @property
-    def needs_hidden(self) -> bool:
-        return any(d.needs_hidden for d in self.candidates.values())
 
     def start(self, s: Session, seq: list[int], hidden=None) -> None:
         s.stats.extra["auto_chunks"] = []  # (drafter, tokens emitted) per round: who produced what (`--explain`)
@@ -133,10 +130,12 @@ class Auto(Drafter):
                 if self.probing:  # a probe asks whether the offer is right at all: its first guesses, not a wide trie
                     offer = replace(offer, paths=[offer.paths[0][:PROBE_TOKENS]])
                 self.parts[free] = offer
-        proposal = merge(*self.parts.values()) if self.parts else Proposal()
+        proposal = merge(*self.parts.values()) if self.parts else Proposal(hidden=self.needs_hidden)
+        if self.needs_hidden and not proposal.hidden:
+            proposal = replace(proposal, hidden=True)
         self.sent_at = time.perf_counter()
         self.draft_s = self.sent_at - t0
-        return replace(proposal, hidden=proposal.hidden or self.needs_hidden)
+        return proposal
 
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
         verify_s = time.perf_counter() - self.sent_at

@@ -41,7 +41,7 @@ import weakref
 
 import torch
 
-from draftverify.costs import at_context, curve, marginal_time
+from draftverify.costs import at_context, curve, marginal_times
 from draftverify.drafters.base import Drafter, Proposal, Step
 from draftverify.feature_draft import FeatureDraft, HeadCache
 from draftverify.models import Runner
@@ -154,8 +154,9 @@ class FeatureHead(Drafter):
                     new.append(len(tokens) - 1)
             return new
 
-        step = marginal_time(costs, 1, s.others)  # what an accepted token saves: a target forward
-        row = marginal_time(costs, 2, s.others) - step  # what one more candidate adds to the verification
+        times = marginal_times(costs, self.max_nodes + 1, s.others)  # t(w) for a forward of w rows (in a batch: added)
+        step = times[0]  # what an accepted token saves: a target forward
+        row = times[1] - step  # what one more candidate adds to the verification
         level = children(root_feature[None], [-1])
         for d in range(1, depth):
             chosen = sorted(level, key=lambda i: -values[i])[:k]
@@ -179,20 +180,21 @@ class FeatureHead(Drafter):
             feature.update({node: out[j] for j, node in enumerate(chosen)})
             level = children(out, chosen)
             self.expand_s = 0.8 * self.expand_s + 0.2 * (time.perf_counter() - t0)
-        keep = self.best_nodes(parents, values, costs, s.others)
+        keep = self.best_nodes(parents, values, times)
         path = {n: tuple(tokens[a] for a in [n, *_ancestors(n, parents)][::-1]) for n in keep}
         self.drafted = {path[n]: local[n] for n in keep}
         leaves = [n for n in keep if not any(parents[c] == n for c in keep)]
         return [list(path[leaf]) for leaf in sorted(leaves, key=lambda n: -values[n])]
 
-    def best_nodes(self, parents: list[int], values: list[float], costs: dict, others: int = 0) -> set[int]:
-        """The n most valuable nodes (a tree), n the most expected tokens per second of the target (`costs`, at
-        this context) or `nodes`; in a batch, the time the rows add to a forward that carries `others` rows."""
+    def best_nodes(self, parents: list[int], values: list[float], times: list[float]) -> set[int]:
+        """The n most valuable nodes (a tree), n the most expected tokens per second of the target or `nodes`;
+        `times[w - 1]`: the seconds a forward of w rows takes (at this context; in a batch, the time the rows
+        add to a forward that carries the other requests' rows)."""
         order = sorted(range(len(values)), key=lambda i: -values[i])[: self.nodes or self.max_nodes]
-        gain, best, best_rate = 1.0, 0, 1.0 / marginal_time(costs, 1, others)
+        gain, best, best_rate = 1.0, 0, 1.0 / times[0]
         for n, node in enumerate(order if not self.nodes else [], start=1):
             gain += values[node]
-            rate = gain / marginal_time(costs, n + 1, others)
+            rate = gain / times[n]
             if rate > best_rate:
                 best, best_rate = n, rate
         keep = set(order[: self.nodes or best])

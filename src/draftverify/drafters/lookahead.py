@@ -87,5 +87,5 @@ class Lookahead(Drafter):
         grams = self.window.advance(seq[-1], step.window_out) if step.window_out is not None else []
         add(s.stats.extra, window_ngrams=self.pool.insert_all(grams))
         if self.context:  # the n-grams that end in the new tokens
-            tail = (seq + step.tokens)[-(len(step.tokens) + self.N - 1) :]
+            tail = seq[max(0, len(seq) - self.N + 1) :] + step.tokens  # (not a copy of the whole sequence each round)
             add(s.stats.extra, context_ngrams=self.pool.insert_all(ngrams(tail, self.N)))
