@@ -76,7 +76,7 @@ class Table(dict):
 
     def __init__(self, times: dict[int, float]):
         super().__init__(times)
-        self.points = sorted((int(w), t) for w, t in self.items())
+        self.points = _points(times)
 
 
 class Curve(Table):

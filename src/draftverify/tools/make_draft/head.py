@@ -77,11 +77,9 @@ SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 def native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX): there a bf16 matmul runs several
     times faster than an fp32 one (a [4096, 576] x [576, 8192] product on a Zen 5 EPYC); elsewhere bf16 is emulated."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    from draftverify.kernels import cpu_flags
+
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def frequent_vocab(sequences: list[Sequence], n: int, always: tuple[int, ...]) -> list[int]:
