@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -136,16 +139,45 @@ def test_auto_follows_the_candidate_that_pays(tiny):
     assert records["right"].accepted > 2 and records["wrong"].accepted < 0.5
 
 
-def test_auto_probes_a_drafter_that_keeps_missing_less_and_less_often_and_remembers_it(tiny):
+def test_auto_probes_a_drafter_that_keeps_missing_less_and_less_often(tiny):
     """Probes that do not pay double the wait for the next (9, 17, 33, 65, 65 ... rounds), where a fixed
-    interval would probe every 9th round; the next request starts from that wait; the output stays the target's."""
+    interval would probe every 9th round; the next request keeps the running means but starts its waits
+    afresh (a request unlike the earlier ones gets its probes early); the output stays the target's."""
     records = {"wrong": Record(accepted=0.0)}
     s, auto, truth = decode_with(tiny, 200, lambda truth, at: {"wrong": Fixed(truth, at, False)}, records)
     assert s.output == truth
     probes = sum(who == "wrong" for who, _ in s.stats.extra["auto_chunks"])
-    assert 4 <= probes <= 6 and records["wrong"].backoff == MAX_BACKOFF, probes
-    s, _, truth = decode_with(tiny, 120, lambda truth, at: {"wrong": Fixed(truth, at, False)}, records)  # warm: one probe at most
-    assert s.output == truth and sum(who == "wrong" for who, _ in s.stats.extra["auto_chunks"]) <= 1
+    assert 4 <= probes <= 6 and auto.backoff["wrong"] == MAX_BACKOFF, probes
+    s, _, truth = decode_with(tiny, 40, lambda truth, at: {"wrong": Fixed(truth, at, False)}, records)
+    assert s.output == truth
+    assert [i for i, (who, _) in enumerate(s.stats.extra["auto_chunks"]) if who == "wrong"] == [8, 25]
+    assert records["wrong"].accepted < 0.1  # warm: what the first request learnt
+
+
+class Sure(Fixed):
+    """Always wrong, but says it expects `expected` of its tokens accepted; its first round of a request
+    (a catch-up after sitting out, as a model-run drafter's) takes `catch_up_s`."""
+
+    def __init__(self, truth, offset, expected: float, catch_up_s: float):
+        super().__init__(truth, offset, right=False)
+        self.expected, self.catch_up_s, self.rounds = expected, catch_up_s, 0
+
+    def propose(self, s, seq, room):
+        if self.rounds == 0:
+            time.sleep(self.catch_up_s)
+        self.rounds += 1
+        return replace(super().propose(s, seq, room), expected=self.expected)
+
+
+def test_auto_prices_a_drafter_by_its_own_expectation_and_its_steady_rounds(tiny):
+    """A drafter's own estimate (`Proposal.expected`, the feature head's calibrated chances) sets its acceptance
+    figure in place of the round's count, and a round that follows one it sat out (its catch-up) does not set
+    its drafting time."""
+    records = {"sure": Record(accepted=0.0)}
+    s, _, truth = decode_with(tiny, 60, lambda truth, at: {"sure": Sure(truth, at, 2.0, 0.2)}, records)
+    assert s.output == truth and s.stats.accepted == 0  # its guesses were all wrong ...
+    assert records["sure"].accepted > 1.0  # ... but it is priced as it expects (by the count it would be 0)
+    assert records["sure"].draft_s < 0.05  # the 0.2 s first round is not a round's drafting time
 
 
 def test_auto_options_are_checked_in_one_line(engine):

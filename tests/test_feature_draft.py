@@ -139,6 +139,24 @@ def test_a_long_prompt_feeds_the_head_only_its_latest_positions(built, monkeypat
     assert fixed.tokens == ar.tokens and fixed.stats.drafted > 0  # a fixed tree size: the head drafts after a capped catch-up
 
 
+def test_calibration_scores_every_valued_node_against_the_emitted_tokens(tiny):
+    """The head's calibration counts each node it valued whose parent lies on the emitted tokens, drafted or
+    not (a bin whose nodes stop being drafted is still scored), right when it is the emitted token."""
+    from types import SimpleNamespace
+
+    from draftverify.drafters.feature import Acceptance, FeatureHead
+
+    target = tiny("llama", layers=2)
+    drafter = FeatureHead(random_head(target), Runner(target.model))
+    drafter.calibration = Acceptance(prior=0.0)
+    drafter.pending = []
+    drafter.valued = {(5,): 0.35, (7,): 0.35, (5, 9): 0.7, (7, 1): 0.7, (5, 9, 3): 0.7}
+    drafter.observe(None, [1, 2], None, SimpleNamespace(hidden=None, tokens=[5, 9]))  # the target emitted 5 then 9
+    bins = drafter.calibration
+    assert bins(0.35) == 0.5 and bins(0.7) == 1.0  # (5,) right, (7,) wrong; (5, 9) right; (7, 1) and (5, 9, 3) unknown
+    assert sum(bins.trials) == 3 and drafter.valued == {}
+
+
 def test_tree_sampling_matches_the_target(tiny, monkeypatch):
     """Sampled decoding verifies the head's tree by multi-draft rejection sampling: the second token
     follows the target's exact law, and the classic wrong rule is caught. The head drafts only the

@@ -29,6 +29,9 @@ class Proposal:
     rows: Jacobi window rows fed in the same forward (lookahead; `tree.layout`).
     lead: tokens before the root that the verifying runner's cache has not seen yet.
     hidden: return the hidden states of the emitted tokens.
+    expected: the drafter's own estimate of how many of its candidates the target will accept (a feature
+        head's calibrated chances, summed), when it has one; `auto` prices it by that rather than by one
+        round's count.
     """
 
     paths: list[list[int]] = field(default_factory=list)
@@ -36,6 +39,7 @@ class Proposal:
     rows: list[list[int]] = field(default_factory=list)
     lead: list[int] = field(default_factory=list)
     hidden: bool = False
+    expected: float | None = None
 
     @property
     def chain(self) -> list[int]:

@@ -9,7 +9,11 @@ running means, over the rounds that candidate drafted, of what it cost and earne
 with t the target's measured cost curve at the request's context (`costs.curve`, `costs.at_context`:
 long prompts make wide forwards dearer) and `scale` the running ratio of the
 measured verification time to it (so load on the machine moves every candidate alike). Plain
-autoregressive decoding scores 1 / (scale * t(1)). In a batch (`batch`), t is the time the
+autoregressive decoding scores (1 - margin) / (scale * t(1)): it wins only where every candidate
+is slower by more than `margin` (`auto`'s default 0.1), because a drafted round tells auto what
+its drafter is worth now and a plain round tells it nothing, and because a drafter that sat out
+pays a catch-up when it comes back; on the dev prompts a margin of 0.1 or 0.2 was 4-5% faster
+overall than none, with the feature head's chain. In a batch (`batch`), t is the time the
 request's rows *add* to the shared forward (`costs.marginal_time` after the other requests'
 rows): drafts pay while the curve is flat and stop paying where it turns linear. A *free* drafter (`Drafter.free`: a pool or
 prompt lookup, no model run) is asked every round, and is a candidate only when it has
@@ -25,9 +29,18 @@ drafter's probe verifies only the first `PROBE_TOKENS` tokens of its first path.
 did not pay (its tokens per second, priced as above, below plain decoding's) doubles that
 candidate's wait for its next probe (up to `MAX_BACKOFF` times), and a probe that paid, or a
 round chosen on price that got something accepted, resets it: where a drafter does not pay, its
-probes stop costing every `probe`-th round. The waits, like the running means, carry over to
-the next requests (warm start; the means start from an optimistic prior in a fresh process), so
-a process that has learnt that nothing pays probes about once in `probe * MAX_BACKOFF` rounds.
+probes stop costing every `probe`-th round. The running means carry over to the next requests
+(warm start; they start from an optimistic prior in a fresh process); the waits are each
+request's own, so a request unlike the earlier ones gets its probes early.
+
+Two things keep the figures from misleading it. A drafter that sat out catches up on the
+rounds it missed when it drafts again (a feature head feeds their features, a draft model
+their tokens): that round's time says what sitting out cost, not what a round costs, so
+`draft_s` is taken only from rounds that follow one the drafter drafted. And where a drafter
+knows its own chances (`Proposal.expected`: the feature head's calibrated acceptance of its
+tree, summed), `accepted` is taken from that rather than from the round's count: one round
+accepts 0 or 2 where the head expected 0.8, and a probe judged by the count alone would shut
+out a head that pays on average.
 
 Every candidate is told every round (`observe` with its own proposal when it drafted, an empty
 one otherwise), so the feature head queues the target's features and the pools take the new
@@ -58,29 +71,33 @@ class Record:
     accepted: float = 1.0  # candidate tokens accepted (the prior is optimistic, so every candidate is tried)
     draft_s: float = 0.0  # seconds drafting
     nodes: float = 4.0  # candidate tokens verified
-    backoff: int = 1  # the wait for its next probe, in `probe`s of rounds (doubles per probe that did not pay)
 
-    def update(self, decay: float, accepted: int, draft_s: float, nodes: int) -> None:
+    def update(self, decay: float, accepted: float, draft_s: float | None, nodes: int) -> None:
+        """`draft_s` None: this round's drafting time says nothing of a round's (see the module docstring)."""
         self.accepted = decay * self.accepted + (1 - decay) * accepted
-        self.draft_s = decay * self.draft_s + (1 - decay) * draft_s
+        if draft_s is not None:
+            self.draft_s = decay * self.draft_s + (1 - decay) * draft_s
         self.nodes = decay * self.nodes + (1 - decay) * nodes
 
 
 class Auto(Drafter):
     def __init__(self, candidates: dict[str, Drafter], costs: dict, records: dict[str, Record], scale: list[float],
-                 probe: int = 8, decay: float = 0.7, merge: bool = True):
+                 probe: int = 8, decay: float = 0.7, merge: bool = True, margin: float = 0.0):
         """`records` (per candidate) and `scale` (a one-element list) are the caller's, kept across requests.
         `merge`: also offer each model-run drafter's candidates merged with each free drafter's offer."""
         self.candidates, self.costs, self.records, self.scale = candidates, costs, records, scale
         self.needs_hidden = any(d.needs_hidden for d in candidates.values())
-        self.probe, self.decay = probe, decay
+        self.probe, self.decay, self.margin = probe, decay, margin
         model_run = [name for name, d in candidates.items() if not d.free]
         free = [name for name, d in candidates.items() if d.free]
         self.merged = {f"{m}+{f}": (m, f) for m in model_run for f in free} if merge else {}  # name -> (model-run, free)
         for name in [*candidates, *self.merged]:
             records.setdefault(name, Record())
         self.idle = dict.fromkeys([*candidates, *self.merged], 0)  # this request's rounds since each last drafted (when it could have)
+        self.backoff = dict.fromkeys([*candidates, *self.merged], 1)  # the wait for each one's next probe, in `probe`s of rounds
         self.chosen: str = AR
+        self.model_run: str | None = None  # the model-run drafter in this round's choice, if any
+        self.previous: set[str] = set()  # the candidates that proposed last round (caught up, if they run a model)
         self.probing = False  # whether the chosen candidate drafts as a probe (it sat out too long), not on its price
         self.parts: dict[str, Proposal] = {}  # what each candidate proposed this round (two for a merged one)
         self.draft_s = 0.0
@@ -95,17 +112,20 @@ class Auto(Drafter):
     def verify_time(self, costs: dict, nodes: float, others: int) -> float:
         return self.scale[0] * marginal_time(costs, round(1 + nodes), others)
 
+    def plain_rate(self, costs: dict, others: int) -> float:
+        return (1 - self.margin) / self.verify_time(costs, 0, others)
+
     def rate(self, name: str, costs: dict, others: int, nodes: float | None = None) -> float:
         r = self.records[name]
         return (1 + r.accepted) / (r.draft_s + self.verify_time(costs, r.nodes if nodes is None else nodes, others))
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
         t0 = time.perf_counter()
-        self.chosen, self.parts = AR, {}
+        self.chosen, self.parts, self.model_run = AR, {}, None
         self.costs_now = costs = at_context(self.costs, len(seq))
         if room > 0:
             offers = {name: d.propose(s, seq, room) for name, d in self.candidates.items() if d.free}
-            rates = {AR: 1.0 / self.verify_time(costs, 0, s.others)}
+            rates = {AR: self.plain_rate(costs, s.others)}
             size = {name: build_tree(seq[-1], offer.paths).size - 1 for name, offer in offers.items() if offer.paths}
             for name, d in self.candidates.items():
                 if not d.free:
@@ -119,11 +139,12 @@ class Auto(Drafter):
             for name in able:
                 self.idle[name] += 1
             every = self.probe * (1 + s.others)  # in a batch a probe slows every request: probe that much less often
-            stale = [name for name in able if self.idle[name] > every * self.records[name].backoff]
+            stale = [name for name in able if self.idle[name] > every * self.backoff[name]]
             self.chosen = max(stale, key=self.idle.__getitem__) if stale else max(rates, key=rates.__getitem__)
             self.probing = bool(stale)
             model_run, free = self.merged.get(self.chosen, (AR, self.chosen) if self.chosen in offers else (self.chosen, None))
             if model_run != AR:
+                self.model_run = model_run
                 self.parts = {model_run: self.candidates[model_run].propose(s, seq, room)}
             if free is not None:
                 offer = offers[free]
@@ -145,14 +166,18 @@ class Auto(Drafter):
             d.observe(s, seq, self.parts.get(name, Proposal()), step)
         if self.chosen != AR:
             record = self.records[self.chosen]
-            record.update(self.decay, step.accepted, self.draft_s, step.drafted)
+            steady = self.model_run is None or self.model_run in self.previous  # caught up on one round, not on many
+            own = self.parts.get(self.chosen)  # a single candidate's proposal (a merged one's figures are the round's)
+            accepted = own.expected if own is not None and own.expected is not None else step.accepted
+            record.update(self.decay, accepted, self.draft_s if steady else None, step.drafted)
             self.idle[self.chosen] = 0
             if self.probing:  # judged by the prices every choice uses: did this round beat plain decoding's rate?
-                costs = self.costs_now
-                paid = len(step.tokens) / (self.draft_s + self.verify_time(costs, step.drafted, s.others)) >= 1.0 / self.verify_time(costs, 0, s.others)
-                record.backoff = 1 if paid else min(MAX_BACKOFF, 2 * record.backoff)
+                costs, draft_s = self.costs_now, self.draft_s if steady else record.draft_s
+                paid = (1 + accepted) / (draft_s + self.verify_time(costs, step.drafted, s.others)) >= self.plain_rate(costs, s.others)
+                self.backoff[self.chosen] = 1 if paid else min(MAX_BACKOFF, 2 * self.backoff[self.chosen])
             elif step.accepted:
-                record.backoff = 1
+                self.backoff[self.chosen] = 1
+        self.previous = set(self.parts)
         add(s.stats.extra, **{f"auto_{self.chosen}_rounds": 1, f"auto_{self.chosen}_tokens": len(step.tokens)})
         s.stats.extra["auto_chunks"].append([self.chosen, len(step.tokens)])  # JSON-shaped: records round-trip
 

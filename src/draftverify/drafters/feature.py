@@ -23,10 +23,15 @@ Calibration. EAGLE-2 takes the draft's probability of a token as its chance of a
 head trained to match the target's whole distribution is underconfident for greedy decoding,
 which accepts the target's argmax however flat the distribution (on SmolLM2 the top draft
 probability is mostly 0.05-0.45 while nearly 40% of top guesses are accepted), and a raw
-probability then says no tree pays. So every verified tree is scored: each drafted node whose
-parent was accepted counts, in the bin of the head's probability for it, as accepted or not;
-a node's chance is its bin's acceptance rate (starting from the probability itself, 4 rounds'
-worth). The counts are kept per head and sampling setting for the process (`acceptance`).
+probability then says no tree pays. So every round is scored: each node the head valued (kept
+in the tree or not) whose parent lies on the emitted tokens counts, in the bin of the head's
+probability for it, as right if it is the emitted token that follows its parent, or wrong. The
+emitted tokens are the target's (greedy: its argmax; sampling: distributed as its distribution,
+so a token's chance of being emitted is its chance of being accepted), so nodes that were never
+verified are scored as truly as verified ones. Scoring only the verified nodes would let a bin
+that starts unlucky stay shut: its nodes would not be drafted again, so never scored again. A
+node's chance is its bin's rate (starting from the probability itself, 4 rounds' worth). The
+counts are kept per head and sampling setting for the process (`acceptance`).
 
 The candidates are deterministic guesses (no q): greedy decoding accepts the child that equals
 the target's argmax, sampled decoding verifies them by multi-draft rejection sampling
@@ -61,7 +66,7 @@ BINS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8)  # upper edges of the draft-p
 
 
 class Acceptance:
-    """How often a drafted token is accepted after an accepted parent, by bin of the head's probability for it."""
+    """How often the head's token is the target's after a parent on the target's path, by bin of the head's probability for it."""
 
     def __init__(self, prior: float = 4.0, memory: float = 400.0):
         edges = (0.0, *BINS, 1.0)
@@ -101,7 +106,8 @@ class FeatureHead(Drafter):
         self.device = head.fc.weight.device
         self.cache: HeadCache | None = None
         self.pending: list[tuple[torch.Tensor, list[int], int]] = []  # rounds not fed yet: features, next tokens, first position
-        self.drafted: dict[tuple[int, ...], float] = {}  # this round's tree: path -> the head's probability for its last token
+        self.valued: dict[tuple[int, ...], float] = {}  # this round's nodes: path -> the head's probability for its last token
+        self.expected = 0.0  # this round's tree: the tokens the target is expected to accept (its nodes' values, summed)
         self.calibration: Acceptance | None = None
 
     def start(self, s: Session, seq: list[int], hidden: torch.Tensor | None = None) -> None:
@@ -120,9 +126,10 @@ class FeatureHead(Drafter):
         out = self.cache.forward(features.to(self.head.fc.weight.dtype), ids, torch.arange(first, first + len(ids), device=self.device))
         s.stats.draft_forwards += 1
         committed = self.cache.length
+        self.expected = 0.0
         paths = self.expand(s, out[-1], len(seq) - 1, min(room, self.depth)) if room > 0 else []
         self.cache.crop(committed)
-        return Proposal(paths, hidden=True)
+        return Proposal(paths, hidden=True, expected=self.expected)
 
     @torch.inference_mode()
     def expand(self, s: Session, root_feature: torch.Tensor, root: int, depth: int) -> list[list[int]]:
@@ -135,6 +142,7 @@ class FeatureHead(Drafter):
         parents: list[int] = []  # -1: the root
         values: list[float] = []  # the chance the target accepts the path: calibrated draft probabilities, multiplied
         local: list[float] = []  # the head's probability for the node's token after its parent
+        paths: list[tuple[int, ...]] = []  # the tokens from the root's first child to the node
         slot: dict[int, int] = {}  # node -> its entry in the head cache, once fed
         feature = {-1: root_feature}  # node -> the head's predicted feature after it, once fed
 
@@ -150,6 +158,7 @@ class FeatureHead(Drafter):
                     tokens.append(token)
                     parents.append(node)
                     local.append(p)
+                    paths.append((paths[node] if node >= 0 else ()) + (token,))
                     values.append(above * self.calibration(p))
                     new.append(len(tokens) - 1)
             return new
@@ -181,10 +190,10 @@ class FeatureHead(Drafter):
             level = children(out, chosen)
             self.expand_s = 0.8 * self.expand_s + 0.2 * (time.perf_counter() - t0)
         keep = self.best_nodes(parents, values, times)
-        path = {n: tuple(tokens[a] for a in [n, *_ancestors(n, parents)][::-1]) for n in keep}
-        self.drafted = {path[n]: local[n] for n in keep}
+        self.valued = dict(zip(paths, local))
+        self.expected = sum(values[n] for n in keep)
         leaves = [n for n in keep if not any(parents[c] == n for c in keep)]
-        return [list(path[leaf]) for leaf in sorted(leaves, key=lambda n: -values[n])]
+        return [list(paths[leaf]) for leaf in sorted(leaves, key=lambda n: -values[n])]
 
     def best_nodes(self, parents: list[int], values: list[float], times: list[float]) -> set[int]:
         """The n most valuable nodes (a tree), n the most expected tokens per second of the target or `nodes`;
@@ -202,14 +211,14 @@ class FeatureHead(Drafter):
 
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
         """Queue the round's true features (the root's position and the accepted nodes'), whoever drafted it: a
-        round the head sat out (`auto` chose another drafter) is fed with the next one it drafts. Score the head's
-        own tree for the calibration: every node whose parent was accepted, accepted or not."""
+        round the head sat out (`auto` chose another drafter) is fed with the next one it drafts. Score the nodes
+        the head valued for the calibration: each whose parent lies on the emitted tokens, right or wrong."""
         self.pending.append((step.hidden, step.tokens, len(seq) - 1))
-        accepted = tuple(step.tokens[: step.accepted])
-        for path, p in self.drafted.items():
-            if path[:-1] == accepted[: len(path) - 1]:
-                self.calibration.record(p, path == accepted[: len(path)])
-        self.drafted = {}
+        emitted = tuple(step.tokens)
+        for path, p in self.valued.items():
+            if len(path) <= len(emitted) and path[:-1] == emitted[: len(path) - 1]:
+                self.calibration.record(p, path[-1] == emitted[len(path) - 1])
+        self.valued = {}
 
     def finish(self, s: Session) -> None:
         self.cache, self.pending = None, []

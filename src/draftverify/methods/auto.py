@@ -7,7 +7,8 @@ second (`drafters.auto.Auto`: the measured cost curve, and each candidate's acce
 time so far in this request, starting from the earlier requests'), or with none (a plain target
 step) when nothing pays. The candidates are those the engine has:
 
-- `head`: the feature head's EAGLE-2 tree (`speculative` with a head), when there is a head;
+- `head`: the feature head's draft (`speculative:chain` with a head; `width` > 1: its EAGLE-2 tree), when
+  there is a head;
 - `draft`: the draft model's chain under the cost policy (`speculative` with a draft model),
   by default only when there is no head (on the default model the head drafts better and at a
   tenth of the cost);
@@ -55,7 +56,12 @@ class AutoConfig:
     merge: also weigh each model-run candidate's tree merged with a free candidate's offer (`head+context`),
        verified in one forward and priced by figures of its own.
     depth, width: the head's tree (`speculative`'s k and width): at most `depth` tokens deep, `width` children per
-       expanded node (1 = a chain); its size still follows the cost curve.
+       expanded node (1 = a chain); its size still follows the cost curve. A chain by default: in auto's rounds
+       it was as fast or faster than the tree on the dev prompts (a tree's wider expansions cost drafting time
+       that its extra candidates rarely repay on this CPU), see the module docstring.
+    margin: plain decoding drafts nothing only where it is faster than every candidate by more than this
+       fraction of its rate: a drafted round tells auto what its drafter is worth now, a plain round tells it
+       nothing, and a drafter that sat out pays a catch-up when it comes back.
     Each request starts from the figures the earlier requests of the same method instance left (the engine keeps
     one instance per spec; the bench's `warm=false` makes a fresh one per generation).
     """
@@ -65,13 +71,15 @@ class AutoConfig:
     decay: float = 0.7
     merge: bool = True
     depth: int = 6
-    width: int = 8
+    width: int = 1
+    margin: float = 0.1
 
     def __post_init__(self):
         unknown = next((c for c in self.names() if c not in CANDIDATES), None)
         require(unknown is None, f"unknown auto candidate {unknown!r}: use some of {', '.join(CANDIDATES)} joined by '+', e.g. use=head+context")
         require(self.probe >= 1, f"probe={self.probe} must be at least 1")
         require(0 <= self.decay < 1, f"decay={self.decay} must lie in [0, 1)")
+        require(0 <= self.margin < 1, f"margin={self.margin} must lie in [0, 1)")
         require(1 <= self.depth <= 64 and 1 <= self.width <= 64, f"depth={self.depth} and width={self.width} must lie in 1..64")
 
     def names(self) -> list[str]:
@@ -109,4 +117,4 @@ class Auto(Method):
 
     def drafter(self, s: Session) -> Drafter:
         return AutoDrafter(self.candidates(s), curve(self.target, widths=TREE_WIDTHS), self.records, self.scale,
-                           self.config.probe, self.config.decay, self.config.merge)
+                           self.config.probe, self.config.decay, self.config.merge, self.config.margin)
