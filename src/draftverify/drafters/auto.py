@@ -69,14 +69,16 @@ class Record:
     """Running means of what one candidate earned per round it drafted (`decay`: the old rounds' weight)."""
 
     accepted: float = 1.0  # candidate tokens accepted (the prior is optimistic, so every candidate is tried)
-    draft_s: float = 0.0  # seconds drafting
+    draft_s: float = 0.0  # seconds drafting (until a round is timed: nothing; the first timed round sets it)
     nodes: float = 4.0  # candidate tokens verified
+    timed: bool = False  # whether a round has set `draft_s`
 
     def update(self, decay: float, accepted: float, draft_s: float | None, nodes: int) -> None:
         """`draft_s` None: this round's drafting time says nothing of a round's (see the module docstring)."""
         self.accepted = decay * self.accepted + (1 - decay) * accepted
         if draft_s is not None:
-            self.draft_s = decay * self.draft_s + (1 - decay) * draft_s
+            self.draft_s = decay * self.draft_s + (1 - decay) * draft_s if self.timed else draft_s
+            self.timed = True
         self.nodes = decay * self.nodes + (1 - decay) * nodes
 
 
