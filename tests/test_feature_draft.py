@@ -150,7 +150,7 @@ def test_calibration_scores_every_valued_node_against_the_emitted_tokens(tiny):
     drafter = FeatureHead(random_head(target), Runner(target.model))
     drafter.calibration = Acceptance(prior=0.0)
     drafter.pending = []
-    drafter.valued = {(5,): 0.35, (7,): 0.35, (5, 9): 0.7, (7, 1): 0.7, (5, 9, 3): 0.7}
+    drafter.valued = {(): [(5, 0.35), (7, 0.35)], (5,): [(9, 0.7)], (7,): [(1, 0.7)], (5, 9): [(3, 0.7)]}  # parent -> children
     drafter.observe(None, [1, 2], None, SimpleNamespace(hidden=None, tokens=[5, 9]))  # the target emitted 5 then 9
     bins = drafter.calibration
     assert bins(0.35) == 0.5 and bins(0.7) == 1.0  # (5,) right, (7,) wrong; (5, 9) right; (7, 1) and (5, 9, 3) unknown

@@ -106,7 +106,7 @@ class FeatureHead(Drafter):
         self.device = head.fc.weight.device
         self.cache: HeadCache | None = None
         self.pending: list[tuple[torch.Tensor, list[int], int]] = []  # rounds not fed yet: features, next tokens, first position
-        self.valued: dict[tuple[int, ...], float] = {}  # this round's nodes: path -> the head's probability for its last token
+        self.valued: dict[tuple[int, ...], list[tuple[int, float]]] = {}  # this round's nodes: parent's path -> (token, head's probability)
         self.expected = 0.0  # this round's tree: the tokens the target is expected to accept (its nodes' values, summed)
         self.calibration: Acceptance | None = None
 
@@ -153,12 +153,14 @@ class FeatureHead(Drafter):
             top = (top - logits.logsumexp(-1, keepdim=True)).exp()  # their probabilities (no softmax of all N)
             new = []
             for node, row_tokens, row_probs in zip(nodes, self.vocab[idx].tolist(), top.tolist()):
-                above = values[node] if node >= 0 else 1.0
+                above, path = (values[node], paths[node]) if node >= 0 else (1.0, ())
+                guesses = self.valued.setdefault(path, [])
                 for token, p in zip(row_tokens, row_probs):
                     tokens.append(token)
                     parents.append(node)
                     local.append(p)
-                    paths.append((paths[node] if node >= 0 else ()) + (token,))
+                    paths.append(path + (token,))
+                    guesses.append((token, p))
                     values.append(above * self.calibration(p))
                     new.append(len(tokens) - 1)
             return new
@@ -190,7 +192,6 @@ class FeatureHead(Drafter):
             level = children(out, chosen)
             self.expand_s = 0.8 * self.expand_s + 0.2 * (time.perf_counter() - t0)
         keep = self.best_nodes(parents, values, times)
-        self.valued = dict(zip(paths, local))
         self.expected = sum(values[n] for n in keep)
         leaves = [n for n in keep if not any(parents[c] == n for c in keep)]
         return [list(paths[leaf]) for leaf in sorted(leaves, key=lambda n: -values[n])]
@@ -215,9 +216,9 @@ class FeatureHead(Drafter):
         the head valued for the calibration: each whose parent lies on the emitted tokens, right or wrong."""
         self.pending.append((step.hidden, step.tokens, len(seq) - 1))
         emitted = tuple(step.tokens)
-        for path, p in self.valued.items():
-            if len(path) <= len(emitted) and path[:-1] == emitted[: len(path) - 1]:
-                self.calibration.record(p, path[-1] == emitted[len(path) - 1])
+        for d, token in enumerate(emitted):  # the children of each emitted prefix (the root's first)
+            for guess, p in self.valued.get(emitted[:d], ()):
+                self.calibration.record(p, guess == token)
         self.valued = {}
 
     def finish(self, s: Session) -> None:
