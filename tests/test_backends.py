@@ -260,6 +260,38 @@ def test_attention_kernel_matches_fp64_and_gives_each_row_the_same_bits_at_any_r
             assert torch.equal(alone[0], kernel.attention(q, keys, values, past + n, mask, 0.125)[r])
 
 
+def test_attention_kernel_gives_a_tree_token_the_bits_of_its_one_token_step_across_key_chunks():
+    """The kernel cuts each row's keys into chunks of 128 and merges them: a tree token whose ancestors sit at
+    scattered slots (verification) gets the same bits as the one-token step that attends the same keys after
+    `select` packed them (decoding), also where the gaps straddle a chunk boundary."""
+    from draftverify.kernels import cpu, unavailable
+
+    kernel = cpu()
+    if kernel is None:
+        pytest.skip(unavailable())
+    torch.manual_seed(2)
+    heads, kv, d, ancestors, n = 9, 3, 64, [1, 3, 6], 7
+    no_mask = torch.empty(0, dtype=torch.bool)
+    for past in (100, 125, 126, 127, 128, 254, 383, 700):
+        keys, values = torch.randn(kv, past + n + 2, d), torch.randn(kv, past + n + 2, d)
+        q = torch.randn(n, heads, d)
+        mask = torch.zeros(n, past + n, dtype=torch.bool)
+        mask[:, :past] = True
+        mask[:, past:] |= torch.eye(n, dtype=torch.bool)
+        mask[n - 1, [past + a for a in ancestors]] = True  # the last token's path: slots past+1, past+3, past+6 (itself)
+        tree = kernel.attention(q, keys, values, past + n, mask, 0.125)
+        packed_keys, packed_values = keys.clone(), values.clone()
+        for slot, a in enumerate(ancestors):
+            packed_keys[:, past + slot], packed_values[:, past + slot] = keys[:, past + a], values[:, past + a]
+        step = kernel.attention(q[n - 1 :], packed_keys, packed_values, past + len(ancestors), no_mask, 0.125)
+        assert torch.equal(step[0], tree[n - 1]), past
+        for r in range(n - 1):  # a chain token: its one-token step sees the prefix and itself
+            chain_keys, chain_values = keys.clone(), values.clone()
+            chain_keys[:, past], chain_values[:, past] = keys[:, past + r], values[:, past + r]
+            alone = kernel.attention(q[r : r + 1], chain_keys, chain_values, past + 1, no_mask, 0.125)
+            assert torch.equal(alone[0], tree[r]), (past, r)
+
+
 def test_rope_attention_kernel_equals_rotation_cache_writes_and_attention():
     """cpu.cpp's rope_attention (the static path's layer step for few tokens) against the Python formula:
     q and k rotated (rotate-half), k and v stored at the cache slots past.., then the attention kernel."""

@@ -91,6 +91,36 @@ struct V16 {
   static V16 mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
   static V16 add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
   static float sum(V16 a) { return _mm512_reduce_add_ps(a.v); }
+  static V16 sub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  static V16 max(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+  static float max_lane(V16 a) { return _mm512_reduce_max_ps(a.v); }
+  static V16 first(V16 a, int k, float fill) {  // lanes k.. set to fill
+    return {_mm512_mask_blend_ps(static_cast<__mmask16>((1u << k) - 1), _mm512_set1_ps(fill), a.v)};
+  }
+  static V16 scale2(V16 p, V16 n) {  // p * 2^n, n whole
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23);
+    return {_mm512_mul_ps(p.v, _mm512_castsi512_ps(bits))};
+  }
+  // Lane k: the sum of x[k]'s lanes, by the same tree for every k: (i + i+8), then (+ i+4), (+ i+2), (+ i+1).
+  static V16 sums16(const V16* x) {
+    __m512 l1[8], l2[4], l3[2];
+    for (int p = 0; p < 8; ++p) {  // 128-bit blocks [a0 a1 b0 b1] + [a2 a3 b2 b3]
+      const __m512 a = x[2 * p].v, b = x[2 * p + 1].v;
+      l1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int p = 0; p < 4; ++p) {  // [u0 u2 w0 w2] + [u1 u3 w1 w3]: one block per vector
+      const __m512 u = l1[2 * p], w = l1[2 * p + 1];
+      l2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(u, w, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(u, w, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    for (int p = 0; p < 2; ++p) {  // within blocks: [s0 s1 t0 t1] + [s2 s3 t2 t3]
+      const __m512d s = _mm512_castps_pd(l2[2 * p]), t = _mm512_castps_pd(l2[2 * p + 1]);
+      l3[p] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(s, t)), _mm512_castpd_ps(_mm512_unpackhi_pd(s, t)));
+    }
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    // lane 4 k + m holds x[k + 4 m]
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return {_mm512_permutexvar_ps(order, r)};
+  }
   // q4: 16 bytes -> lanes q_0..15 (low nibbles) and q_16..31 (high nibbles)
   static void nibbles(const uint8_t* p, V16& lo, V16& hi) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -114,6 +144,46 @@ struct V16 {
   static float sum(V16 x) {
     const __m256 z = _mm256_setzero_ps();
     return hsum4(x.a, x.b, z, z);
+  }
+  static V16 sub(V16 x, V16 y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
+  static V16 max(V16 x, V16 y) { return {_mm256_max_ps(x.a, y.a), _mm256_max_ps(x.b, y.b)}; }
+  static float max_lane(V16 x) {
+    __m256 m = _mm256_max_ps(x.a, x.b);
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static V16 first(V16 x, int k, float fill) {  // lanes k.. set to fill
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 f = _mm256_set1_ps(fill);
+    const __m256 keep_a = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(k), lane));
+    const __m256 keep_b = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(k - 8), lane));
+    return {_mm256_blendv_ps(f, x.a, keep_a), _mm256_blendv_ps(f, x.b, keep_b)};
+  }
+  static V16 scale2(V16 p, V16 n) {  // p * 2^n, n whole
+    const __m256i e = _mm256_set1_epi32(127);
+    const __m256i ba = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.a), e), 23);
+    const __m256i bb = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.b), e), 23);
+    return {_mm256_mul_ps(p.a, _mm256_castsi256_ps(ba)), _mm256_mul_ps(p.b, _mm256_castsi256_ps(bb))};
+  }
+  // Lane k: the sum of x[k]'s lanes, by the same tree for every k: (i + i+8), then (+ i+4), (+ i+2), (+ i+1).
+  static V16 sums16(const V16* x) {
+    __m256 out[2];
+    for (int half = 0; half < 2; ++half) {
+      __m256 y[8], z[4], w[2];
+      for (int k = 0; k < 8; ++k) y[k] = _mm256_add_ps(x[8 * half + k].a, x[8 * half + k].b);
+      for (int p = 0; p < 4; ++p)  // [y0 lo | y1 lo] + [y0 hi | y1 hi]
+        z[p] = _mm256_add_ps(_mm256_permute2f128_ps(y[2 * p], y[2 * p + 1], 0x20), _mm256_permute2f128_ps(y[2 * p], y[2 * p + 1], 0x31));
+      for (int p = 0; p < 2; ++p) {  // within 128-bit halves: [s0 s1 t0 t1] + [s2 s3 t2 t3]
+        const __m256d s = _mm256_castps_pd(z[2 * p]), t = _mm256_castps_pd(z[2 * p + 1]);
+        w[p] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(s, t)), _mm256_castpd_ps(_mm256_unpackhi_pd(s, t)));
+      }
+      const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+      // lanes hold y0 y2 y4 y6 | y1 y3 y5 y7
+      out[half] = _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    }
+    return {out[0], out[1]};
   }
   static void nibbles(const uint8_t* p, V16& lo, V16& hi) {
     const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -192,11 +262,18 @@ void quant_block(const float* x, const Quant& w, float* y, int64_t M, int64_t K,
 }
 
 
-// ---- Attention of a few new tokens against one layer's static cache: for each query row and head, the
-// scores against every allowed key, a softmax, the weighted sum of the values. Each (row, head) is
-// computed alone, in a fixed order, so a token's attention output does not depend on how many tokens
-// came with it (as for the quantized product), and one kernel call replaces the ~6 small ops of the
-// stock formula (two bmm, scale, softmax, casts; or SDPA), whose fixed costs dominate at decoding sizes.
+// ---- Attention of a few new tokens against one layer's static cache. Each query row's allowed keys, in slot
+// order, are cut into chunks of kChunk (its keys 0..kChunk-1, kChunk..2 kChunk-1, ...: counted over the keys the
+// row may attend, so a tree's gaps or the masked keys after a row change no chunk). For each row, head and chunk:
+// the scores against the chunk's keys, their maximum m, l = sum e^(s - m) and the unnormalised sum of e^(s - m) v;
+// then the chunks are merged in order (out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c). Every (row, head) is
+// so computed alone, in a fixed order over the same keys, so a token's attention output does not depend on how many
+// tokens came with it or where in the cache its ancestors sit (as for the quantized product). All rows go chunk by
+// chunk, so a chunk's keys and values come from memory once and serve every row from L1 (each row used to stream
+// the whole cache again: ~1 ms a row at 1,500 cached tokens on SmolLM2), and the threads share out chunks rather
+// than the few kv heads. One kernel call replaces the ~6 small ops of the stock formula (two bmm, scale, softmax,
+// casts; or SDPA), whose fixed costs dominate at decoding sizes.
+constexpr int64_t kChunk = 128;
 
 // e^x for x <= 0 (a softmax's shifted scores): Cephes' polynomial on x - n ln2, scaled by 2^n; within
 // about 1 ulp of expf. Plain float arithmetic, which the compiler vectorises.
@@ -218,50 +295,69 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// G query heads (d = 16 * C floats each, consecutive in q and out) that read the same keys/values [S, d];
-// allowed: S flags or null (all). Each head's sums are formed the same way for any G.
+// exp_nonpositive on 16 lanes (the same polynomial, in vector arithmetic).
+inline V16 exp_nonpositive(V16 x) {
+  x = V16::max(x, V16::set1(-87.0f));
+  const V16 n = V16::sub(V16::add(V16::mul(x, V16::set1(1.44269504088896341f)), V16::set1(12582912.0f)), V16::set1(12582912.0f));
+  V16 r = V16::fma(n, V16::set1(-0.693359375f), x);
+  r = V16::fma(n, V16::set1(2.12194440e-4f), r);
+  V16 p = V16::set1(1.9875691500e-4f);
+  p = V16::fma(p, r, V16::set1(1.3981999507e-3f));
+  p = V16::fma(p, r, V16::set1(8.3334519073e-3f));
+  p = V16::fma(p, r, V16::set1(4.1665795894e-2f));
+  p = V16::fma(p, r, V16::set1(1.6666665459e-1f));
+  p = V16::fma(p, r, V16::set1(5.0000001201e-1f));
+  p = V16::add(V16::fma(V16::mul(p, r), r, r), V16::set1(1.0f));
+  return V16::scale2(p, n);
+}
+
+// G query heads (d = 16 * C floats each, consecutive in q) that read the same keys/values [S, d], over one chunk:
+// the slots idx[0..count) (count <= kChunk; idx padded to a multiple of 16 with repeats of its last slot). Writes
+// each head's partial: top[g] (the chunk's largest score), total[g] and acc (G * d floats, unnormalised). The
+// scores go 16 keys at a time (`sums16`: one transposing sum instead of 16 horizontal ones); a key's score, like
+// every sum here, is formed the same way wherever the key sits in its 16 and for any G.
 template <int C, int G>
-void attend(const float* q, const float* keys, const float* values, const bool* allowed, int64_t S, float scale,
-            float* scores, float* out) {  // scores: G * S floats of scratch
-  V16 qv[G][C];
-  float top[G];
+void attend_chunk(const float* q, const float* keys, const float* values, const int64_t* idx, int64_t count,
+                  float scale, float* top, float* total, float* out) {
+  alignas(64) float scores[G][kChunk];
+  const int64_t blocks = (count + 15) / 16;
   for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < C; ++c) qv[g][c] = V16::load(q + g * 16 * C + 16 * c);
-    top[g] = -INFINITY;
-  }
-  for (int64_t j = 0; j < S; ++j) {
-    if (allowed && !allowed[j]) continue;
-    const float* k = keys + j * 16 * C;
-    V16 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = V16::load(k + 16 * c);
-    for (int g = 0; g < G; ++g) {
-      V16 acc = V16::mul(qv[g][0], kv[0]);
-      for (int c = 1; c < C; ++c) acc = V16::fma(qv[g][c], kv[c], acc);
-      const float sj = V16::sum(acc) * scale;
-      scores[g * S + j] = sj;
-      top[g] = sj > top[g] ? sj : top[g];
+    V16 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = V16::load(q + g * 16 * C + 16 * c);
+    V16 best = V16::set1(-INFINITY);
+    for (int64_t b = 0; b < blocks; ++b) {
+      V16 dots[16];
+      for (int k = 0; k < 16; ++k) {
+        const float* key = keys + idx[16 * b + k] * 16 * C;
+        V16 acc = V16::mul(qv[0], V16::load(key));
+        for (int c = 1; c < C; ++c) acc = V16::fma(qv[c], V16::load(key + 16 * c), acc);
+        dots[k] = acc;
+      }
+      const int valid = static_cast<int>(std::min<int64_t>(16, count - 16 * b));
+      const V16 s = V16::first(V16::mul(V16::sums16(dots), V16::set1(scale)), valid, -INFINITY);
+      s.store(scores[g] + 16 * b);
+      best = V16::max(best, s);
     }
-  }
-  float inv[G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = scores + g * S;
-    float total = 0.0f;
-    for (int64_t j = 0; j < S; ++j) {
-      sg[j] = allowed && !allowed[j] ? 0.0f : exp_nonpositive(sg[j] - top[g]);
-      total += sg[j];
+    top[g] = V16::max_lane(best);
+    const V16 shift = V16::set1(top[g]);
+    V16 sum = V16::zero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int valid = static_cast<int>(std::min<int64_t>(16, count - 16 * b));
+      const V16 e = V16::first(exp_nonpositive(V16::sub(V16::load(scores[g] + 16 * b), shift)), valid, 0.0f);
+      e.store(scores[g] + 16 * b);
+      sum = V16::add(sum, e);
     }
-    inv[g] = 1.0f / total;
+    total[g] = V16::sum(sum);
   }
   V16 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = V16::zero();
-  for (int64_t j = 0; j < S; ++j) {
-    if (allowed && !allowed[j]) continue;
-    const float* v = values + j * 16 * C;
+  for (int64_t a = 0; a < count; ++a) {
+    const float* v = values + idx[a] * 16 * C;
     V16 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = V16::load(v + 16 * c);
     for (int g = 0; g < G; ++g) {
-      const V16 pj = V16::set1(scores[g * S + j] * inv[g]);
+      const V16 pj = V16::set1(scores[g][a]);
       for (int c = 0; c < C; ++c) acc[g][c] = V16::fma(pj, vv[c], acc[g][c]);
     }
   }
@@ -269,18 +365,18 @@ void attend(const float* q, const float* keys, const float* values, const bool* 
     for (int c = 0; c < C; ++c) acc[g][c].store(out + g * 16 * C + 16 * c);
 }
 
-// The heads of one kv group (`group` of them) for one query row, up to kHeadsAtOnce at a time (scores:
-// kHeadsAtOnce * S floats of scratch).
+// The heads of one kv group (`group` of them) for one query row and one chunk, up to kHeadsAtOnce at a time.
 constexpr int kHeadsAtOnce = 3;
 
 template <int C>
-void attend_group(const float* q, const float* keys, const float* values, const bool* allowed, int64_t S, float scale,
-                  float* scores, float* out, int64_t group) {
+void attend_group(const float* q, const float* keys, const float* values, const int64_t* idx, int64_t count, float scale,
+                  float* top, float* total, float* out, int64_t group) {
   const int64_t d = 16 * C;
   int64_t h = 0;
-  for (; h + kHeadsAtOnce <= group; h += kHeadsAtOnce) attend<C, kHeadsAtOnce>(q + h * d, keys, values, allowed, S, scale, scores, out + h * d);
-  for (; h + 2 <= group; h += 2) attend<C, 2>(q + h * d, keys, values, allowed, S, scale, scores, out + h * d);
-  for (; h < group; ++h) attend<C, 1>(q + h * d, keys, values, allowed, S, scale, scores, out + h * d);
+  for (; h + kHeadsAtOnce <= group; h += kHeadsAtOnce)
+    attend_chunk<C, kHeadsAtOnce>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
+  for (; h + 2 <= group; h += 2) attend_chunk<C, 2>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
+  for (; h < group; ++h) attend_chunk<C, 1>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
 }
 
 }  // namespace
@@ -350,20 +446,84 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
   float* op = out.data_ptr<float>();
   const int64_t group = H / kv, row_stride = q.stride(0);
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, n * kv, 1, [&](int64_t t0, int64_t t1) {  // one task: a query row's heads of one kv head
-    std::vector<float> scores(kHeadsAtOnce * S);
+  // Each row's chunks: chunk c of row i is slots bounds[i][c]..bounds[i][c + 1] - 1, holding kChunk of its allowed keys
+  // (the last one the rest); a row with fewer chunks than `chunks` has empty ones at the end.
+  std::vector<std::vector<int64_t>> bounds(n);
+  int64_t chunks = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<int64_t>& b = bounds[i];
+    b.push_back(0);
+    if (!mp) {
+      for (int64_t j = kChunk; j < S; j += kChunk) b.push_back(j);
+    } else {
+      const bool* allowed = mp + i * S;
+      int64_t count = 0;
+      for (int64_t j = 0; j < S; ++j)
+        if (allowed[j] && ++count % kChunk == 0) b.push_back(j + 1);
+      if (count % kChunk == 0) b.pop_back();  // the last boundary closes the last chunk: S does
+    }
+    b.push_back(S);
+    chunks = std::max<int64_t>(chunks, b.size() - 1);
+  }
+  // Partials per (row, chunk, head) of the rows with more than one chunk: top, total, acc [d] (a kv group's heads
+  // together); a row with one chunk is normalised where it is computed (the merge of one chunk, e^0 = 1, is that).
+  std::vector<float> tops(n * chunks * H), totals(n * chunks * H), accs(chunks > 1 ? n * chunks * H * d : 0);
+  // One task: a kv group's heads over one chunk for one row. Consecutive tasks share the chunk, which stays in
+  // L1 from one row to the next.
+  at::parallel_for(0, kv * chunks * n, 1, [&](int64_t t0, int64_t t1) {
+    int64_t idx[kChunk];
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t i = t / kv, g = t % kv;
-      const float* qh = qp + i * row_stride + g * group * d;
-      const bool* allowed = mp ? mp + i * S : nullptr;
-      float* o = op + i * H * d + g * group * d;
-      const float *kg = kp + g * cap * d, *vg = vp + g * cap * d;
-      switch (d) {
-        case 16: attend_group<1>(qh, kg, vg, allowed, S, sc, scores.data(), o, group); break;
-        case 32: attend_group<2>(qh, kg, vg, allowed, S, sc, scores.data(), o, group); break;
-        case 64: attend_group<4>(qh, kg, vg, allowed, S, sc, scores.data(), o, group); break;
-        default: attend_group<8>(qh, kg, vg, allowed, S, sc, scores.data(), o, group); break;
+      const int64_t g = t / (chunks * n), c = (t / n) % chunks, i = t % n;
+      const std::vector<int64_t>& b = bounds[i];
+      const int64_t slot = (i * chunks + c) * H + g * group, mine = static_cast<int64_t>(b.size()) - 1;
+      int64_t count = 0;
+      if (c < mine) {
+        const bool* allowed = mp ? mp + i * S : nullptr;
+        for (int64_t j = b[c]; j < b[c + 1]; ++j)
+          if (!allowed || allowed[j]) idx[count++] = j;
       }
+      if (count == 0) {  // no key of this chunk for this row
+        std::fill(&tops[slot], &tops[slot + group], -INFINITY);
+        continue;
+      }
+      for (int64_t a = count; a % 16; ++a) idx[a] = idx[count - 1];
+      const float* qh = qp + i * row_stride + g * group * d;
+      const float *kg = kp + g * cap * d, *vg = vp + g * cap * d;
+      float* acc = mine == 1 ? op + i * H * d + g * group * d : &accs[slot * d];
+      switch (d) {
+        case 16: attend_group<1>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
+        case 32: attend_group<2>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
+        case 64: attend_group<4>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
+        default: attend_group<8>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
+      }
+      if (mine == 1)
+        for (int64_t h = 0; h < group; ++h) {
+          const float inv = 1.0f / totals[slot + h];
+          for (int64_t e = 0; e < d; ++e) acc[h * d + e] *= inv;
+        }
+    }
+  });
+  if (chunks == 1) return out;
+  // Each (row, head) of more than one chunk: its chunks merged in order.
+  at::parallel_for(0, n * H, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t i = r / H, h = r % H, mine = static_cast<int64_t>(bounds[i].size()) - 1;
+      if (mine == 1) continue;
+      float M = -INFINITY;
+      for (int64_t c = 0; c < mine; ++c) M = std::max(M, tops[(i * chunks + c) * H + h]);
+      float* o = op + i * H * d + h * d;
+      std::fill(o, o + d, 0.0f);
+      float L = 0.0f;
+      for (int64_t c = 0; c < mine; ++c) {
+        const int64_t slot = (i * chunks + c) * H + h;
+        if (tops[slot] == -INFINITY) continue;  // no key of this chunk for this row
+        const float w = exp_nonpositive(tops[slot] - M);
+        L += w * totals[slot];
+        const float* a = &accs[slot * d];
+        for (int64_t e = 0; e < d; ++e) o[e] += w * a[e];
+      }
+      const float inv = 1.0f / L;
+      for (int64_t e = 0; e < d; ++e) o[e] *= inv;
     }
   });
   return out;
