@@ -275,19 +275,20 @@ void quant_block(const float* x, const Quant& w, float* y, int64_t M, int64_t K,
 // casts; or SDPA), whose fixed costs dominate at decoding sizes.
 constexpr int64_t kChunk = 128;
 
-// e^x for x <= 0 (a softmax's shifted scores): Cephes' polynomial on x - n ln2, scaled by 2^n; within
-// about 1 ulp of expf. Plain float arithmetic, which the compiler vectorises.
+// e^x for x <= 0 (a softmax's shifted scores), Cephes' way: n = round(x / ln 2), r = x - n ln 2 (ln 2 in two
+// parts), e^x = 2^n (1 + r + r^2 P(r)); within about 1 ulp of expf. The scalar and the 16-lane forms share these.
+constexpr float kExpMin = -87.0f, kLog2e = 1.44269504088896341f, kRoundUp = 12582912.0f;  // 1.5 * 2^23: adding it rounds
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+// Plain float arithmetic, which the compiler vectorises.
 inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  x = x < kExpMin ? kExpMin : x;
+  const float n = (x * kLog2e + kRoundUp) - kRoundUp;  // round to nearest
+  float r = x - n * kLn2Hi;
+  r = r - n * kLn2Lo;
+  float p = kExpP[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpP[i];
   p = p * r * r + r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
@@ -295,18 +296,14 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// exp_nonpositive on 16 lanes (the same polynomial, in vector arithmetic).
+// exp_nonpositive on 16 lanes.
 inline V16 exp_nonpositive(V16 x) {
-  x = V16::max(x, V16::set1(-87.0f));
-  const V16 n = V16::sub(V16::add(V16::mul(x, V16::set1(1.44269504088896341f)), V16::set1(12582912.0f)), V16::set1(12582912.0f));
-  V16 r = V16::fma(n, V16::set1(-0.693359375f), x);
-  r = V16::fma(n, V16::set1(2.12194440e-4f), r);
-  V16 p = V16::set1(1.9875691500e-4f);
-  p = V16::fma(p, r, V16::set1(1.3981999507e-3f));
-  p = V16::fma(p, r, V16::set1(8.3334519073e-3f));
-  p = V16::fma(p, r, V16::set1(4.1665795894e-2f));
-  p = V16::fma(p, r, V16::set1(1.6666665459e-1f));
-  p = V16::fma(p, r, V16::set1(5.0000001201e-1f));
+  x = V16::max(x, V16::set1(kExpMin));
+  const V16 n = V16::sub(V16::add(V16::mul(x, V16::set1(kLog2e)), V16::set1(kRoundUp)), V16::set1(kRoundUp));
+  V16 r = V16::fma(n, V16::set1(-kLn2Hi), x);
+  r = V16::fma(n, V16::set1(-kLn2Lo), r);
+  V16 p = V16::set1(kExpP[0]);
+  for (int i = 1; i < 6; ++i) p = V16::fma(p, r, V16::set1(kExpP[i]));
   p = V16::add(V16::fma(V16::mul(p, r), r, r), V16::set1(1.0f));
   return V16::scale2(p, n);
 }
