@@ -7,6 +7,7 @@ import traceback
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from draftverify import Engine
 from draftverify.errors import DraftVerifyError
@@ -94,6 +95,30 @@ def test_packed_drafting_takes_the_fused_kernel_and_computes_the_layer(tiny):
     assert torch.allclose(fused.keys[:, :, :15], plain.keys[:, :, :15], atol=1e-5)
     x = feats[:3]  # FR-Spec's smaller vocabulary: a prefix of the LM head's rows, on the packed path too
     assert torch.allclose(head.logits(x, 20), x @ head.lm_head[:20].T, atol=1e-4) and head.logits(x, 20).shape == (3, 20)
+
+
+def test_packed_drafting_reads_inputs_and_top_tokens_in_one_call_each(tiny):
+    """Drafting's one-call input (norms, embedding, fc) gives the op-by-op path's bits; its top tokens are topk's with
+    softmax probabilities (ties: the lower vocabulary position first); its rotary rows are the gathered ones."""
+    from draftverify.static import cpu_kernels
+
+    target = tiny("llama", layers=2)
+    head = random_head(target, vocab=list(range(0, 96, 2))).pack()
+    assert cpu_kernels() is not None and head._fast["fc"].quant is not None, "no compiled kernels: this test would check nothing"
+    feats = torch.randn(5, head.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    ids = torch.tensor([3, 90, 7, 7, 41])
+    plain = head._linear("fc", torch.cat([head._norm("norm_feature", feats), head._norm("norm_embed", F.embedding(ids, head.embed))], -1))
+    assert torch.equal(head.inputs(feats, ids), plain)
+    logits = head.logits(feats, 20)
+    tokens, probs = head.top(feats, 20, 3)
+    top, idx = logits.topk(3, dim=-1)
+    assert tokens == head.vocab[idx].tolist()
+    assert torch.allclose(torch.tensor(probs), (top - logits.logsumexp(-1, keepdim=True)).exp(), rtol=1e-5)
+    tied = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]])
+    assert cpu_kernels().top_probs(tied, torch.tensor([10, 11, 12, 13, 14]), 4)[0] == [[11, 12, 14, 13]]
+    for positions, index in ((range(4, 7), [4, 5, 6]), ([9, 9], [9, 9]), ([2, 8, 3], [2, 8, 3])):
+        for view, row in zip(head.rope_rows(positions), head.rope_rows(torch.tensor(index))):
+            assert torch.equal(view, row), positions
 
 
 @pytest.mark.parametrize("backend", ["static", "eager"])

@@ -86,10 +86,14 @@ class Curve(Table):
     def __init__(self, times: dict[int, float], context: int, slope: dict[int, float] | None = None):
         super().__init__(times)
         self.context, self.slope = context, slope or {}
+        self.last: tuple[int, Table] | None = None  # the latest `at`: a round asks for its context more than once
 
     def at(self, context: int) -> Table:
-        more = max(0, context - self.context)
-        return Table({w: t + more * self.slope.get(w, 0.0) for w, t in self.items()})
+        last = self.last
+        if last is None or last[0] != context:
+            more = max(0, context - self.context)
+            last = self.last = (context, Table({w: t + more * self.slope.get(w, 0.0) for w, t in self.items()}))
+        return last[1]
 
 
 def at_context(costs: dict, context: int) -> dict[int, float]:

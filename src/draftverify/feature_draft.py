@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Sequence
 from types import SimpleNamespace
 
 import torch
@@ -140,12 +141,20 @@ class FeatureDraft(nn.Module):
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos().to(self.fc.weight.dtype), angles.sin().to(self.fc.weight.dtype)
 
-    def rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rope` [T, head_dim] for positions [T], read from tables grown on demand (drafting: one gather each)."""
-        end = int(positions.max()) + 1
+    def rope_rows(self, positions: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope` [T, head_dim] for positions [T], read from tables grown on demand (drafting): views of them for a
+        `range` (a catch-up) or equal positions (the nodes of one tree level), else a gather each."""
+        ints = not isinstance(positions, torch.Tensor)
+        end = (max(positions) if ints else int(positions.max())) + 1
         if self._rope is None or self._rope[0].shape[0] < end:
             self._rope = self.rope(torch.arange(max(end, 2 * (0 if self._rope is None else self._rope[0].shape[0]), 256)))
-        return self._rope[0][positions], self._rope[1][positions]
+        cos, sin = self._rope
+        if isinstance(positions, range) and positions.step == 1:
+            return cos[positions.start : positions.stop], sin[positions.start : positions.stop]
+        if ints and min(positions) == end - 1:  # all equal: one row, repeated (stride 0)
+            return cos[end - 1].expand(len(positions), -1), sin[end - 1].expand(len(positions), -1)
+        index = torch.as_tensor(positions, device=cos.device)
+        return cos[index], sin[index]
 
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         norm = getattr(self, name)
@@ -157,6 +166,10 @@ class FeatureDraft(nn.Module):
 
     def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """[..., H] features and [...] next tokens -> [..., H] layer inputs."""
+        fc = self._fast["fc"].quant if self._fast is not None and not self.training else None
+        if fc is not None and features.dim() == 2 and features.dtype == torch.float32:  # drafting: one call, the same bits
+            return cpu_kernels().head_inputs(features.contiguous(), tokens, self.embed, self.norm_feature.weight,
+                                             self.norm_embed.weight, self.norm_feature.eps, fc)
         return self._linear("fc", torch.cat([self._norm("norm_feature", features), self._norm("norm_embed", F.embedding(tokens, self.embed))], dim=-1))
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,6 +207,15 @@ class FeatureDraft(nn.Module):
         if key not in self._fast:
             self._fast[key] = packed_linear([SimpleNamespace(weight=self.lm_head[:n], bias=None, out_features=n)])
         return self._linear(key, features)
+
+    def top(self, features: torch.Tensor, n: int, k: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Per row of predicted features [m, H]: the k most likely of the head's n most frequent tokens (target
+        ids, most likely first) and their probabilities under the softmax over those n."""
+        logits = self.logits(features, n).float()
+        if self._fast is not None and logits.device.type == "cpu" and cpu_kernels() is not None:  # one pass, no dispatch
+            return cpu_kernels().top_probs(logits.contiguous(), self.vocab[:n], k)
+        top, idx = logits.topk(k, dim=-1)
+        return self.vocab[idx].tolist(), (top - logits.logsumexp(-1, keepdim=True)).exp().tolist()
 
     # -- files -------------------------------------------------------------------------------------
 
@@ -236,6 +258,7 @@ class HeadCache:
         shape = (1, c.num_kv_heads, capacity, c.head_dim)
         self.keys = torch.zeros(shape, dtype=head.fc.weight.dtype, device=head.fc.weight.device)
         self.values = torch.zeros_like(self.keys)
+        self.causal = torch.ones(capacity, capacity, dtype=torch.bool).tril()  # row past + i: a new row's mask, no tree
         fast = head._fast is not None and self.keys.dtype == torch.float32 and c.head_dim in ATTENTION_HEAD_DIMS
         kernels = cpu_kernels() if fast else None
         self.rope_attention = kernels.rope_attention if kernels is not None else None
@@ -249,11 +272,13 @@ class HeadCache:
             grow = max(n, 2 * self.keys.shape[2])
             pad = (0, 0, 0, grow - self.keys.shape[2])
             self.keys, self.values = F.pad(self.keys, pad), F.pad(self.values, pad)
+            self.causal = torch.ones(grow, grow, dtype=torch.bool).tril()
 
     @torch.inference_mode()
-    def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | Sequence[int],
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Append n rows (features [n, H], next tokens [n], positions [n]); return the predicted features [n, H].
+        """Append n rows (features [n, H], next tokens [n], positions [n]: a tensor or ints); return the predicted
+        features [n, H].
 
         mask: bool [n, S] over the last S entries including the new rows (True = may attend); every
         earlier entry is attended. None: causal among the new rows.
@@ -261,9 +286,10 @@ class HeadCache:
         head, past, n = self.head, self.length, tokens.shape[0]
         self._reserve(past + n)
         full = None
-        if mask is not None or n > 1:
-            own = mask if mask is not None else torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
-            full = torch.cat([torch.ones(n, past + n - own.shape[1], dtype=torch.bool, device=own.device), own], dim=1)
+        if mask is not None:
+            full = torch.cat([torch.ones(n, past + n - mask.shape[1], dtype=torch.bool, device=mask.device), mask], dim=1)
+        elif n > 1:
+            full = self.causal[past : past + n, : past + n].to(tokens.device).contiguous()
         self.length = past + n
         x = head.inputs(features, tokens)  # [n, H]
         if self.rope_attention is not None and not head.training and n <= QUANT_ROWS:
@@ -278,7 +304,7 @@ class HeadCache:
             out = self.rope_attention(qkv, cos, sin, self.keys[0], self.values[0], past, head.config.num_heads, mask, scale)
             return head.after_attention(x, out)
         x = x.unsqueeze(0)  # [1, n, H]
-        q, k, v = head.qkv(x, positions.view(1, n))
+        q, k, v = head.qkv(x, torch.as_tensor(positions, device=x.device).view(1, n))
         self.keys[:, :, past : past + n], self.values[:, :, past : past + n] = k, v
         return head.finish(x, q, self.keys[:, :, : past + n], self.values[:, :, : past + n], full)[0]
 

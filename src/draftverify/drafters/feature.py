@@ -117,13 +117,14 @@ class FeatureHead(Drafter):
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
         first = self.pending[0][2]  # the pending rounds follow one another (`observe`)
-        features = torch.cat([f for f, _, _ in self.pending])
-        ids = torch.tensor([t for _, tokens, _ in self.pending for t in tokens], device=self.device)
+        features = self.pending[0][0] if len(self.pending) == 1 else torch.cat([f for f, _, _ in self.pending])
+        ids = [t for _, tokens, _ in self.pending for t in tokens]
         self.pending = []
         if len(ids) > CATCH_UP:  # a long prompt, or many rounds sat out: only the latest positions (see CATCH_UP)
             first += len(ids) - CATCH_UP
             features, ids = features[-CATCH_UP:], ids[-CATCH_UP:]
-        out = self.cache.forward(features.to(self.head.fc.weight.dtype), ids, torch.arange(first, first + len(ids), device=self.device))
+        ids = torch.tensor(ids, device=self.device)
+        out = self.cache.forward(features.to(self.head.fc.weight.dtype), ids, range(first, first + len(ids)))
         s.stats.draft_forwards += 1
         committed = self.cache.length
         self.expected = 0.0
@@ -148,11 +149,8 @@ class FeatureHead(Drafter):
 
         def children(out: torch.Tensor, nodes: list[int]) -> list[int]:
             """Add the k best children of each fed node (its row of `out` [m, H]); return the new nodes."""
-            logits = self.head.logits(out, self.vocab.numel()).float()  # [m, N]
-            top, idx = logits.topk(k, dim=-1)
-            top = (top - logits.logsumexp(-1, keepdim=True)).exp()  # their probabilities (no softmax of all N)
             new = []
-            for node, row_tokens, row_probs in zip(nodes, self.vocab[idx].tolist(), top.tolist()):
+            for node, row_tokens, row_probs in zip(nodes, *self.head.top(out, self.vocab.numel(), k)):
                 above, path = (values[node], paths[node]) if node >= 0 else (1.0, ())
                 guesses = self.valued.setdefault(path, [])
                 for token, p in zip(row_tokens, row_probs):
@@ -165,7 +163,8 @@ class FeatureHead(Drafter):
                     new.append(len(tokens) - 1)
             return new
 
-        times = marginal_times(costs, self.max_nodes + 1, s.others)  # t(w) for a forward of w rows (in a batch: added)
+        most = min(self.max_nodes, k + (depth - 1) * k * k)  # the nodes this round can make at most
+        times = marginal_times(costs, most + 1, s.others)  # t(w) for a forward of w rows (in a batch: added)
         step = times[0]  # what an accepted token saves: a target forward
         row = times[1] - step  # what one more candidate adds to the verification
         level = children(root_feature[None], [-1])
@@ -177,15 +176,15 @@ class FeatureHead(Drafter):
             t0 = time.perf_counter()
             base = cache.length
             slot.update({node: base + j for j, node in enumerate(chosen)})
-            mask = torch.zeros(len(chosen), base - committed + len(chosen), dtype=torch.bool, device=self.device)
+            rows = [[False] * (base - committed + len(chosen)) for _ in chosen]
             for j, node in enumerate(chosen):  # each node sees its ancestors' entries and its own
                 for a in [node, *_ancestors(node, parents)]:
-                    mask[j, slot[a] - committed] = True
+                    rows[j][slot[a] - committed] = True
             out = cache.forward(
                 torch.stack([feature[parents[n]] for n in chosen]),
                 torch.tensor([tokens[n] for n in chosen], device=self.device),
-                torch.full((len(chosen),), root + d - 1, device=self.device),  # a depth-d node is read at root + d - 1
-                mask,
+                [root + d - 1] * len(chosen),  # a depth-d node is read at root + d - 1
+                torch.tensor(rows, device=self.device),
             )
             s.stats.draft_forwards += 1
             feature.update({node: out[j] for j, node in enumerate(chosen)})
