@@ -167,7 +167,8 @@ class FeatureDraft(nn.Module):
     def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """[..., H] features and [...] next tokens -> [..., H] layer inputs."""
         fc = self._fast["fc"].quant if self._fast is not None and not self.training else None
-        if fc is not None and features.dim() == 2 and features.dtype == torch.float32:  # drafting: one call, the same bits
+        if fc is not None and features.dim() == 2 and features.shape[0] <= QUANT_ROWS and features.dtype == torch.float32 \
+                and self.embed.is_contiguous():  # drafting: one call, the bits of the op-by-op path (which takes fc's blocks here)
             return cpu_kernels().head_inputs(features.contiguous(), tokens, self.embed, self.norm_feature.weight,
                                              self.norm_embed.weight, self.norm_feature.eps, fc)
         return self._linear("fc", torch.cat([self._norm("norm_feature", features), self._norm("norm_embed", F.embedding(tokens, self.embed))], dim=-1))
