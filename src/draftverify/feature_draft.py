@@ -213,8 +213,9 @@ class FeatureDraft(nn.Module):
         """Per row of predicted features [m, H]: the k most likely of the head's n most frequent tokens (target
         ids, most likely first) and their probabilities under the softmax over those n."""
         logits = self.logits(features, n).float()
-        if self._fast is not None and logits.device.type == "cpu" and cpu_kernels() is not None:  # one pass, no dispatch
-            return cpu_kernels().top_probs(logits.contiguous(), self.vocab[:n], k)
+        kernels = cpu_kernels() if self._fast is not None else None  # packed: on a CPU
+        if kernels is not None:  # one pass, no dispatch
+            return kernels.top_probs(logits.contiguous(), self.vocab[:n], k)
         top, idx = logits.topk(k, dim=-1)
         return self.vocab[idx].tolist(), (top - logits.logsumexp(-1, keepdim=True)).exp().tolist()
 
