@@ -260,7 +260,7 @@ class HeadCache:
         shape = (1, c.num_kv_heads, capacity, c.head_dim)
         self.keys = torch.zeros(shape, dtype=head.fc.weight.dtype, device=head.fc.weight.device)
         self.values = torch.zeros_like(self.keys)
-        self.causal = torch.ones(capacity, capacity, dtype=torch.bool).tril()  # row past + i: a new row's mask, no tree
+        self.causal = torch.ones(capacity, capacity, dtype=torch.bool, device=self.keys.device).tril()  # row past + i: a new row's mask, no tree
         fast = head._fast is not None and self.keys.dtype == torch.float32 and c.head_dim in ATTENTION_HEAD_DIMS
         kernels = cpu_kernels() if fast else None
         self.rope_attention = kernels.rope_attention if kernels is not None else None
@@ -274,7 +274,7 @@ class HeadCache:
             grow = max(n, 2 * self.keys.shape[2])
             pad = (0, 0, 0, grow - self.keys.shape[2])
             self.keys, self.values = F.pad(self.keys, pad), F.pad(self.values, pad)
-            self.causal = torch.ones(grow, grow, dtype=torch.bool).tril()
+            self.causal = torch.ones(grow, grow, dtype=torch.bool, device=self.keys.device).tril()
 
     @torch.inference_mode()
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | Sequence[int],
@@ -291,7 +291,7 @@ class HeadCache:
         if mask is not None:
             full = torch.cat([torch.ones(n, past + n - mask.shape[1], dtype=torch.bool, device=mask.device), mask], dim=1)
         elif n > 1:
-            full = self.causal[past : past + n, : past + n].to(tokens.device).contiguous()
+            full = self.causal[past : past + n, : past + n].contiguous()
         self.length = past + n
         x = head.inputs(features, tokens)  # [n, H]
         if self.rope_attention is not None and not head.training and n <= QUANT_ROWS:
