@@ -320,3 +320,22 @@ def test_sampled_replies_join_each_shard_and_an_older_plan_still_fits(tiny, tmp_
     FeatureCache(old, FeaturePlan(**plan))
     with pytest.raises(DraftVerifyError, match="another target or settings"):
         FeatureCache(old, FeaturePlan(**plan, sampled=1))
+
+
+def test_template_prompts_add_data_beside_the_prompts_and_init_starts_from_a_head(built, tmp_path):
+    """`--templates N` answers N prompts written from the stdlib templates into a folder of its own (the replies to
+    --prompts stay usable); `--init HEAD` starts from that head's weights and vocabulary."""
+    target, out, prompts, facts = built
+    settings = {**TINY, "max_prompt_tokens": 256}
+    plain = build_head(target, tmp_path / "a", prompts, HeadTraining(**settings, steps=0), work=tmp_path / "w", log=quiet, progress=False)
+    more = build_head(target, tmp_path / "b", prompts, HeadTraining(**settings, templates=24, steps=0), work=tmp_path / "w2", init=out,
+                      log=quiet, progress=False)
+    assert len(list((tmp_path / "w2" / "features-templates").glob("shard-*.pt"))) >= 1
+    assert plain["prompt_sequences"] == more["prompt_sequences"] == plain["sequences"] < more["sequences"]
+    assert more["template_heldout_top1"] is not None and "stdlib templates" in (tmp_path / "b" / "README.md").read_text()
+    start, head = FeatureDraft.load(out), FeatureDraft.load(tmp_path / "b")
+    assert head.config.vocab == start.config.vocab
+    assert all(torch.equal(a, b) for a, b in zip(start.state_dict().values(), head.state_dict().values()))
+    with pytest.raises(DraftVerifyError, match="another target or settings"):  # another count is another data set
+        build_head(target, tmp_path / "c", prompts, HeadTraining(**settings, templates=12, steps=0), work=tmp_path / "w2",
+                   resume=True, log=quiet, progress=False)

@@ -20,6 +20,10 @@ def make_draft(
     vocab: int = typer.Option(8192, help="--kind head: the head drafts this many of the most frequent reply tokens (FR-Spec)."),
     epochs: float = typer.Option(2.0, help="--kind head: passes over the training data."),
     sampled: int = typer.Option(0, help="--kind head: replies per prompt sampled (T=0.8, top-p 0.95) besides the greedy one: more data from the same prompts."),
+    templates: int = typer.Option(0, help="--kind head: this many more prompts written from the project's Python-stdlib templates (code tasks, "
+                                  "'complete the code I provided', code review, summaries, math...), answered greedily; kept beside the --prompts data."),
+    init: Optional[Path] = typer.Option(None, help="--kind head: start from this head's weights and vocabulary (e.g. to train on more data) "
+                                        "instead of the target's last layer."),
     target: Optional[str] = typer.Option(None, "--target", "-t", help="Target model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct."),
     layers: int = typer.Option(4, help="Decoder layers of the draft (copied from the target's, then trained)."),
     layer_ids: Optional[str] = typer.Option(None, help="Which target layers to copy, e.g. 0,1,2,29. Default: the best candidate set by held-out KL."),
@@ -57,9 +61,9 @@ def make_draft(
     if kind == "head":
         from draftverify.tools.make_draft.head import HeadTraining, build_head
 
-        config = HeadTraining(vocab=vocab, epochs=epochs, sampled=sampled, train_dtype=train_dtype, **{k: v for k, v in given.items() if v is not None},
+        config = HeadTraining(vocab=vocab, epochs=epochs, sampled=sampled, templates=templates, train_dtype=train_dtype, steps=steps, **{k: v for k, v in given.items() if v is not None},
                               **({"heldout": heldout} if heldout is not None else {}))
-        build_head(loaded, out, prompts, config, work=work, resume=resume, command=command, log=log, save_dtype=save_dtype)
+        build_head(loaded, out, prompts, config, work=work, resume=resume, command=command, log=log, save_dtype=save_dtype, init=init)
         return
     from draftverify.tools.make_draft.build import DraftConfig, build_draft
 

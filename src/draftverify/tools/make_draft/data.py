@@ -161,8 +161,8 @@ class ShardFolder:
     item: type
     what: str  # how errors name this data
 
-    def __init__(self, work: Path, plan):
-        self.folder = Path(work) / self.subfolder
+    def __init__(self, work: Path, plan, subfolder: str | None = None):
+        self.folder = Path(work) / (subfolder or self.subfolder)
         self.plan = plan
         keep_plan(self.folder, plan, self.what)
 

@@ -20,7 +20,7 @@ import platform
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -51,6 +51,7 @@ class HeadTraining:
     max_new_tokens: int = 96
     max_prompt_tokens: int = 256
     sampled: int = 0  # replies per prompt sampled besides the greedy one (features.SAMPLED)
+    templates: int = 0  # more prompts written from the project's stdlib templates (code, summaries, ...), answered greedily
     heldout: int = 64
     checkpoint_minutes: float = 3.0
     steps: int | None = None  # stop after this many optimiser steps (the schedule still spans the epochs)
@@ -63,6 +64,7 @@ class HeadTraining:
         require(0 <= self.data_share < 1, f"data_share={self.data_share} must lie in [0, 1)")
         require(self.batch_tokens >= self.max_len >= 16, "batch_tokens must be >= max_len >= 16")
         require(self.sampled >= 0, f"--sampled {self.sampled} must be 0 or more")
+        require(self.templates >= 0, f"--templates {self.templates} must be 0 or more")
         require(self.train_dtype in ("auto", "fp32", "bf16"), f"--train-dtype {self.train_dtype!r} is unknown: use auto, fp32 or bf16")
 
     def autocast_bf16(self) -> bool:
@@ -187,9 +189,29 @@ def acceptance(head: FeatureDraft, heldout: list[Sequence], config: HeadTraining
     return [a / max(n, 1) for a, n in hits]
 
 
+def template_cache(work: Path, plan: FeaturePlan, config: HeadTraining) -> FeatureCache | None:
+    """The replies to `config.templates` prompts written from the project's stdlib templates (prompts.py: code tasks,
+    "complete the code I provided", code review, summaries, math, ...; 4% of the shared training prompts ask for code),
+    greedy only (more templates are as cheap as more samples, and more varied), in `work/features-templates` beside
+    the replies to --prompts, which adding them keeps. A quarter as many held out as for --prompts."""
+    if not config.templates:
+        return None
+    own = replace(plan, prompts=f"stdlib templates:{config.templates}", heldout=max(1, config.heldout // 4), sampled=0)
+    return FeatureCache(work, own, subfolder="features-templates")
+
+
+def template_prompts(config: HeadTraining) -> list[str]:
+    from draftverify.tools.make_draft.prompts import Stdlib, make_prompts
+
+    return make_prompts(config.templates, config.seed + 1, Stdlib.load())  # another stream than a draft model's prompts
+
+
 def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = HeadTraining(), work: Path | None = None,
-               resume: bool = False, command: str = "", log=print, progress: bool = True, save_dtype: str = "fp32") -> dict:
-    """Make data (the target's replies to `prompts`), train the head, write it to `out` with a model card."""
+               resume: bool = False, command: str = "", log=print, progress: bool = True, save_dtype: str = "fp32",
+               init: Path | None = None) -> dict:
+    """Make data (the target's replies to `prompts`, and to template prompts if asked), train the head, write it to
+    `out` with a model card. `init`: start from that head's weights and vocabulary (more training, e.g. on new data)
+    instead of the target's last layer."""
     from tqdm.auto import tqdm
 
     require(save_dtype in SAVE_DTYPES, f"--save-dtype {save_dtype!r} is unknown: use one of {', '.join(SAVE_DTYPES)}")
@@ -201,18 +223,24 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
     plan = FeaturePlan(target=target.identity, prompts=f"{Path(prompts).name}:{len(texts)}", seed=config.seed,
                        heldout=config.heldout, max_prompt_tokens=config.max_prompt_tokens, max_new_tokens=config.max_new_tokens,
                        sampled=config.sampled)
-    cache = FeatureCache(work, plan)
-    resumed = bool(cache.shards()) or ckpt_path.exists()  # some of the build was made by an earlier run
+    cache, extra = FeatureCache(work, plan), template_cache(work, plan, config)
+    caches = [cache] + ([extra] if extra else [])
+    resumed = any(c.shards() for c in caches) or ckpt_path.exists()  # some of the build was made by an earlier run
     deadline = t_start + config.budget_minutes * 60
     if config.data_share > 0:
-        cache.fill(target, texts, config.gen_batch, t_start + config.data_share * config.budget_minutes * 60, log)
-    train, heldout = cache.sequences(), cache.heldout()
+        data_deadline = t_start + config.data_share * config.budget_minutes * 60
+        cache.fill(target, texts, config.gen_batch, data_deadline, log)
+        if extra is not None and time.monotonic() < data_deadline:
+            extra.fill(target, template_prompts(config), config.gen_batch, data_deadline, log)
+    train, heldout = [s for c in caches for s in c.sequences()], cache.heldout()
     require(train, f"no training data in {cache.folder}: raise --budget-minutes or --data-share")
     made = sum(len(s.ids) for s in train)
     log(f"training data: {len(train)} sequences, {made} tokens ({sum(len(s.ids) - s.start for s in train)} reply tokens)")
 
     state = load_checked(ckpt_path, "checkpoint") if ckpt_path.exists() else None
-    vocab = state["vocab"] if state else frequent_vocab(train, config.vocab, tuple(eos_ids(target)))
+    start = FeatureDraft.load(Path(init)) if init is not None and not state else None
+    origin = state.get("init") if state else str(init) if init is not None else None  # what the build's weights started from
+    vocab = state["vocab"] if state else list(start.config.vocab) if start else frequent_vocab(train, config.vocab, tuple(eos_ids(target)))
     head = FeatureDraft(HeadConfig.for_target(target, vocab))
     head.bind(target)
     head.float()
@@ -221,6 +249,9 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
         require(same == {k: state["config"].get(k) for k in TRAINING_KEYS},
                 f"{ckpt_path} was made with other training settings: delete it or use them again")
         head.load_state_dict(state["weights"])
+    elif start is not None:
+        start.bind(target)  # refuses a head of another target
+        head.load_state_dict(start.state_dict())
     else:
         head.init_from(target)
     head.train()
@@ -239,7 +270,7 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
     def save() -> None:
         with atomic_path(ckpt_path) as tmp:
             torch.save({"weights": head.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
-                        "vocab": vocab, "config": asdict(config)}, tmp)
+                        "vocab": vocab, "config": asdict(config), "init": origin}, tmp)
 
     bf16 = config.autocast_bf16()
     log(f"training in {'bf16 (autocast)' if bf16 else 'fp32'}")
@@ -279,13 +310,16 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
     expected = sum(math.prod(acc[:d]) for d in range(1, len(acc) + 1))
     facts = {
         "command": command, "target": target.name, "identity": target.identity, "prompts": str(prompts), "sequences": len(train),
+        "prompt_sequences": len(train) - (len(extra.sequences()) if extra else 0), "templates": config.templates,
+        "template_heldout_top1": acceptance(head, extra.heldout(), config) if extra else None, "init": origin,
         "tokens": made, "vocab": len(vocab), "vocab_coverage": covered, "steps": step, "of_steps": total,
         "minutes": (time.monotonic() - t_start) / 60, "heldout_top1": acc, "expected_chain": expected,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "training": asdict(config), "bf16": bf16, "resumed": resumed,
     }
     head.save(out, SAVE_DTYPES[save_dtype])
     atomic_write(Path(out) / "README.md", model_card(facts))
-    log(f"wrote {out}: held-out top-1 by depth " + " ".join(f"{a:.2f}" for a in acc) + f"; expected chain {expected:.2f} tokens")
+    log(f"wrote {out}: held-out top-1 by depth " + " ".join(f"{a:.2f}" for a in acc) + f"; expected chain {expected:.2f} tokens"
+        + (" (template prompts: " + " ".join(f"{a:.2f}" for a in facts["template_heldout_top1"]) + ")" if extra else ""))
     return facts
 
 
@@ -293,6 +327,10 @@ def model_card(f: dict) -> str:
     acc = " / ".join(f"{a:.3f}" for a in f["heldout_top1"])
     sampled = f["training"].get("sampled", 0)
     replies = "greedy" if not sampled else f"a greedy one and {sampled} sampled at T={SAMPLED['temperature']}, top-p {SAMPLED['top_p']} each"
+    templates = f", and its greedy replies to {f['templates']} prompts written from the project's stdlib templates" if f.get("templates") else ""
+    init = f"\n- Started from the head in `{f['init']}` (its weights and vocabulary)" if f.get("init") else ""
+    template_acc = ("\n- The same on held-out template prompts: " + " / ".join(f"{a:.3f}" for a in f["template_heldout_top1"])
+                    if f.get("template_heldout_top1") else "")
     when = (f"resumed over several runs on {f['machine']} (each run logs its shards' and steps' times)" if f.get("resumed")
             else f"whole build {f['minutes']:.0f} minutes on {f['machine']}")
     return f"""# Feature draft head for {f['target']}
@@ -302,11 +340,11 @@ token's embedding) with a frequency-ranked vocabulary of {f['vocab']} tokens (FR
 draftverify. It uses the target's own embeddings and LM head and is refused on any other model.
 
 - Built with: `{f['command']}`
-- Data: the target's own replies to {f['sequences'] // (1 + sampled)} prompts of `{f['prompts']}` ({replies}; {f['tokens']} tokens with features);
-  the benchmark sets were never used.
+- Data: the target's own replies to {f.get('prompt_sequences', f['sequences']) // (1 + sampled)} prompts of `{f['prompts']}` ({replies}){templates}; {f['tokens']} tokens with features;
+  the benchmark sets were never used.{init}
 - Vocabulary coverage of held-out reply tokens: {f['vocab_coverage']:.1%}
 - Training: {f['steps']} of {f['of_steps']} steps ({'matmuls in bf16' if f.get('bf16') else 'fp32'}{"; a resumed build's steps may mix" if f.get('resumed') else ''}); {when}
 - Held-out top-1 agreement with the target at draft depth 1 / 2 / ...: {acc}
-  (expected accepted chain, greedy: {f['expected_chain']:.2f} tokens per round before the bonus token)
+  (expected accepted chain, greedy: {f['expected_chain']:.2f} tokens per round before the bonus token){template_acc}
 - Settings: `{f['training']}`
 """
