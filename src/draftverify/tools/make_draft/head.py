@@ -232,7 +232,8 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
         cache.fill(target, texts, config.gen_batch, data_deadline, log)
         if extra is not None and time.monotonic() < data_deadline:
             extra.fill(target, template_prompts(config), config.gen_batch, data_deadline, log)
-    train, heldout = [s for c in caches for s in c.sequences()], cache.heldout()
+    parts = [c.sequences() for c in caches]  # the replies to --prompts, then to the templates
+    train, heldout = [s for part in parts for s in part], cache.heldout()
     require(train, f"no training data in {cache.folder}: raise --budget-minutes or --data-share")
     made = sum(len(s.ids) for s in train)
     log(f"training data: {len(train)} sequences, {made} tokens ({sum(len(s.ids) - s.start for s in train)} reply tokens)")
@@ -310,7 +311,7 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
     expected = sum(math.prod(acc[:d]) for d in range(1, len(acc) + 1))
     facts = {
         "command": command, "target": target.name, "identity": target.identity, "prompts": str(prompts), "sequences": len(train),
-        "prompt_sequences": len(train) - (len(extra.sequences()) if extra else 0), "templates": config.templates,
+        "prompt_sequences": len(parts[0]), "templates": config.templates,
         "template_heldout_top1": acceptance(head, extra.heldout(), config) if extra else None, "init": origin,
         "tokens": made, "vocab": len(vocab), "vocab_coverage": covered, "steps": step, "of_steps": total,
         "minutes": (time.monotonic() - t_start) / 60, "heldout_top1": acc, "expected_chain": expected,
