@@ -322,7 +322,7 @@ def test_sampled_replies_join_each_shard_and_an_older_plan_still_fits(tiny, tmp_
         FeatureCache(old, FeaturePlan(**plan, sampled=1))
 
 
-def test_template_prompts_add_data_beside_the_prompts_and_init_starts_from_a_head(built, tmp_path):
+def test_template_prompts_add_data_beside_the_prompts_and_init_starts_from_a_head(built, tiny, tmp_path):
     """`--templates N` answers N prompts written from the stdlib templates into a folder of its own (the replies to
     --prompts stay usable); `--init HEAD` starts from that head's weights and vocabulary."""
     target, out, prompts, facts = built
@@ -339,3 +339,7 @@ def test_template_prompts_add_data_beside_the_prompts_and_init_starts_from_a_hea
     with pytest.raises(DraftVerifyError, match="another target or settings"):  # another count is another data set
         build_head(target, tmp_path / "c", prompts, HeadTraining(**settings, templates=12, steps=0), work=tmp_path / "w2",
                    resume=True, log=quiet, progress=False)
+    with pytest.raises(DraftVerifyError, match="make-draft --kind head"):  # another target's head, refused before any data
+        build_head(tiny("llama", seed=5, layers=2), tmp_path / "d", prompts, HeadTraining(**settings, steps=0), work=tmp_path / "w3",
+                   init=out, log=quiet, progress=False)
+    assert not (tmp_path / "w3" / "features" / "heldout.pt").exists()

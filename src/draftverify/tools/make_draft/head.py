@@ -226,6 +226,10 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
     cache, extra = FeatureCache(work, plan), template_cache(work, plan, config)
     caches = [cache] + ([extra] if extra else [])
     resumed = any(c.shards() for c in caches) or ckpt_path.exists()  # some of the build was made by an earlier run
+    state = load_checked(ckpt_path, "checkpoint") if ckpt_path.exists() else None
+    # `init`'s head, refused here if it is another target's (before any data is made)
+    start = FeatureDraft.load(Path(init)).bind(target) if init is not None and not state else None
+    origin = state.get("init") if state else str(init) if init is not None else None  # what the build's weights started from
     deadline = t_start + config.budget_minutes * 60
     if config.data_share > 0:
         data_deadline = t_start + config.data_share * config.budget_minutes * 60
@@ -238,9 +242,6 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
     made = sum(len(s.ids) for s in train)
     log(f"training data: {len(train)} sequences, {made} tokens ({sum(len(s.ids) - s.start for s in train)} reply tokens)")
 
-    state = load_checked(ckpt_path, "checkpoint") if ckpt_path.exists() else None
-    start = FeatureDraft.load(Path(init)) if init is not None and not state else None
-    origin = state.get("init") if state else str(init) if init is not None else None  # what the build's weights started from
     vocab = state["vocab"] if state else list(start.config.vocab) if start else frequent_vocab(train, config.vocab, tuple(eos_ids(target)))
     head = FeatureDraft(HeadConfig.for_target(target, vocab))
     head.bind(target)
@@ -251,7 +252,6 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
                 f"{ckpt_path} was made with other training settings: delete it or use them again")
         head.load_state_dict(state["weights"])
     elif start is not None:
-        start.bind(target)  # refuses a head of another target
         head.load_state_dict(start.state_dict())
     else:
         head.init_from(target)
