@@ -264,24 +264,37 @@ void quant_pass(const float* x, const Quant& w, float* y, int64_t K, int64_t N, 
   for (int64_t n = n0; n < n1; ++n) quant_rows<R, Q4>(x, w, y, K, N, r0, n);
 }
 
-// Rows of x in passes of up to kRows (each pass rebuilds the weights once, in registers, for its rows)
+// Rows of x in passes of kRows (each pass rebuilds the weights once, in registers, for its rows)
 // against output rows n0..n1. A pass's rows of x stay in L1 while the weights stream; measured faster
 // than tiling the outputs so that the weights stream once (the product is bound by arithmetic here).
 // The row count is chosen once per pass, outside the loop over outputs (choosing it per output made
-// 3-5 rows ~15% slower).
+// 3-5 rows ~15% slower). The last pass takes what is left, up to kLast rows: with AVX-512's 32
+// registers 7 or 8 rows go in one pass rather than 6 + 1 or 6 + 2 (a pass of few rows costs nearly a
+// one-token product: the weights stream again). Measured on SmolLM2 (2-core Zen 5, whole forwards
+// after 128 tokens, interleaved): 7 new tokens 15% faster, 8 6%; passes of 8 throughout or shared out
+// evenly (10 rows: 5 + 5) were slower at 9-10 rows. With AVX2 (16 registers, a V16 is two) passes of 6.
+// Every pass forms a row's sums the same way, so the split never changes a bit.
+constexpr int kRows = 6;
+#ifdef __AVX512F__
+constexpr int kLast = 8;
+#else
+constexpr int kLast = kRows;
+#endif
+
+// The pass of exactly `rows` rows (1..R), chosen once.
+template <int R, bool Q4>
+void quant_rows_pass(const float* x, const Quant& w, float* y, int64_t rows, int64_t K, int64_t N, int64_t r0, int64_t n0, int64_t n1) {
+  if constexpr (R > 0) {
+    if (rows == R) quant_pass<R, Q4>(x, w, y, K, N, r0, n0, n1);
+    else quant_rows_pass<R - 1, Q4>(x, w, y, rows, K, N, r0, n0, n1);
+  }
+}
+
 template <bool Q4>
 void quant_block(const float* x, const Quant& w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  constexpr int kRows = 6;
   int64_t r = 0;
-  for (; r + kRows <= M; r += kRows) quant_pass<kRows, Q4>(x, w, y, K, N, r, n0, n1);
-  switch (M - r) {
-    case 5: quant_pass<5, Q4>(x, w, y, K, N, r, n0, n1); break;
-    case 4: quant_pass<4, Q4>(x, w, y, K, N, r, n0, n1); break;
-    case 3: quant_pass<3, Q4>(x, w, y, K, N, r, n0, n1); break;
-    case 2: quant_pass<2, Q4>(x, w, y, K, N, r, n0, n1); break;
-    case 1: quant_pass<1, Q4>(x, w, y, K, N, r, n0, n1); break;
-    default: break;
-  }
+  for (; M - r > kLast; r += kRows) quant_pass<kRows, Q4>(x, w, y, K, N, r, n0, n1);
+  quant_rows_pass<kLast, Q4>(x, w, y, M - r, K, N, r, n0, n1);
 }
 
 
