@@ -15,6 +15,7 @@ from conftest import ARCHS, SLIDING_ARCHS, STATIC_ARCHS, WINDOW, make_model
 from draftverify import DraftVerifyError, Engine, Loaded, Runner
 from draftverify.models import forward_many
 from draftverify.sampling import Sampling
+from draftverify.static import PREFILL_ROWS
 
 ALL_ARCHS = ARCHS + ("qwen3",) + SLIDING_ARCHS[2:]  # mistral and qwen2-sliding are static archs too
 
@@ -91,7 +92,11 @@ def test_static_cache_grows_and_resets(tiny, arch):
     model = tiny(arch).model
     runner = Runner(model, "static")
     seq = [random.Random(1).randrange(2, 100) for _ in range(300)]
+    kernel, rows = runner.static.attention_kernel, []
+    if kernel is not None:  # a prefill's attention: the kernel, PREFILL_ROWS query rows a call
+        runner.static.attention_kernel = lambda q, *rest: rows.append(q.shape[0]) or kernel(q, *rest)
     runner.forward(seq[:200])
+    assert kernel is None or set(rows) == {PREFILL_ROWS, 200 - PREFILL_ROWS}
     first = runner.static.capacity
     got = runner.forward(seq[200:]).logits  # past the first 256 slots: the buffers double
     assert runner.static.capacity > first and runner.length == 300
