@@ -178,7 +178,7 @@ def test_demo_command_compares_methods(tmp_path, tiny):
     model = tiny("llama")
     model.model.save_pretrained(tmp_path / "m")
     model.tokenizer.save_pretrained(tmp_path / "m")
-    res = CliRunner().invoke(app, ["demo", "--target", str(tmp_path / "m"), "--draft", "self:layers=2", "-n", "12",
+    res = CliRunner().invoke(app, ["demo", "--target", str(tmp_path / "m"), "--draft", "self:layers=2", "-n", "12", "--repeats", "2",
                                    "--method", "auto,lookahead:context"])
     assert res.exit_code == 0, res.output
     header = "| prompt | autoregressive tok/s | auto tok/s | speedup | identical | lookahead:context tok/s | speedup | identical |"

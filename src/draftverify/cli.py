@@ -178,16 +178,24 @@ def demo(
     draft: Optional[str] = DraftOpt,
     method: str = typer.Option("auto", help="Methods to compare with autoregressive decoding: comma-separated method specs, NAME, NAME:PRESET or NAME\\[key=value,...]."),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", help="New tokens per run."),
+    repeats: int = typer.Option(3, help="Runs of each prompt and method, interleaved; the table shows their medians."),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     backend: str = BackendOpt,
 ):
     """Answer a few prompts with autoregressive decoding and with each METHOD; print the answers and a table of
-    speeds, speedups and whether the outputs are identical (exit 1 if any is not)."""
+    speeds, speedups and whether the outputs are identical (exit 1 if any is not).
+
+    Each prompt runs `repeats` times, autoregressive then each method in turn: a speed is the median over the
+    runs, a speedup the median of each run's autoregressive time over the method's (one run of a 96-token
+    answer moves by 5-10% with the machine's load); identical means identical in every run."""
+    from statistics import median
+
     from draftverify.methods.spec import parse_specs
 
     specs = parse_specs(method)
     require(specs, "--method names no method: use e.g. auto or lookahead:context")
+    require(repeats >= 1, f"--repeats {repeats} must be at least 1")
     prompts = {f"prompt {i + 1}": p for i, p in enumerate(prompt)} if prompt else DEMO_PROMPTS
     engine = _load_engine(target, draft, dtype, device, backend=backend)
     typer.echo(f"target: {engine.target.name}   {engine.describe_drafts()}   backend: {engine.describe_backend()}")
@@ -196,14 +204,18 @@ def demo(
         engine.generate("Hello", method=spec.name, preset=spec.preset, max_new_tokens=8, chat=True, **dict(spec.options))
     rows, same = [], True
     for name, text in prompts.items():
-        base = engine.generate(text, method="autoregressive", max_new_tokens=max_new_tokens, chat=True)
-        row = [name, f"{base.stats.tokens_per_s:.1f}"]
-        for spec in specs:
-            fast = engine.generate(text, method=spec.name, preset=spec.preset, max_new_tokens=max_new_tokens, chat=True, **dict(spec.options))
-            identical = fast.tokens == base.tokens
+        runs = []  # per repeat: the autoregressive result, then each method's
+        for _ in range(repeats):
+            runs.append([engine.generate(text, method="autoregressive", max_new_tokens=max_new_tokens, chat=True)] + [
+                engine.generate(text, method=spec.name, preset=spec.preset, max_new_tokens=max_new_tokens, chat=True, **dict(spec.options))
+                for spec in specs])
+        row = [name, f"{median(run[0].stats.tokens_per_s for run in runs):.1f}"]
+        for i, _ in enumerate(specs, start=1):
+            identical = all(run[i].tokens == run[0].tokens for run in runs)
             same &= identical
-            row += [f"{fast.stats.tokens_per_s:.1f}", f"{base.stats.wall_s / fast.stats.wall_s:.2f}x", "yes" if identical else "NO"]
-        typer.echo(f"\n--- {name}: {text}\n{base.text}")
+            row += [f"{median(run[i].stats.tokens_per_s for run in runs):.1f}",
+                    f"{median(run[0].stats.wall_s / run[i].stats.wall_s for run in runs):.2f}x", "yes" if identical else "NO"]
+        typer.echo(f"\n--- {name}: {text}\n{runs[0][0].text}")
         rows.append(row)
     header = ["prompt", "autoregressive tok/s"] + [c for s in specs for c in (f"{s.label} tok/s", "speedup", "identical")]
     typer.echo("\n" + "\n".join("| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *rows]))
