@@ -15,6 +15,7 @@ from conftest import ARCHS, SLIDING_ARCHS, STATIC_ARCHS, WINDOW, make_model
 from draftverify import DraftVerifyError, Engine, Loaded, Runner
 from draftverify.models import forward_many
 from draftverify.sampling import Sampling
+from draftverify.drafters.skipsets import SkipSet
 from draftverify.static import PREFILL_ROWS
 
 ALL_ARCHS = ARCHS + ("qwen3",) + SLIDING_ARCHS[2:]  # mistral and qwen2-sliding are static archs too
@@ -389,7 +390,7 @@ def test_a_stacked_forward_gives_each_sequence_of_a_quantized_model_its_own_bits
 
 def test_the_one_call_layer_gives_the_op_by_op_layers_bits(monkeypatch):
     """A short forward of one sequence runs each layer in one kernel call (`layer`); its logits and cache are
-    bit for bit those of the op-by-op layers (prefill, decoding step, tree)."""
+    bit for bit those of the op-by-op layers (prefill, decoding step, tree, a step with sub-layers skipped)."""
     from draftverify.kernels import cpu, unavailable
 
     if cpu() is None:
@@ -404,6 +405,9 @@ def test_the_one_call_layer_gives_the_op_by_op_layers_bits(monkeypatch):
     for feed in ({"tokens": [3, 17, 5, 9, 14, 2]}, {"tokens": [11]}, {"tokens": [12, 13, 14], "tree_mask": tree, "positions": torch.tensor([7, 8, 8])}):
         assert torch.equal(fused.forward(**feed).logits, plain.forward(**feed).logits), feed
     assert len(calls) == 3 * len(model.model.layers)
+    skip = SkipSet(attention=(0,), mlp=(1,))  # self-speculative drafting: the layers it leaves whole take the one call
+    assert torch.equal(fused.forward([21], skip=skip).logits, plain.forward([21], skip=skip).logits)
+    assert len(calls) == 4 * len(model.model.layers) - 2
     for (ka, va), (kb, vb) in zip(fused.cached_kv(), plain.cached_kv()):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 

@@ -419,11 +419,11 @@ class StaticDecoder:
         skip_attn = set(skip.attention) if skip is not None else ()
         skip_mlp = set(skip.mlp) if skip is not None else ()
         spans = Spans([(a, n) for _, a, n, _, _ in parts], self.device)
-        # one short sequence, nothing skipped: each layer in one kernel call (`layer`: the same kernels as below)
-        one = parts[0] if len(parts) == 1 and parts[0][2] <= QUANT_ROWS and skip is None and self.layer_kernel is not None else None
+        # one short sequence: each layer with nothing skipped in one kernel call (`layer`: the same kernels as below)
+        one = parts[0] if len(parts) == 1 and parts[0][2] <= QUANT_ROWS and self.layer_kernel is not None else None
         rows = (cos[:, 0], sin[:, 0]) if one is not None else None  # [rows, head_dim]: the kernels' layout
         for i, layer in enumerate(self.layers):
-            if one is not None and layer.fused is not None:
+            if one is not None and layer.fused is not None and i not in skip_attn and i not in skip_mlp:
                 d, _, _, past, masks = one
                 mask = masks[self.windows[i]]
                 h = self.layer_kernel(h, layer.norm_in, layer.norm_post, layer.eps, *layer.fused, *rows, d.keys[i], d.values[i],
