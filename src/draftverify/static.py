@@ -24,7 +24,7 @@ the same arithmetic with three changes that matter on a CPU:
   holds position i), so full, sliding and mixed layers all take the same path. Attention is
   our kernel (cpu.cpp), each token's row computed alone: one call up to `QUANT_ROWS` new
   tokens, `PREFILL_ROWS` query rows a call for a prefill (in fp32 on a CPU: SDPA with the
-  boolean mask took twice as long on a 769-token prompt, ~0.3 of the prefill; SDPA elsewhere).
+  boolean mask took 2.4 times as long on a 769-token prompt, 0.39 of that prefill; SDPA elsewhere).
 - **One call per layer.** A forward of one sequence over at most `QUANT_ROWS` tokens whose layer
   has only quantized products runs that layer in one kernel call (cpu.cpp `layer`: norm, q/k/v,
   rotary + attention, o, norm, gate/up, SiLU, down), the same kernels in the same order as the
