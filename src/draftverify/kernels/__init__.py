@@ -1,6 +1,6 @@
-"""The static path's CPU kernels (cpu.cpp: the exact Q4_1 / Q8_0 product and the attention of new tokens (up to 32
-in a decoding step or a tree, 128 rows a call in a prefill), a whole decoder layer of those in one call, the one-row matmul, RMSNorm, SiLU(gate) * up), compiled
-once per machine and cached.
+"""The static path's CPU kernels (cpu.cpp: the exact Q4_1 / Q8_0 product, the attention of new tokens (up
+to 32 in a decoding step or a tree, 128 rows a call in a prefill), a whole decoder layer of those in one
+call, the one-row matmul, RMSNorm, SiLU(gate) * up), compiled once per machine and cached.
 
 `cpu()` returns the compiled module, or None with `unavailable()` saying why in one line
 (not x86-64 with AVX2 + FMA, no C++ compiler or ninja, a failed build, or
