@@ -72,6 +72,28 @@ def test_the_cost_curve_grows_with_the_context_wider_forwards_the_more():
     assert policy.best() < short
 
 
+def test_a_drafting_runners_cost_curve_is_timed_on_a_drafting_runner(tiny, monkeypatch):
+    """A separate draft model's runner (`draft=True`) forwards on rounded copies of its weights: its curve, the one its
+    cost-aware policy prices drafts with, is timed on such a runner too (timed on the target's kind, a draft model's
+    curve read about twice its real cost on the default model), and kept apart from the same model's target curve."""
+    from draftverify import costs
+    from draftverify.models import Runner
+
+    made = []
+
+    class Recording(Runner):
+        def __init__(self, model, backend="auto", draft=False):
+            made.append(draft)
+            super().__init__(model, backend, draft)
+
+    monkeypatch.setattr(costs, "Runner", Recording)
+    model = tiny("llama").model
+    drafting = costs.curve(Runner(model, "static", draft=True), all_logits=False, widths=(1, 2))
+    assert made and all(made)
+    made.clear()
+    assert costs.curve(Runner(model, "static"), all_logits=False, widths=(1, 2)) is not drafting and made and not any(made)
+
+
 @pytest.mark.parametrize("others", [0, 3])
 def test_marginal_times_reads_a_table_as_marginal_time_does(others):
     from draftverify.costs import Curve, Table, at_context, marginal_time, marginal_times

@@ -34,15 +34,17 @@ def sync_device(device: torch.device) -> None:
 
 
 def forward_times(
-    model: torch.nn.Module, context: list[int], widths=WIDTHS, reps: int = 5, all_logits: bool = True, backend: str = "auto"
+    model: torch.nn.Module, context: list[int], widths=WIDTHS, reps: int = 5, all_logits: bool = True, backend: str = "auto",
+    draft: bool = False,
 ) -> dict[int, float]:
     """Seconds of one forward of w new tokens after `context`, for each w in `widths`: the
     fastest of `reps` runs (the least disturbed by the rest of the machine).
 
     `all_logits`: compute logits for every new token (the target verifying drafts) or only
-    the last one (the draft proposing).
+    the last one (the draft proposing). `draft`: time the forward a drafting runner takes (`Runner(draft=True)`:
+    a separate draft model's rounded copies), not the target's.
     """
-    runner = Runner(model, backend)
+    runner = Runner(model, backend, draft)
     runner.forward(context, last=1)
     base = runner.length
 
@@ -117,7 +119,7 @@ def context_slope(near: dict[int, float], far: dict[int, float], span: int) -> d
 def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> Curve:
     """The cost curve of `runner`'s model on its backend, measured once per process (3 runs a width),
     after `POLICY_CONTEXT` tokens and again after `FAR_CONTEXT` (or as many as the model's positions allow)."""
-    key = (runner.backend, all_logits, tuple(widths))
+    key = (runner.backend, runner.draft, all_logits, tuple(widths))
     found = _CURVES.setdefault(runner.model, {})
     if key not in found:
         vocab = runner.model.get_input_embeddings().weight.shape[0]
@@ -126,7 +128,7 @@ def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> C
 
         def times(n: int) -> dict[int, float]:
             context = [(7 * i + 3) % vocab for i in range(n)]
-            return forward_times(runner.model, context, widths, reps=3, all_logits=all_logits, backend=runner.backend)
+            return forward_times(runner.model, context, widths, reps=3, all_logits=all_logits, backend=runner.backend, draft=runner.draft)
 
         near = times(POLICY_CONTEXT)
         slope = context_slope(near, times(far), far - POLICY_CONTEXT) if far >= 4 * POLICY_CONTEXT else None

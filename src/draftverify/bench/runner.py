@@ -320,7 +320,7 @@ class Bench:
             "target": forward_times(self.engine.target.model, context, backend=backend),
         }
         if self.engine.draft is not None:
-            costs["draft"] = forward_times(self.engine.draft.model, context, all_logits=False, backend=backend)
+            costs["draft"] = forward_times(self.engine.draft.model, context, all_logits=False, backend=backend, draft=self.engine.draft_runner.draft)
         if any(s.engine == "llama.cpp" for s in self.specs):  # the same buckets, all logits, on llama.cpp
             model = llamacpp.LlamaCpp(
                 llamacpp.gguf_for(self.engine.target.source, self.engine.target.name), self.n_ctx(),
