@@ -79,14 +79,8 @@ def test_a_drafting_runners_cost_curve_is_timed_on_a_drafting_runner(tiny, monke
     from draftverify import costs
     from draftverify.models import Runner
 
-    made = []
-
-    class Recording(Runner):
-        def __init__(self, model, backend="auto", draft=False):
-            made.append(draft)
-            super().__init__(model, backend, draft)
-
-    monkeypatch.setattr(costs, "Runner", Recording)
+    made, fork = [], Runner.fork
+    monkeypatch.setattr(Runner, "fork", lambda self: made.append((timed := fork(self)).draft) or timed)
     model = tiny("llama").model
     drafting = costs.curve(Runner(model, "static", draft=True), all_logits=False, widths=(1, 2))
     assert made and all(made)

@@ -33,18 +33,15 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def forward_times(
-    model: torch.nn.Module, context: list[int], widths=WIDTHS, reps: int = 5, all_logits: bool = True, backend: str = "auto",
-    draft: bool = False,
-) -> dict[int, float]:
-    """Seconds of one forward of w new tokens after `context`, for each w in `widths`: the
-    fastest of `reps` runs (the least disturbed by the rest of the machine).
+def forward_times(runner: Runner, context: list[int], widths=WIDTHS, reps: int = 5, all_logits: bool = True) -> dict[int, float]:
+    """Seconds of one forward of w new tokens after `context`, for each w in `widths`, on a fork of `runner` (its
+    model on its path: a drafting runner's forward is timed as it drafts): the fastest of `reps` runs (the least
+    disturbed by the rest of the machine).
 
     `all_logits`: compute logits for every new token (the target verifying drafts) or only
-    the last one (the draft proposing). `draft`: time the forward a drafting runner takes (`Runner(draft=True)`:
-    a separate draft model's rounded copies), not the target's.
+    the last one (the draft proposing).
     """
-    runner = Runner(model, backend, draft)
+    runner = runner.fork()
     runner.forward(context, last=1)
     base = runner.length
 
@@ -128,7 +125,7 @@ def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> C
 
         def times(n: int) -> dict[int, float]:
             context = [(7 * i + 3) % vocab for i in range(n)]
-            return forward_times(runner.model, context, widths, reps=3, all_logits=all_logits, backend=runner.backend, draft=runner.draft)
+            return forward_times(runner, context, widths, reps=3, all_logits=all_logits)
 
         near = times(POLICY_CONTEXT)
         slope = context_slope(near, times(far), far - POLICY_CONTEXT) if far >= 4 * POLICY_CONTEXT else None

@@ -313,14 +313,13 @@ class Bench:
     def measure_costs(self, ids: list[int]) -> dict:
         """Forward times per number of new tokens, for the target (all logits) and the draft (last)."""
         context = (ids * (COST_CONTEXT // len(ids) + 1))[:COST_CONTEXT]
-        backend = self.engine.backend
         costs = {
             "context_tokens": COST_CONTEXT,
             "backend": self.engine.describe_backend(),
-            "target": forward_times(self.engine.target.model, context, backend=backend),
+            "target": forward_times(self.engine.target_runner, context),
         }
         if self.engine.draft is not None:
-            costs["draft"] = forward_times(self.engine.draft.model, context, all_logits=False, backend=backend, draft=self.engine.draft_runner.draft)
+            costs["draft"] = forward_times(self.engine.draft_runner, context, all_logits=False)
         if any(s.engine == "llama.cpp" for s in self.specs):  # the same buckets, all logits, on llama.cpp
             model = llamacpp.LlamaCpp(
                 llamacpp.gguf_for(self.engine.target.source, self.engine.target.name), self.n_ctx(),
