@@ -182,6 +182,28 @@ def test_calibration_scores_every_valued_node_against_the_emitted_tokens(tiny):
     assert sum(bins.trials) == 3 and drafter.valued == {}
 
 
+def test_expansion_prices_a_new_node_at_the_row_it_would_take(tiny):
+    """The head grows a level only if its best guess is worth the row it would take in the verification: on a
+    curve whose second row is free and third dear, a chain stops at one node (it used to price every node at the
+    second row's cost and grow levels the tree then left out); on a flat curve it grows to its depth."""
+    from types import SimpleNamespace
+
+    from draftverify.drafters.feature import FeatureHead
+
+    target = tiny("llama", layers=2)
+    drafter = FeatureHead(random_head(target), Runner(target.model), depth=4, width=1)
+    drafter.calibration = lambda p: 0.5  # every guess: even odds, so a depth-2 node is worth 0.25 of a forward
+    grown = {}
+    for name, table in {"flat": {1: 1.0, 2: 1.0, 4: 1.0}, "third row dear": {1: 1.0, 2: 1.01, 4: 3.0}}.items():  # seconds:
+        # a forward so dear that the head's own time (`expand_s`, measured) weighs nothing
+        drafter.costs, drafter.expand_s = table, 0.0
+        drafter.cache = HeadCache(drafter.head, capacity=16)
+        s = SimpleNamespace(others=0, stats=SimpleNamespace(draft_forwards=0))
+        paths = drafter.expand(s, torch.randn(target.model.config.hidden_size), 5, 4)
+        grown[name] = (s.stats.draft_forwards, len(paths[0]))
+    assert grown == {"flat": (3, 4), "third row dear": (0, 1)}, grown
+
+
 def test_tree_sampling_matches_the_target(tiny, monkeypatch):
     """Sampled decoding verifies the head's tree by multi-draft rejection sampling: the second token
     follows the target's exact law, and the classic wrong rule is caught. The head drafts only the

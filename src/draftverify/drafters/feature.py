@@ -13,7 +13,10 @@ returns anyway (`Proposal.hidden`), so drafting costs only the head's small forw
    tree-masked forward of its own (expansion stops early once even the best new node's best
    child, guessed as worth that node's value times its own calibrated chance, would save less, in
    expected accepted tokens times a target forward, than the measured time of one more expansion
-   plus the time one more candidate adds to the verification);
+   plus the time its row adds to the verification: the row after those of the nodes worth at least
+   as much, read off the cost curve, whose second row is nearly free on a CPU and whose third is
+   not (pricing every node at the second row's cost grew a depth-2 node that the tree then left out
+   in 157 of 570 chain rounds on the dev and demo prompts, in-process);
 3. reranking: of all nodes, the n most valuable form the tree (a child is never worth more than
    its parent, so they form a tree), n chosen from the target's measured cost curve: the n with
    the most expected tokens per second, (1 + sum of the n values) / t_target(n + 1) (or a fixed
@@ -166,12 +169,13 @@ class FeatureHead(Drafter):
         most = min(self.max_nodes, k + (depth - 1) * k * k)  # the nodes this round can make at most
         times = marginal_times(costs, most + 1, s.others)  # t(w) for a forward of w rows (in a batch: added)
         step = times[0]  # what an accepted token saves: a target forward
-        row = times[1] - step  # what one more candidate adds to the verification
         level = children(root_feature[None], [-1])
         for d in range(1, depth):
             chosen = sorted(level, key=lambda i: -values[i])[:k]
             best = chosen[0]  # its best child's worth, guessed: its own value times its own calibrated chance
-            if values[best] * self.calibration(local[best]) * step < self.expand_s + row:
+            guess = values[best] * self.calibration(local[best])
+            ahead = min(sum(v >= guess for v in values), len(times) - 2)  # the nodes kept before that child: it is row ahead + 2
+            if guess * step < self.expand_s + times[ahead + 1] - times[ahead]:
                 break  # even that child would not pay for the head forward that grows it and its verification
             t0 = time.perf_counter()
             base = cache.length
