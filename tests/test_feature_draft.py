@@ -194,8 +194,8 @@ def test_expansion_prices_a_new_node_at_the_row_it_would_take(tiny):
     drafter = FeatureHead(random_head(target), Runner(target.model), depth=4, width=1)
     drafter.calibration = lambda p: 0.5  # every guess: even odds, so a depth-2 node is worth 0.25 of a forward
     grown = {}
-    for name, table in {"flat": {1: 1.0, 2: 1.0, 4: 1.0}, "third row dear": {1: 1.0, 2: 1.01, 4: 3.0}}.items():  # seconds:
-        # a forward so dear that the head's own time (`expand_s`, measured) weighs nothing
+    # cost curves in seconds: forwards so dear that the head's own time (`expand_s`, measured) weighs nothing
+    for name, table in {"flat": {1: 1.0, 2: 1.0, 4: 1.0}, "third row dear": {1: 1.0, 2: 1.01, 4: 3.0}}.items():
         drafter.costs, drafter.expand_s = table, 0.0
         drafter.cache = HeadCache(drafter.head, capacity=16)
         s = SimpleNamespace(others=0, stats=SimpleNamespace(draft_forwards=0))
