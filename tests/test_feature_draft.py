@@ -93,8 +93,9 @@ def test_packed_drafting_takes_the_fused_kernel_and_computes_the_layer(tiny):
         b = plain.forward(feats[rows], ids[rows], positions, mask)
         assert torch.allclose(a, b, atol=1e-5), (rows, (a - b).abs().max())
     assert torch.allclose(fused.keys[:, :, :15], plain.keys[:, :, :15], atol=1e-5)
-    x = feats[:3]  # FR-Spec's smaller vocabulary: a prefix of the LM head's rows, on the packed path too
-    assert torch.allclose(head.logits(x, 20), x @ head.lm_head[:20].T, atol=1e-4) and head.logits(x, 20).shape == (3, 20)
+    x = feats[:3]  # FR-Spec's smaller vocabulary: a prefix of the LM head's rows, on the packed path too (rounded: a draft's)
+    exact = x @ head.lm_head[:20].T
+    assert torch.allclose(head.logits(x, 20), exact, atol=0.03 * exact.abs().max().item()) and head.logits(x, 20).shape == (3, 20)
 
 
 def test_packed_drafting_reads_inputs_and_top_tokens_in_one_call_each(tiny):

@@ -99,9 +99,9 @@ def test_pool_lives_across_requests_and_files(tiny, tmp_path):
     method = engine.method("ouroboros", pool_file=str(path))
     saved = PhrasePool.load(path, method._fingerprint, 3, 2)
     assert len(saved) == first.stats.extra["pool_phrases"] > 0
+    assert {k: method.pool.get(k) for k in method.pool.keys()} == {k: saved.get(k) for k in saved.keys()}  # the next request starts warm
     second = engine.generate(ids, method="ouroboros", max_new_tokens=30, eos_token_id=[], pool_file=str(path))
     assert second.tokens == first.tokens
-    assert second.stats.extra.get("phrase_tokens", 0) >= first.stats.extra.get("phrase_tokens", 0)  # a warm pool
     # a new engine (another process) starts from the file
     again = Engine(target, tiny("llama", seed=1, layers=2))
     again.generate(ids, method="ouroboros", max_new_tokens=1, eos_token_id=[], pool_file=str(path))

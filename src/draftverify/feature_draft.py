@@ -97,17 +97,20 @@ class FeatureDraft(nn.Module):
         return self
 
     def pack(self) -> "FeatureDraft":
-        """Draft through the static path's kernels in eval mode: its linears on Q8_0 copies of the head's
-        weights for few rows (`static.PackedLinear` with `draft`: a quarter of the ~17 MB a round streams
-        from memory; a draft's precision changes what it proposes, never what is accepted), its norms and
-        attention on the target's one-pass kernels. For inference only: the packed copies do not follow
-        later changes of the weights."""
+        """Draft through the static path's kernels in eval mode: its linears and its rows of the target's LM head
+        on rounded copies (`static.PackedLinear` with `draft`: int8 rows multiplied by int8 dot products where
+        the CPU has AVX-512 VNNI, else Q8_0 blocks for few rows; a draft's precision changes what it proposes,
+        never what is accepted), its norms and attention on the target's one-pass kernels. For inference only:
+        the packed copies do not follow later changes of the weights."""
         if self._fast is None and self.fc.weight.device.type == "cpu":
-            lm = SimpleNamespace(weight=self.lm_head, bias=None, out_features=self.lm_head.shape[0])
             self._fast = {name: packed_linear([getattr(self, name)], draft=True) for name in ("fc", "q", "kv", "o", "gate_up", "down")}
             self._fast["qkv"] = packed_linear([self.q, self.kv], draft=True)  # q | k | v rows: `rope_attention`'s layout
-            self._fast["lm_head"] = packed_linear([lm])
+            self._fast["lm_head"] = self._lm_head(self.lm_head.shape[0])
         return self
+
+    def _lm_head(self, n: int):
+        """The packed rows of the target's LM head for the head's n most frequent tokens (FR-Spec: a prefix)."""
+        return packed_linear([SimpleNamespace(weight=self.lm_head[:n], bias=None, out_features=n)], draft=True)
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         fast = self._fast.get(name) if self._fast is not None and not self.training else None
@@ -206,7 +209,7 @@ class FeatureDraft(nn.Module):
             return features @ self.lm_head[:n].T
         key = f"lm_head[:{n}]"  # FR-Spec's smaller head: a prefix of the rows, packed as the whole is
         if key not in self._fast:
-            self._fast[key] = packed_linear([SimpleNamespace(weight=self.lm_head[:n], bias=None, out_features=n)])
+            self._fast[key] = self._lm_head(n)
         return self._linear(key, features)
 
     def top(self, features: torch.Tensor, n: int, k: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -265,7 +268,7 @@ class HeadCache:
         kernels = cpu_kernels() if fast else None
         self.rope_attention = kernels.rope_attention if kernels is not None else None
         self.layer = kernels.layer if kernels is not None else None
-        # Q8_0 copies: the one-call layer takes them
+        # the rounded copies (int8 rows or Q8_0, `pack`): the one-call layer takes them
         self.fused = layer_weights(*(head._fast[name] for name in ("qkv", "o", "gate_up", "down"))) if kernels is not None else None
         self.no_mask = torch.empty(0, dtype=torch.bool)
 

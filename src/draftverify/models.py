@@ -369,7 +369,7 @@ class Runner:
     `backend` (see `choose_backend`): `static` runs `draftverify.static.StaticDecoder` over a
     preallocated cache; `eager` runs the stock model over a transformers `DynamicCache`.
     `fallback_reason` says why `auto` chose eager. `draft=True`: a draft model's runner; on the static
-    path its few-row forwards may use Q8_0-rounded weights (what it proposes, never what is accepted).
+    path its forwards may use rounded weights (int8 rows or Q8_0: what it proposes, never what is accepted).
     """
 
     def __init__(self, model: torch.nn.Module, backend: str = "auto", draft: bool = False):

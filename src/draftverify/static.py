@@ -139,9 +139,10 @@ def packed_linear(linears: list[torch.nn.Linear], draft: bool = False) -> "Packe
 class PackedLinear:
     """y = x W^T + b for several stock linears fused along the output dimension, prepacked on CPU.
 
-    `draft`: a draft model's weight that is not exact blocks gets a Q8_0 copy for few-row forwards
-    anyway (`kernels.quant.q8_blocks`, a quarter of the bytes to stream): a draft's precision changes
-    what it proposes, never what verification accepts."""
+    `draft`: a draft's weight gets a rounded copy (`quant_blocks`): int8 rows, multiplied by int8 dot
+    products at any row count where the CPU has AVX-512 VNNI (`kernels.quant.i8_rows`), else Q8_0 blocks
+    for few-row forwards (`q8_blocks`); a quarter of the bytes to stream, and with VNNI a quarter of the
+    instructions: a draft's precision changes what it proposes, never what verification accepts."""
 
     def __init__(self, linears: list[torch.nn.Linear], draft: bool = False):
         weight = torch.cat([lin.weight.detach() for lin in linears])  # [out, in]
@@ -169,8 +170,9 @@ class PackedLinear:
         self.dense = weight.contiguous() if self.kernel is not None else None
 
     def __call__(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:  # [m, in] -> [m, out]
-        """`quant`: the quantized product (if the weight has blocks) whatever the number of rows."""
-        if self.quant is not None and (quant or x.shape[0] <= QUANT_ROWS):
+        """`quant`: the quantized product (if the weight has blocks) whatever the number of rows (a draft's int8
+        rows take it at any row count: their product beats oneDNN's fp32 one at every size)."""
+        if self.quant is not None and (quant or x.shape[0] <= QUANT_ROWS or self.blocks.kind == "i8_rows"):
             return _kernels[0].quant_linear(x.contiguous(), *self.quant)
         if self.kernel is not None and x.shape[0] == 1:
             return self.kernel.linear(x.contiguous(), self.dense, self.bias if self.bias is not None else self._no_bias)
@@ -210,13 +212,16 @@ class Spans:
 
 
 def quant_blocks(weight: torch.Tensor, draft: bool = False):
-    """The exact Q4_1 / Q8_0 blocks of `weight` (for a draft: else its Q8_0 rounding) when the compiled
-    kernels can multiply them (else None)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or cpu_kernels() is None:
+    """The exact Q4_1 / Q8_0 blocks of `weight` when the compiled kernels can multiply them (else None); for a
+    draft, its int8 rows where the kernels have int8 dot products, else its Q8_0 rounding."""
+    kernels = cpu_kernels()
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or kernels is None:
         return None
-    from draftverify.kernels.quant import exact_blocks, q8_blocks
+    from draftverify.kernels.quant import exact_blocks, i8_rows, q8_blocks
 
-    return exact_blocks(weight) or (q8_blocks(weight) if draft else None)
+    if not draft:
+        return exact_blocks(weight)
+    return (i8_rows(weight) if kernels.int8_rows() else None) or q8_blocks(weight)
 
 
 def one_row_kernel(weight: torch.Tensor):
@@ -308,7 +313,7 @@ class StaticDecoder:
 
     The cache holds `length` tokens in slots 0..length-1; `forward` writes new tokens at the
     next slots. Same contract as `Runner` (which delegates here). `draft`: the model only drafts
-    (its weights may be rounded to Q8_0, `PackedLinear`).
+    (its weights may be rounded, `PackedLinear`).
     """
 
     def __init__(self, model: torch.nn.Module, draft: bool = False):

@@ -46,6 +46,11 @@ def has_avx512() -> bool:
     return "avx512f" in cpu_flags()
 
 
+def has_vnni() -> bool:
+    """Whether this CPU has AVX-512 VNNI (int8 dot products: a draft's int8-row products, cpu.cpp)."""
+    return has_avx512() and {"avx512bw", "avx512_vnni"} <= cpu_flags()
+
+
 @functools.cache
 def cpu():
     global _why_not
@@ -66,9 +71,9 @@ def cpu():
         return None
     from draftverify.util import cache_root
 
-    wide = has_avx512()  # the quantized products use 16-lane AVX-512 where the CPU has it (a per-CPU build)
+    wide, vnni = has_avx512(), has_vnni()  # 16-lane AVX-512 and int8 dot products where the CPU has them (a per-CPU build)
     tag = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:12]
-    name = f"draftverify_cpu_{tag}_{'avx512' if wide else 'avx2'}"
+    name = f"draftverify_cpu_{tag}_{'avx512vnni' if vnni else 'avx512' if wide else 'avx2'}"
     folder = cache_root() / "kernels" / name
     fresh = not any(folder.glob("*.so"))
     started = time.monotonic()
@@ -80,7 +85,8 @@ def cpu():
     # (same soname, already loaded), so there is one thread pool.
     try:
         module = load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
-                      extra_cflags=["-O3", "-fopenmp", "-mavx2", "-mfma", *(["-mavx512f"] if wide else [])],
+                      extra_cflags=["-O3", "-fopenmp", "-mavx2", "-mfma", *(["-mavx512f"] if wide else []),
+                                    *(["-mavx512bw", "-mavx512vnni"] if vnni else [])],
                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # a compiler error, a missing header: run without the kernel
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
