@@ -80,6 +80,7 @@ class FeatureDraft(nn.Module):
         self.register_buffer("vocab", torch.tensor(c.vocab, dtype=torch.long), persistent=False)
         self.name = "feature-head"  # the folder's name once loaded
         self._fast: dict | None = None  # prepacked linears for drafting (`pack`)
+        self._inputs: tuple | None = None  # the one-call `inputs` kernel's arguments after the features and tokens (`pack`)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin tables by position (`rope_rows`)
         self.embed: torch.Tensor | None = None  # [V, H] the target's, frozen
         self.lm_head: torch.Tensor | None = None  # [N, H] the target's LM head rows of `vocab`, frozen
@@ -106,6 +107,9 @@ class FeatureDraft(nn.Module):
             self._fast = {name: packed_linear([getattr(self, name)], draft=True) for name in ("fc", "q", "kv", "o", "gate_up", "down")}
             self._fast["qkv"] = packed_linear([self.q, self.kv], draft=True)  # q | k | v rows: `rope_attention`'s layout
             self._fast["lm_head"] = self._lm_head(self.lm_head.shape[0])
+            fc = self._fast["fc"].quant
+            if fc is not None and self.embed.is_contiguous():  # `inputs` in one call: its arguments, read once
+                self._inputs = (self.embed, self.norm_feature.weight, self.norm_embed.weight, self.norm_feature.eps, fc)
         return self
 
     def _lm_head(self, n: int):
@@ -169,11 +173,9 @@ class FeatureDraft(nn.Module):
 
     def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """[..., H] features and [...] next tokens -> [..., H] layer inputs."""
-        fc = self._fast["fc"].quant if self._fast is not None and not self.training else None
-        if fc is not None and features.dim() == 2 and features.shape[0] <= QUANT_ROWS and features.dtype == torch.float32 \
-                and self.embed.is_contiguous():  # drafting: one call, the bits of the op-by-op path (which takes fc's blocks here)
-            return cpu_kernels().head_inputs(features.contiguous(), tokens, self.embed, self.norm_feature.weight,
-                                             self.norm_embed.weight, self.norm_feature.eps, fc)
+        if self._inputs is not None and not self.training and features.dim() == 2 and features.shape[0] <= QUANT_ROWS \
+                and features.dtype == torch.float32:  # drafting: one call, the bits of the op-by-op path (which takes fc's copy here)
+            return cpu_kernels().head_inputs(features.contiguous(), tokens, *self._inputs)
         return self._linear("fc", torch.cat([self._norm("norm_feature", features), self._norm("norm_embed", F.embedding(tokens, self.embed))], dim=-1))
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -271,6 +273,10 @@ class HeadCache:
         # the rounded copies (int8 rows or Q8_0, `pack`): the one-call layer takes them
         self.fused = layer_weights(*(head._fast[name] for name in ("qkv", "o", "gate_up", "down"))) if kernels is not None else None
         self.no_mask = torch.empty(0, dtype=torch.bool)
+        # what every drafting forward passes, read once (a module's attributes cost a lookup each, run cache-cold)
+        self.norms = (head.norm_in.weight, head.norm_post.weight, c.rms_eps)
+        self.norm_out = (head.norm_out.weight, head.norm_out.eps)
+        self.scale = c.head_dim**-0.5
 
     def _reserve(self, n: int) -> None:
         if n > self.keys.shape[2]:
@@ -300,11 +306,10 @@ class HeadCache:
         if self.rope_attention is not None and not head.training and n <= QUANT_ROWS:
             # drafting: the target's fused kernel (rotate q and k, store k and v, attend), as its static path does
             cos, sin = head.rope_rows(positions)
-            mask, scale = self.no_mask if full is None else full, head.config.head_dim**-0.5
+            mask, scale = self.no_mask if full is None else full, self.scale
             if self.fused is not None:  # the whole layer in one call, as the target's static path runs its own
-                x = self.layer(x, head.norm_in.weight, head.norm_post.weight, head.config.rms_eps, *self.fused, cos, sin,
-                               self.keys[0], self.values[0], past, head.config.num_heads, mask, scale)
-                return head._norm("norm_out", x)
+                x = self.layer(x, *self.norms, *self.fused, cos, sin, self.keys[0], self.values[0], past, head.config.num_heads, mask, scale)
+                return rms_norm(x, *self.norm_out)  # `_norm`'s drafting path
             qkv = head._linear("qkv", head._norm("norm_in", x))
             out = self.rope_attention(qkv, cos, sin, self.keys[0], self.values[0], past, head.config.num_heads, mask, scale)
             return head.after_attention(x, out)

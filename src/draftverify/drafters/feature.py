@@ -106,7 +106,7 @@ class FeatureHead(Drafter):
         self.vocab = head.vocab[:n]
         self.expand_s = 0.0  # seconds one expansion step takes (a running mean)
         self.costs = curve(target, widths=TREE_WIDTHS)
-        self.device = head.fc.weight.device
+        self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
         self.cache: HeadCache | None = None
         self.pending: list[tuple[torch.Tensor, list[int], int]] = []  # rounds not fed yet: features, next tokens, first position
         self.valued: dict[tuple[int, ...], list[tuple[int, float]]] = {}  # this round's nodes: parent's path -> (token, head's probability)
@@ -127,7 +127,7 @@ class FeatureHead(Drafter):
             first += len(ids) - CATCH_UP
             features, ids = features[-CATCH_UP:], ids[-CATCH_UP:]
         ids = torch.tensor(ids, device=self.device)
-        out = self.cache.forward(features.to(self.head.fc.weight.dtype), ids, range(first, first + len(ids)))
+        out = self.cache.forward(features.to(self.dtype), ids, range(first, first + len(ids)))
         s.stats.draft_forwards += 1
         committed = self.cache.length
         self.expected = 0.0
