@@ -107,7 +107,12 @@ def q8_blocks(weight: torch.Tensor) -> Blocks | None:
 
 def i8_rows(weight: torch.Tensor) -> Blocks | None:
     """`weight` [N, K] (fp32, CPU, K a multiple of 64) rounded to int8 with one scale a row (d = the row's largest
-    magnitude / 127): NOT the same weight. For drafts, which the kernels multiply with int8 dot products."""
+    magnitude / 127): NOT the same weight. For drafts, which the kernels multiply with int8 dot products.
+
+    Measured on the shipped feature head's build data (teacher-forced, the drafting path, its 4,096 most frequent
+    tokens): depth-1 agreement with the target 0.500 on int8 rows against 0.504 on Q8_0 blocks (4,015 held-out
+    reply tokens) and 0.446 against 0.447 (1,308 of held-out template prompts): within the few near-ties that any
+    rounding flips."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 64:
         return None
     w = weight.detach()
