@@ -177,3 +177,33 @@ def test_default_target_greedy(smollm):
         ar = engine.generate(ids, method="autoregressive", max_new_tokens=32)
         for method, options in [("lookahead", {}), ("ouroboros", {}), ("ouroboros", {"gamma": 6, "W": 15, "N": 5, "G": 15, "K": 3})]:
             assert engine.generate(ids, method=method, max_new_tokens=32, **options).tokens == ar.tokens, (prompt, method, options)
+
+
+def test_lengthening_over_the_head_verifies_suffixes_only_while_they_pay():
+    """With a cost curve (Ouroboros over the feature head) each round's suffixes are scored once the emitted tokens
+    settle them, verified or not: the tokens they would have added where the whole draft was accepted, else none;
+    they ride along only while that running mean, times a step, beats the rows they add."""
+    from types import SimpleNamespace
+
+    from draftverify.costs import Table
+    from draftverify.drafters.base import Drafter, Proposal
+    from draftverify.drafters.lengthened import Lengthened
+
+    class Chain(Drafter):
+        def propose(self, s, seq, room):
+            return Proposal([[5, 6]])
+
+    pool = PhrasePool(3, 2)
+    pool.insert_all([(6, 7, 8), (6, 9, 9)])
+    grow = Lengthened(Chain(), pool, K=2, costs=Table({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7}))  # a row: 0.1 of a step
+    s, seq = SimpleNamespace(others=0), list(range(10))
+    assert len(grow.propose(s, seq, 8).paths) == 2 and grow.offered  # optimistic at first: the suffixes are verified
+    grow.score(seq + [5, 6, 7])
+    assert grow.offered and grow.gain == 1.0  # not settled: the suffix (7, 8) still follows what is known
+    grow.score(seq + [5, 6, 7, 8])
+    assert not grow.offered and grow.gain == pytest.approx(0.7 * 1.0 + 0.3 * 2)
+    for _ in range(4):  # drafts cut short: no suffix could have followed
+        grow.offered = [(10, [5, 6], [[7, 8]])]
+        grow.score(seq + [5, 1])
+    assert grow.gain < 0.4  # below the four rows' price, 0.4 of a step
+    assert grow.propose(s, seq, 8).paths == [[5, 6]] and len(grow.offered) == 1  # not verified, but still scored

@@ -111,6 +111,6 @@ class Ouroboros(PoolMethod):
         c = self.config
         if isinstance(self.draft, FeatureDraft):  # the head's tree, lengthened by pool suffixes
             head = FeatureHead(self.draft, self.target)
-            return Lengthened(head, pool, c.K, c.refinement, context=True) if c.lengthening else head
+            return Lengthened(head, pool, c.K, c.refinement, context=True, costs=head.costs) if c.lengthening else head
         phrases = Phrases(self.draft_model(), pool, self.make_policy(), c)
         return Lengthened(phrases, pool, c.K, c.refinement) if c.lengthening else phrases
