@@ -56,19 +56,17 @@ class Lengthened(Drafter):
         key = draft[-1] if draft else seq[-1]
         left = room - len(draft)
         self.suffixes = [list(c[:left]) for c in self.pool.get(key, self.K)] if left > 0 else []
+        plain = self.inner_proposal.paths or [draft]
+        lengthened = [draft + c for c in self.suffixes] + plain[1:]  # a tree drafter's other branches ride along
         if self.costs is not None and self.suffixes:
             self.offered.append((len(seq), draft, self.suffixes))
-            if not self.pays(s, seq):
+            if not self.pays(s, seq, plain, lengthened):
                 self.suffixes = []
-        others = self.inner_proposal.paths[1:]  # a tree drafter's other branches ride along
-        return replace(self.inner_proposal, paths=[draft + c for c in self.suffixes] + others if self.suffixes else self.inner_proposal.paths or [draft])
+        return replace(self.inner_proposal, paths=lengthened if self.suffixes else plain)
 
-    def pays(self, s: Session, seq: list[int]) -> bool:
-        """Whether this round's suffixes are worth the rows they add (see the module docstring)."""
-        root, paths = seq[-1], self.inner_proposal.paths or [self.inner_proposal.chain]
-        draft = self.inner_proposal.chain
-        base = build_tree(root, paths).size
-        size = build_tree(root, [draft + c for c in self.suffixes] + paths[1:]).size
+    def pays(self, s: Session, seq: list[int], plain: list[list[int]], lengthened: list[list[int]]) -> bool:
+        """Whether the suffixes are worth the rows they add to the trie (see the module docstring)."""
+        base, size = build_tree(seq[-1], plain).size, build_tree(seq[-1], lengthened).size
         times = marginal_times(at_context(self.costs, len(seq)), size, s.others)
         return self.gain * times[0] > times[size - 1] - times[base - 1]
 
