@@ -10,7 +10,7 @@ import pytest
 
 from draftverify.bench import metrics
 from draftverify.bench.datasets import DATASETS, load_prompts, resolve_data_dir, select
-from draftverify.bench.oracle import oracle_rounds, oracle_times
+from draftverify.bench.oracle import ceiling_times, chain_factor, oracle_rounds, oracle_times
 from draftverify.bench.runner import RecordLog, schedule
 from draftverify.bench.specs import AssistedConfig, parse_specs
 from draftverify.costs import forward_time
@@ -102,6 +102,37 @@ def test_oracle_rounds_follow_specdec_plus_plus():
     # three rounds of 3 tokens: 2 drafts (0.2) + a target forward of width 3 (1.5)
     assert t_oracle == pytest.approx(5.0 + 0.5 + 3 * (0.2 + 1.5))
     assert t_ar == pytest.approx(5.0 + 9 * 1.0)
+
+
+def test_the_ceiling_drafts_at_the_best_length_on_the_curve():
+    flat = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}  # verifying 8 tokens costs one step
+    assert chain_factor(flat, 1.0, 0.0) == pytest.approx(1 / 8)  # always right and free: 8 tokens a step
+    assert chain_factor({str(w): t for w, t in flat.items()}, 1.0, 0.0) == pytest.approx(1 / 8)  # a curve read back from JSON
+    assert chain_factor(flat, 0.5, 0.0) == pytest.approx(1 / (2 - 0.5**7))  # the longest chain still pays
+    assert chain_factor(flat, 0.0, 0.0) == 1.0  # never right: plain decoding
+    linear = {1: 1.0, 2: 2.0, 4: 4.0}  # every row costs a step: no draft pays, however good
+    assert chain_factor(linear, 1.0, 0.0) == 1.0
+    # one row nearly free: one drafted token right half the time for 0.2 + 0.1 steps pays 1.5 / 1.3
+    assert chain_factor({1: 1.0, 2: 1.2, 4: 4.0}, 0.5, 0.1) == pytest.approx(1.3 / 1.5)
+    # the prompt's forward is not sped up: 2 s of prefill, 8 s of steps at a factor of 1/4
+    assert ceiling_times(10, 2.0, 10.0, 0.25) == pytest.approx(4.0)
+    assert ceiling_times(1, 2.0, 2.0, 0.25) == 2.0  # one token comes from the prefill alone
+
+
+def test_ceiling_table_bounds_every_drafter_and_names_the_acceptance_needed():
+    records = [rec("AR", "p1", 0, wall=10.0, ttft=2.0), rec("AR", "p2", 0, wall=10.0, ttft=8.0), rec("M", "p1", 0, wall=5.0)]
+    table = metrics.ceiling_table(records, "AR", {"target": {1: 1.0, 2: 1.0, 4: 1.0}})
+    by_prompt = {row["prompt_id"]: row for row in table["prompts"]}
+    assert by_prompt["p1"]["ceiling"] == pytest.approx(10 / (2 + 8 / 4)) and by_prompt["p2"]["prefill_share"] == 0.8
+    assert table["ceiling"] == pytest.approx(math.sqrt(10 / 4 * 10 / (8 + 2 / 4)))
+    assert table["grid"][0.0][1.0] == pytest.approx(table["ceiling"]) and table["grid"][0.3][1.0] < table["ceiling"]
+    assert all(a <= b for row in table["grid"].values() for a, b in zip(list(row.values()), list(row.values())[1:]))
+    needed = table["needed"][0.0]
+    assert needed[1.2] is not None and table["grid"][0.0][1.0] < 2.0 and needed[2.0] is None  # beyond reach
+    a = needed[1.2]  # the least acceptance (to 0.01) that reaches 1.2x
+    speed = lambda acc: math.sqrt(math.prod(10 / ceiling_times(10, t, 10.0, chain_factor({1: 1.0, 2: 1.0, 4: 1.0}, acc, 0.0)) for t in (2.0, 8.0)))
+    assert speed(a) >= 1.2 > speed(a - 0.01)
+    assert metrics.ceiling_table(records, "AR", {}) is None  # no measured curve, no ceiling
 
 
 def test_forward_time_interpolates_and_extrapolates():

@@ -65,6 +65,7 @@ def test_full_run_outputs_and_exactness(engine, tmp_path):
     assert "### mine/a (1 prompt)" in report and "oracle speedup" in report
     assert "## Winners" in report and "| mine/a | `" in report  # a fastest method named per category
     assert "`auto` / oracle pick" in report  # how close auto came to the best single method, per category
+    assert "## The ceiling here" in report and "ceiling: a draft always right and free" in report  # the bound per category
     assert (tmp_path / "results.csv").read_text().count("\n") == len(results["records"]) + 1
     assert json.loads((tmp_path / "results.json").read_text())["environment"]["torch_threads"] >= 1
 

@@ -33,7 +33,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from draftverify.bench.oracle import oracle_rounds, oracle_times
+from draftverify.bench.oracle import ceiling_times, chain_factor, oracle_rounds, oracle_times
 
 METRICS = (
     "speedup",
@@ -52,6 +52,9 @@ METRICS = (
     "latency_p50_s",
     "latency_p99_s",
 )
+CEILING_ACCEPTANCES = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # per-token acceptance of the ceiling table's rows
+CEILING_DRAFT_COSTS = (0.0, 0.1, 0.3)  # its columns: drafting cost per drafted token, in target forwards
+CEILING_TARGETS = (1.2, 1.5, 2.0)  # speedups whose needed acceptance the report gives
 
 
 def _sum(records: list[dict], key: str) -> float | None:
@@ -182,4 +185,42 @@ def oracle_table(oracles: list[dict], records: list[dict], baseline_label: str, 
         "prompts": rows,
         "speedup": geomean([row["speedup"] for row in rows]),
         "target_forwards_per_token": _div(sum(r["target_forwards"] for r in rows), sum(r["n"] for r in rows)) if rows else None,
+    }
+
+
+def ceiling_table(records: list[dict], baseline_label: str, costs: dict) -> dict | None:
+    """What a chain drafter of a given per-token acceptance and drafting cost could reach on these prompts
+    and this curve (oracle.py: `chain_factor`, `ceiling_times`), from the autoregressive records (per prompt
+    the median over repeats of wall time and time to first token). None without a measured target curve.
+
+    ceiling: speedup of a draft always right and free (acceptance 1, cost 0), the geometric mean over prompts;
+    grid[c][a]: the same for acceptance a at cost c; needed[c][S]: the least acceptance (to 0.01) whose speedup
+    reaches S at cost c, None where even acceptance 1 falls short."""
+    curve = costs.get("target") if costs else None
+    runs: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        if r["label"] == baseline_label and r["ttft_s"] is not None and r["new_tokens"]:
+            runs[r["prompt_id"]].append(r)
+    if not curve or not runs:
+        return None
+    prompts = {pid: (rs[0]["new_tokens"], float(np.median([r["ttft_s"] for r in rs])), float(np.median([r["wall_s"] for r in rs])))
+               for pid, rs in runs.items()}
+
+    def speedup(acceptance: float, cost: float) -> float:
+        factor = chain_factor(curve, acceptance, cost)
+        return geomean([wall / ceiling_times(n, first, wall, factor) for n, first, wall in prompts.values()])
+
+    def needed(target: float, cost: float) -> float | None:
+        if speedup(1.0, cost) < target:
+            return None
+        return next(a / 100 for a in range(101) if speedup(a / 100, cost) >= target)
+
+    full = chain_factor(curve, 1.0, 0.0)
+    return {
+        "prompts": [{"prompt_id": pid, "prefill_share": first / wall, "ceiling": wall / ceiling_times(n, first, wall, full)}
+                    for pid, (n, first, wall) in prompts.items()],
+        "ceiling": speedup(1.0, 0.0),
+        "prefill_share": float(np.mean([first / wall for _, first, wall in prompts.values()])),
+        "grid": {c: {a: speedup(a, c) for a in CEILING_ACCEPTANCES} for c in CEILING_DRAFT_COSTS},
+        "needed": {c: {t: needed(t, c) for t in CEILING_TARGETS} for c in CEILING_DRAFT_COSTS},
     }

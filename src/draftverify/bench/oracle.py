@@ -19,6 +19,20 @@ widths 1, 2, 4, 8, 16 and beyond; each the fastest of 5 runs):
     oracle speedup = T_AR / T_oracle
 with T_prefill = the autoregressive run's time to first token on this prompt (median over
 repeats) and T_draft_prefill = the draft's forward over the prompt, timed here.
+
+The ceiling of any drafter on this machine (`chain_factor`, `ceiling_times`): a round that drafts
+k tokens, each accepted with probability a (independently, as in Leviathan et al.), at c target
+forwards of drafting per drafted token, and verifies them in one forward of k + 1 tokens, costs
+r(k + 1) + k c target steps for E_k = 1 + a + ... + a^k tokens on average, r(w) = t_T(w) / t_T(1)
+from the curve above. The best k (k = 0: plain decoding) gives the time per token as a fraction
+of a step,
+    g(a, c)     = min over k in 0..K of (r(k + 1) + k c) / E_k      (K + 1 = the widest forward timed)
+and with the prompt's forward unchanged,
+    T(a, c)     = T_prefill + (N - 1) s g(a, c),   T_AR = T_prefill + (N - 1) s
+where s = the autoregressive run's own mean step on this prompt ((wall - ttft) / (N - 1), so a long
+prompt's dearer steps count). g(1, 0) = min_w r(w) / w is a draft that is always right and free:
+no lossless drafter beats T_AR / T(1, 0) on that prompt (the curve is measured after 128 tokens
+of context; after more, wide forwards cost relatively more, so the bound is generous there).
 """
 
 from __future__ import annotations
@@ -68,3 +82,20 @@ def oracle_times(n: int, disagreements: list[int], prefill_s: float, draft_prefi
     t_oracle = prefill_s + draft_prefill_s + sum((m - 1) * forward_time(draft, 1) + forward_time(target, m) for m in rounds)
     t_ar = prefill_s + max(0, n - 1) * forward_time(target, 1)
     return t_oracle, t_ar
+
+
+def chain_factor(curve: dict[int, float], acceptance: float, draft_cost: float) -> float:
+    """g(a, c) above: the fewest target steps per token a chain drafter with per-token `acceptance` and
+    `draft_cost` (target forwards per drafted token) reaches on `curve`, drafting at best length (1 = none)."""
+    t1, widest = forward_time(curve, 1), max(int(w) for w in curve)  # keys may be text (JSON)
+    best, expected = 1.0, 1.0
+    for k in range(1, widest):
+        expected += acceptance**k
+        best = min(best, (forward_time(curve, k + 1) / t1 + k * draft_cost) / expected)
+    return best
+
+
+def ceiling_times(n: int, prefill_s: float, wall_s: float, factor: float) -> float:
+    """T(a, c) above for one request of `n` tokens whose autoregressive run took `wall_s`, `prefill_s` of it
+    to the first token; `factor` = chain_factor(...)."""
+    return prefill_s + (wall_s - prefill_s) * factor if n > 1 else wall_s

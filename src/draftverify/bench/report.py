@@ -173,6 +173,7 @@ def to_markdown(results: dict) -> str:
         out += ["", "Peak memory on CPU is process-wide (both models, the Python heap and every method that ran before), not the method's own."]
     out += [""] + cost_curve_section(results)
     out += winners_section(results)
+    out += ceiling_section(results)
     out += ["## Per category", ""]
     for key, summary in results["summary"]["categories"].items():
         n = len({r["prompt_id"] for r in results["records"] if category_key(r["dataset"], r["category"]) == key})
@@ -207,9 +208,13 @@ def winners_section(results: dict) -> list[str]:
     autos = [m["label"] for m in results["methods"] if m["name"] == "auto"]
     singles = [results["baseline"]] + [label for label in ours if label not in autos]  # what auto chooses among, AR included
     rows = []
+    ceilings = results.get("ceiling") or {}
+    ceiling = {"all prompts": ceilings.get("all"), **ceilings.get("categories", {})}
     for key, summary in [("all prompts", results["summary"]["all"])] + list(results["summary"]["categories"].items()):
         losers = [label for label in ours if (speedup(summary, label) or 1.0) < 1.0]
         row = [key, best(summary, everyone), best(summary, ours), ", ".join(f"`{label}`" for label in losers) or "none"]
+        if ceilings:
+            row.append(f"{ceiling[key]['ceiling']:.2f}x" if ceiling.get(key) else "n/a")
         for label in autos:
             scored = [(speedup(summary, s) if s != results["baseline"] else 1.0, s) for s in singles]
             value, pick = max((v, s) for v, s in scored if v is not None)
@@ -218,11 +223,44 @@ def winners_section(results: dict) -> list[str]:
         rows.append(row)
     header = ["prompts", "fastest (any)", "fastest of draftverify's methods", "draftverify methods slower than autoregressive"]
     notes = ["Speedup over autoregressive decoding; a method below 1.00x is slower than plain decoding there."]
+    if ceilings:
+        header.append("ceiling: a draft always right and free")
+        notes.append("Ceiling: the most any lossless drafter could reach on those prompts on this machine (next section).")
     if autos:
         header += [f"`{label}` / oracle pick" for label in autos]
         notes.append("Oracle pick: the fastest single draftverify method of this run (autoregressive included) on those prompts, "
                      "chosen after the fact; `auto` / oracle pick is how close `auto`, choosing as it goes, came to it.")
     return ["## Winners", ""] + notes + [""] + _table(header, rows) + [""]
+
+
+def ceiling_section(results: dict) -> list[str]:
+    """What a chain drafter of each per-token acceptance and drafting cost could reach here (metrics.ceiling_table)."""
+    table = (results.get("ceiling") or {}).get("all")
+    if table is None:
+        return []
+    costs = list(table["grid"])
+
+    def cost_name(c: float) -> str:
+        return "free" if c == 0 else f"{c:g}x a target forward"
+
+    out = [
+        "## The ceiling here: what any drafter could reach",
+        "",
+        "Every lossless method still runs the prompt's forward and verifies each token with the target. On this run's cost curve,",
+        "a round of k drafted tokens, each accepted with probability a and drafted at c target forwards a token, costs",
+        "t(k + 1) / t(1) + k c target steps for 1 + a + ... + a^k tokens. At the best k (none where nothing pays), with each",
+        "prompt's own time to first token and step time from its autoregressive run, the speedup over all prompts (geometric",
+        f"mean) is below; the prompt's forward is {table['prefill_share']:.0%} of autoregressive decoding's time on average here, and",
+        f"a draft always right and free reaches **{table['ceiling']:.2f}x** (per category: the Winners table). Formulas: docs/metrics.md.",
+        "",
+    ]
+    rows = [[f"{a:.1f}", *(f"{table['grid'][c][a]:.2f}x" for c in costs)] for a in next(iter(table["grid"].values()))]
+    out += _table(["per-token acceptance", *(f"drafting {cost_name(c)}" for c in costs)], rows) + [""]
+    targets = list(next(iter(table["needed"].values())))
+    rows = [[cost_name(c), *("beyond reach" if table["needed"][c][t] is None else f"{table['needed'][c][t]:.2f}" for t in targets)] for c in costs]
+    out += ["Per-token acceptance needed for a speedup:", ""]
+    out += _table(["drafting cost per drafted token", *(f"{t:g}x" for t in targets)], rows) + [""]
+    return out
 
 
 def cost_curve_section(results: dict) -> list[str]:

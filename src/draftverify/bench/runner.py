@@ -375,6 +375,8 @@ class Bench:
             "summary": {"all": metrics.summarize(records, baseline), "categories": {k: metrics.summarize(v, baseline) for k, v in groups.items()}},
             "exactness": metrics.exactness(records, baseline) if self.settings.greedy else None,
             "oracle": {"all": oracle_for(records), "categories": {k: oracle_for(v) for k, v in groups.items()}},
+            "ceiling": {"all": metrics.ceiling_table(records, baseline, costs),
+                        "categories": {k: metrics.ceiling_table(v, baseline, costs) for k, v in groups.items()}},
             "oracles": oracles,
             "records": records,
         }
