@@ -10,7 +10,7 @@ import torch
 
 from draftverify import Engine
 from draftverify.costs import curve
-from draftverify.drafters.auto import AR, MAX_BACKOFF, Auto, Record
+from draftverify.drafters.auto import AR, CALIBRATION_PRIOR, MAX_BACKOFF, Auto, Record
 from draftverify.drafters.base import Drafter, Proposal
 from draftverify.drafters.draft_model import DraftModel
 from draftverify.drafters.feature import FeatureHead
@@ -155,11 +155,11 @@ def test_auto_probes_a_drafter_that_keeps_missing_less_and_less_often(tiny):
 
 
 class Sure(Fixed):
-    """Always wrong, but says it expects `expected` of its tokens accepted; its first round of a request
+    """Says it expects `expected` of its tokens accepted, whether `right` or not; its first round of a request
     (a catch-up after sitting out, as a model-run drafter's) takes `catch_up_s`."""
 
-    def __init__(self, truth, offset, expected: float, catch_up_s: float):
-        super().__init__(truth, offset, right=False)
+    def __init__(self, truth, offset, expected: float, catch_up_s: float = 0.0, right: bool = False):
+        super().__init__(truth, offset, right=right)
         self.expected, self.catch_up_s, self.rounds = expected, catch_up_s, 0
 
     def propose(self, s, seq, room):
@@ -171,13 +171,27 @@ class Sure(Fixed):
 
 def test_auto_prices_a_drafter_by_its_own_expectation_and_its_steady_rounds(tiny):
     """A drafter's own estimate (`Proposal.expected`, the feature head's calibrated chances) sets its acceptance
-    figure in place of the round's count, and a round that follows one it sat out (its catch-up) does not set
-    its drafting time."""
-    records = {"sure": Record(accepted=0.0)}
-    s, _, truth = decode_with(tiny, 60, lambda truth, at: {"sure": Sure(truth, at, 2.0, 0.2)}, records)
-    assert s.output == truth and s.stats.accepted == 0  # its guesses were all wrong ...
-    assert records["sure"].accepted > 1.0  # ... but it is priced as it expects (by the count it would be 0)
+    figure in place of the round's count, scaled by how its estimates fared in this request; a round that follows
+    one it sat out (its catch-up) does not set its drafting time."""
+    records = {}
+    s, auto, truth = decode_with(tiny, 60, lambda truth, at: {"sure": Sure(truth, at, 2.0, 0.2, right=True)}, records)
+    assert s.output == truth
+    rounds = sum(who == "sure" for who, _ in s.stats.extra["auto_chunks"])
+    assert auto.calibration["sure"] == [CALIBRATION_PRIOR + s.stats.accepted, CALIBRATION_PRIOR + 2.0 * rounds]
+    ratio = auto.calibration["sure"][0] / auto.calibration["sure"][1]
+    assert 2.0 < records["sure"].accepted <= 2.0 * ratio  # its word, raised by a request that bore it out
     assert records["sure"].draft_s < 0.05  # the 0.2 s first round is not a round's drafting time
+
+
+def test_auto_stops_buying_rounds_on_a_word_the_request_belies(tiny):
+    """Always wrong, expecting 2 of its 3 tokens accepted: its word is discounted by what the request shows, so
+    it drafts little more than its probes. Priced on its word alone it drafted most of this request's rounds."""
+    records = {}
+    s, auto, truth = decode_with(tiny, 60, lambda truth, at: {"sure": Sure(truth, at, 2.0)}, records)
+    assert s.output == truth and s.stats.accepted == 0
+    rounds = sum(who == "sure" for who, _ in s.stats.extra["auto_chunks"])
+    assert auto.calibration["sure"] == [CALIBRATION_PRIOR, CALIBRATION_PRIOR + 2.0 * rounds]
+    assert 1 <= rounds <= 8 and records["sure"].accepted < 2.0, (rounds, records["sure"])
 
 
 def test_auto_options_are_checked_in_one_line(engine):
