@@ -18,6 +18,7 @@ def _threads(request):
     machine), all cores (at most 2 here) for tests of the real model."""
     torch.set_num_threads(min(2, os.cpu_count() or 1) if "smollm" in request.fixturenames else 1)
 
+
 ARCHS = ("llama", "gpt2", "qwen2", "gpt_neox")
 # Sliding-window and hybrid (sliding + full layers) decoders, windows far shorter than the test
 # sequences; plus Qwen3 (per-head q/k norms). Used by test_backends.py.
@@ -42,19 +43,51 @@ def make_tokenizer():
     return fast
 
 
-def make_model(arch: str = "llama", seed: int = 0, layers: int = 4, hidden: int = 64, vocab: int = 100, window: int = WINDOW):
+def make_model(
+    arch: str = "llama", seed: int = 0, layers: int = 4, hidden: int = 64, vocab: int = 100, window: int = WINDOW
+):
     """A tiny random fp32 causal LM of the given architecture (sdpa attention)."""
     from transformers import (
-        AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig,
-        Qwen2Config, Qwen3Config,
+        AutoModelForCausalLM,
+        Gemma2Config,
+        Gemma3TextConfig,
+        GPT2Config,
+        GPTNeoXConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
     )
 
     common = dict(vocab_size=vocab, eos_token_id=0, bos_token_id=0, pad_token_id=0)
-    attn = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    attn = dict(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     if arch == "llama":
-        cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **common)
+        cfg = LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            **common,
+        )
     elif arch == "qwen2":
-        cfg = Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **common)
+        cfg = Qwen2Config(
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            **common,
+        )
     elif arch == "gpt2":
         cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=512, **common)
     elif arch == "qwen3":
@@ -62,13 +95,29 @@ def make_model(arch: str = "llama", seed: int = 0, layers: int = 4, hidden: int 
     elif arch == "mistral":  # every layer slides
         cfg = MistralConfig(sliding_window=window, **attn, **common)
     elif arch == "qwen2-sliding":  # full layers first, sliding above max_window_layers
-        cfg = Qwen2Config(use_sliding_window=True, sliding_window=window, max_window_layers=layers // 2, **attn, **common)
+        cfg = Qwen2Config(
+            use_sliding_window=True, sliding_window=window, max_window_layers=layers // 2, **attn, **common
+        )
     elif arch in ("gemma2", "gemma3"):  # sliding and full layers alternate
         Config = Gemma2Config if arch == "gemma2" else Gemma3TextConfig
         types = ["sliding_attention", "full_attention"] * layers
-        cfg = Config(head_dim=hidden // 4, sliding_window=window, query_pre_attn_scalar=hidden // 4, layer_types=types[:layers], **attn, **common)
+        cfg = Config(
+            head_dim=hidden // 4,
+            sliding_window=window,
+            query_pre_attn_scalar=hidden // 4,
+            layer_types=types[:layers],
+            **attn,
+            **common,
+        )
     elif arch == "gpt_neox":
-        cfg = GPTNeoXConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=512, **common)
+        cfg = GPTNeoXConfig(
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            **common,
+        )
     else:
         raise ValueError(arch)
     impl = "eager" if arch == "gemma2" else "sdpa"  # transformers runs Gemma 2 (soft-capping) eagerly only

@@ -50,7 +50,9 @@ def sample_first_three(engine, method: str, pool: PhrasePool, samples: int = SAM
     engine.method(method, **options).pool = pool  # reuse=True keeps it (and it keeps learning)
     counts = Counter()
     for seed in range(samples):
-        out = engine.generate(PROMPT, method=method, max_new_tokens=4, temperature=1.0, seed=seed, eos_token_id=[], **options)
+        out = engine.generate(
+            PROMPT, method=method, max_new_tokens=4, temperature=1.0, seed=seed, eos_token_id=[], **options
+        )
         counts[tuple(out.tokens[:3])] += 1
     return counts
 

@@ -7,6 +7,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from phrase_sampling import broken_rule, second_token_pvalue
+from test_feature_draft import random_head
 
 from draftverify import Engine
 from draftverify.costs import curve
@@ -20,8 +22,6 @@ from draftverify.policies import ConstantK
 from draftverify.round import decode
 from draftverify.sampling import Sampling
 from draftverify.session import Session, Stopping
-from phrase_sampling import broken_rule, second_token_pvalue
-from test_feature_draft import random_head
 
 ALL = "head+draft+context+lookup"
 
@@ -47,7 +47,10 @@ def test_auto_is_lossless_while_it_switches(tiny, backend):
             assert sum(n for _, n in chunks) == len(r.tokens) - 1  # every round's tokens but the prefill's first
             used |= {who for who, _ in chunks}
     merged = {f"{m}+{f}" for m in ("head", "draft") for f in ("context", "lookup")}
-    assert used >= {"head", "draft", "context", "lookup", AR} and used - {"head", "draft", "context", "lookup", AR} <= merged, used
+    assert (
+        used >= {"head", "draft", "context", "lookup", AR}
+        and used - {"head", "draft", "context", "lookup", AR} <= merged
+    ), used
     assert "head+context" in used  # the head's tree and the context's offer verified as one trie
 
 
@@ -71,8 +74,14 @@ def test_auto_sampling_matches_the_target(tiny, monkeypatch):
     sampling, n, prompt = Sampling(temperature=1.0, top_k=6), 1200, [5, 9, 14]
     with torch.inference_mode():
         p1 = sampling.probs(target.model(torch.tensor([prompt])).logits[0, -1])
-        p2 = sum(p1[x] * sampling.probs(target.model(torch.tensor([prompt + [x]])).logits[0, -1]) for x in p1.nonzero().flatten().tolist())
-    runner, draft = Runner(target.model), Runner(tiny("llama", seed=3, layers=1, hidden=32).model)  # a draft that often disagrees
+        p2 = sum(
+            p1[x] * sampling.probs(target.model(torch.tensor([prompt + [x]])).logits[0, -1])
+            for x in p1.nonzero().flatten().tolist()
+        )
+    runner, draft = (
+        Runner(target.model),
+        Runner(tiny("llama", seed=3, layers=1, hidden=32).model),
+    )  # a draft that often disagrees
     head = random_head(target, seed=4, vocab=p2.topk(4).indices.tolist())
     records, first = {}, set()  # who drafted the round that gives the second token
 
@@ -84,7 +93,10 @@ def test_auto_sampling_matches_the_target(tiny, monkeypatch):
             if seed % 4 in (1, 2):  # one candidate alone, or both, chosen by their figures
                 candidates.pop("head" if seed % 4 == 1 else "draft")
             if seed % 4 == 3:  # one of them and a free one, merged (figures that favour the merged candidate)
-                merged = {"m": candidates["head" if seed // 4 % 2 else "draft"], "guess": Guess(p2.topk(3).indices.tolist()[1:])}
+                merged = {
+                    "m": candidates["head" if seed // 4 % 2 else "draft"],
+                    "guess": Guess(p2.topk(3).indices.tolist()[1:]),
+                }
                 auto = Auto(merged, curve(runner), {"m+guess": Record(accepted=3.0)}, [1.0], probe=100)
             else:
                 auto = Auto(candidates, curve(runner), records, [1.0], probe=0)  # 0: every round probes
@@ -130,7 +142,9 @@ def decode_with(tiny, n: int, make_candidates, records: dict) -> tuple[Session, 
 def test_auto_follows_the_candidate_that_pays(tiny):
     """A candidate that is always right drafts nearly every round; one always wrong drafts only its probes."""
     records = {"wrong": Record(accepted=0.0)}  # a warm start that already knows
-    s, _, truth = decode_with(tiny, 120, lambda truth, at: {"right": Fixed(truth, at, True), "wrong": Fixed(truth, at, False)}, records)
+    s, _, truth = decode_with(
+        tiny, 120, lambda truth, at: {"right": Fixed(truth, at, True), "wrong": Fixed(truth, at, False)}, records
+    )
     assert s.output == truth
     rounds = dict.fromkeys(["right", "wrong", AR], 0)
     for who, _ in s.stats.extra["auto_chunks"]:
@@ -211,7 +225,18 @@ def test_generate_explain_names_who_drafted(tiny, tmp_path):
     target = tiny("llama", layers=2)
     target.model.save_pretrained(tmp_path / "t")
     target.tokenizer.save_pretrained(tmp_path / "t")
-    args = ["generate", "abc abc abc", "--target", str(tmp_path / "t"), "--draft", "self:layers=1", "-n", "12", "--no-chat", "--explain"]
+    args = [
+        "generate",
+        "abc abc abc",
+        "--target",
+        str(tmp_path / "t"),
+        "--draft",
+        "self:layers=1",
+        "-n",
+        "12",
+        "--no-chat",
+        "--explain",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "prefill" in result.output and "tokens by drafter:" in result.output

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import random
 
+import phrase_sampling as ps
 import pytest
 import torch
 import torch.nn.functional as F
-
-import phrase_sampling as ps
 from conftest import ARCHS, SLIDING_ARCHS, STATIC_ARCHS, WINDOW, make_model
+
 from draftverify import DraftVerifyError, Engine, Loaded, Runner
 from draftverify.drafters.skipsets import SkipSet
 from draftverify.models import forward_many
@@ -77,7 +77,7 @@ def test_random_trees_selects_and_crops_match_plain_forwards(tiny, arch, backend
             path.insert(0, node)
             node = parents[node]
         kept = seq[:-1] + [tokens[i] for i in path]
-        torch.testing.assert_close(logits[path], plain_logits(model, kept)[-len(path):], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[path], plain_logits(model, kept)[-len(path) :], atol=1e-4, rtol=1e-4)
         runner.select(base, [base + i for i in path])
         seq = kept + [rng.randrange(2, 100)]
         if rng.random() < 0.3:
@@ -238,7 +238,9 @@ def test_quantized_product_matches_fp64_and_gives_each_row_the_same_bits_at_any_
         y = kernel.quant_linear(x, b.q, b.d, b.m, bias)
         exact = (x.double() @ w.double().T + bias.double()).float()
         torch.testing.assert_close(y, exact, atol=1e-4, rtol=1e-5)
-        for rows in range(1, 21):  # a row's sums do not depend on the rows that came with it (passes of 6, the last of up to 8 with AVX-512)
+        for rows in range(
+            1, 21
+        ):  # a row's sums do not depend on the rows that came with it (passes of 6, the last of up to 8 with AVX-512)
             assert torch.equal(kernel.quant_linear(x[:rows].contiguous(), b.q, b.d, b.m, bias), y[:rows])
             assert torch.equal(kernel.quant_linear(x[rows - 1 :].contiguous(), b.q, b.d, b.m, bias)[0], y[rows - 1])
 
@@ -257,12 +259,16 @@ def test_int8_rows_product_is_its_integer_arithmetic_and_near_the_fp32_product()
     for m, k, n in ((1, 576, 1536), (3, 64, 7), (40, 1152, 301)):
         w, x, bias = torch.randn(n, k), torch.randn(m, k) * 3, torch.randn(n)
         b = i8_rows(w)
-        assert (b.dequantize() - w).abs().amax(-1).le(w.abs().amax(-1) / 254 + 1e-6).all()  # half a step of the row's scale
+        assert (
+            (b.dequantize() - w).abs().amax(-1).le(w.abs().amax(-1) / 254 + 1e-6).all()
+        )  # half a step of the row's scale
         y = kernel.quant_linear(x, b.q, b.d, b.m, bias)
         scale = x.abs().amax(-1) / 127
         qx = torch.round(x / scale[:, None]).clamp(-127, 127)
         ints = qx.double() @ b.q.double().T
-        torch.testing.assert_close(y.double(), ints * (b.d.double() * scale.double()[:, None]) + bias.double(), atol=1e-5, rtol=1e-6)
+        torch.testing.assert_close(
+            y.double(), ints * (b.d.double() * scale.double()[:, None]) + bias.double(), atol=1e-5, rtol=1e-6
+        )
         exact = x.double() @ w.double().T + bias.double()
         assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 0.03
 
@@ -276,16 +282,33 @@ def test_attention_kernel_matches_fp64_and_gives_each_row_the_same_bits_at_any_r
     if kernel is None:
         pytest.skip(unavailable())
     torch.manual_seed(0)
-    for n, past, heads, kv, d in ((1, 40, 9, 3, 64), (7, 300, 8, 2, 64), (5, 33, 4, 4, 128), (6, 20, 14, 2, 64), (3, 9, 4, 2, 16), (2, 50, 6, 3, 32)):
+    for n, past, heads, kv, d in (
+        (1, 40, 9, 3, 64),
+        (7, 300, 8, 2, 64),
+        (5, 33, 4, 4, 128),
+        (6, 20, 14, 2, 64),
+        (3, 9, 4, 2, 16),
+        (2, 50, 6, 3, 32),
+    ):
         keys, values = torch.randn(kv, past + n + 5, d), torch.randn(kv, past + n + 5, d)  # capacity beyond the length
         q = torch.randn(n, heads + kv, d)[:, :heads]  # a view with strided rows, as the static path passes it
         mask = torch.rand(n, past + n) > 0.4
         mask[:, past:] |= torch.eye(n, dtype=torch.bool)  # each token sees itself
         for m in (mask, None):
-            out = kernel.attention(q, keys, values, past + n, torch.empty(0, dtype=torch.bool) if m is None else m, 0.125)
-            exact = F.scaled_dot_product_attention(q.transpose(0, 1)[None].double(), keys[None, :, : past + n].double(),
-                                                   values[None, :, : past + n].double(), attn_mask=m, scale=0.125, enable_gqa=True)
-            torch.testing.assert_close(out, exact[0].transpose(0, 1).reshape(n, heads * d).float(), atol=2e-6, rtol=1e-5)
+            out = kernel.attention(
+                q, keys, values, past + n, torch.empty(0, dtype=torch.bool) if m is None else m, 0.125
+            )
+            exact = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None].double(),
+                keys[None, :, : past + n].double(),
+                values[None, :, : past + n].double(),
+                attn_mask=m,
+                scale=0.125,
+                enable_gqa=True,
+            )
+            torch.testing.assert_close(
+                out, exact[0].transpose(0, 1).reshape(n, heads * d).float(), atol=2e-6, rtol=1e-5
+            )
         for r in range(n):
             alone = kernel.attention(q[r : r + 1], keys, values, past + n, mask[r : r + 1].contiguous(), 0.125)
             assert torch.equal(alone[0], kernel.attention(q, keys, values, past + n, mask, 0.125)[r])
@@ -309,7 +332,9 @@ def test_attention_kernel_gives_a_tree_token_the_bits_of_its_one_token_step_acro
         mask = torch.zeros(n, past + n, dtype=torch.bool)
         mask[:, :past] = True
         mask[:, past:] |= torch.eye(n, dtype=torch.bool)
-        mask[n - 1, [past + a for a in ancestors]] = True  # the last token's path: slots past+1, past+3, past+6 (itself)
+        mask[n - 1, [past + a for a in ancestors]] = (
+            True  # the last token's path: slots past+1, past+3, past+6 (itself)
+        )
         tree = kernel.attention(q, keys, values, past + n, mask, 0.125)
         packed_keys, packed_values = keys.clone(), values.clone()
         for slot, a in enumerate(ancestors):
@@ -344,10 +369,15 @@ def test_rope_attention_kernel_equals_rotation_cache_writes_and_attention():
         out = kernel.rope_attention(qkv, cos, sin, keys, values, past, heads, mask, 0.3)
         x = qkv.view(n, heads + 2 * kv, d)
         qk = x[:, : heads + kv] * cos[:, None] + rotate_half(x[:, : heads + kv]) * sin[:, None]
-        k2[:, past : past + n], v2[:, past : past + n] = qk[:, heads:].transpose(0, 1), x[:, heads + kv :].transpose(0, 1)
+        k2[:, past : past + n], v2[:, past : past + n] = (
+            qk[:, heads:].transpose(0, 1),
+            x[:, heads + kv :].transpose(0, 1),
+        )
         torch.testing.assert_close(keys, k2, atol=1e-6, rtol=1e-6)
         assert torch.equal(values, v2)
-        torch.testing.assert_close(out, kernel.attention(qk[:, :heads].contiguous(), k2, v2, past + n, mask, 0.3), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out, kernel.attention(qk[:, :heads].contiguous(), k2, v2, past + n, mask, 0.3), atol=1e-5, rtol=1e-5
+        )
 
 
 def gguf_style_llama():
@@ -369,16 +399,31 @@ def test_sampling_through_the_quantized_product_and_kernels_matches_the_target(t
     if cpu() is None:
         pytest.skip(unavailable())
     target, sharper = Loaded(gguf_style_llama(), tokenizer, "tiny-q4"), gguf_style_llama()
-    with torch.no_grad():  # a draft close to the target but not it: q = p at a lower temperature, so guesses hit and miss
+    with (
+        torch.no_grad()
+    ):  # a draft close to the target but not it: q = p at a lower temperature, so guesses hit and miss
         sharper.model.norm.weight.mul_(3.0)
     engine = Engine(target, Loaded(sharper, tokenizer, "tiny-q4-sharper"), backend="static")
-    assert engine.target_runner.static.layers[0].qkv.blocks is not None and engine.target_runner.static.rope_attention is not None
+    assert (
+        engine.target_runner.static.layers[0].qkv.blocks is not None
+        and engine.target_runner.static.rope_attention is not None
+    )
     sampling, prompt = Sampling(temperature=1.0, top_k=6), [5, 9, 14]
 
     def pvalue():
         counts: dict[int, int] = {}
         for seed in range(2500):
-            r = engine.generate(prompt, method="speculative", max_new_tokens=3, temperature=1.0, top_k=6, seed=seed, eos_token_id=[], k=1, policy="constant")
+            r = engine.generate(
+                prompt,
+                method="speculative",
+                max_new_tokens=3,
+                temperature=1.0,
+                top_k=6,
+                seed=seed,
+                eos_token_id=[],
+                k=1,
+                policy="constant",
+            )
             counts[r.tokens[1]] = counts.get(r.tokens[1], 0) + 1
         return ps.second_token_pvalue(target.model, prompt, sampling, counts)
 
@@ -398,10 +443,15 @@ def test_a_stacked_forward_gives_each_sequence_of_a_quantized_model_its_own_bits
     model = gguf_style_llama()
     prompts = [list(range(3, 3 + QUANT_ROWS + 9)), [5, 9, 14], [8] * 7]
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    steps = [[{"tokens": p} for p in prompts],  # three prefills, one long
-             [{"tokens": [11]}, {"tokens": list(range(20, 20 + QUANT_ROWS + 3))}, {"tokens": [12, 13, 14], "tree_mask": tree,
-              "positions": torch.tensor([7, 8, 8])}],  # a decoding step, a long chunk, a tree
-             [{"tokens": [30 + i for i in range(QUANT_ROWS - 1)]}, {"tokens": [40, 41]}, {"tokens": [42]}]]  # short, over 32 together
+    steps = [
+        [{"tokens": p} for p in prompts],  # three prefills, one long
+        [
+            {"tokens": [11]},
+            {"tokens": list(range(20, 20 + QUANT_ROWS + 3))},
+            {"tokens": [12, 13, 14], "tree_mask": tree, "positions": torch.tensor([7, 8, 8])},
+        ],  # a decoding step, a long chunk, a tree
+        [{"tokens": [30 + i for i in range(QUANT_ROWS - 1)]}, {"tokens": [40, 41]}, {"tokens": [42]}],
+    ]  # short, over 32 together
     alone, stacked = [Runner(model, "static") for _ in prompts], [Runner(model, "static") for _ in prompts]
     for feeds in steps:
         want = [r.forward(**f) for r, f in zip(alone, feeds)]
@@ -427,7 +477,11 @@ def test_the_one_call_layer_gives_the_op_by_op_layers_bits(monkeypatch):
     for layer in plain.static.layers:
         layer.fused = None
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    for feed in ({"tokens": [3, 17, 5, 9, 14, 2]}, {"tokens": [11]}, {"tokens": [12, 13, 14], "tree_mask": tree, "positions": torch.tensor([7, 8, 8])}):
+    for feed in (
+        {"tokens": [3, 17, 5, 9, 14, 2]},
+        {"tokens": [11]},
+        {"tokens": [12, 13, 14], "tree_mask": tree, "positions": torch.tensor([7, 8, 8])},
+    ):
         assert torch.equal(fused.forward(**feed).logits, plain.forward(**feed).logits), feed
     assert len(calls) == 3 * len(model.model.layers)
     skip = SkipSet(attention=(0,), mlp=(1,))  # self-speculative drafting: the layers it leaves whole take the one call

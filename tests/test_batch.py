@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_feature_draft import random_head
 
 from draftverify import Engine
 from draftverify.batch import Batch
 from draftverify.models import Runner, forward_many, truncated_copy
-from test_feature_draft import random_head
 
 PROMPTS = ["abc abc abc abc", "hello world, hello", "x", "the cat sat on the mat, the cat"]
 
@@ -24,14 +24,22 @@ def test_stacked_forward_equals_separate_forwards(tiny, arch):
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     feeds = [
         {"tokens": [11], "hidden": True},
-        {"tokens": [12, 13, 14, 15], "positions": torch.tensor([2, 3, 3, 4]), "tree_mask": tree, "last": 3, "hidden": "all"},
+        {
+            "tokens": [12, 13, 14, 15],
+            "positions": torch.tensor([2, 3, 3, 4]),
+            "tree_mask": tree,
+            "last": 3,
+            "hidden": "all",
+        },
         {"tokens": [16, 17, 18]},
     ]
     want = [r.forward(**f) for r, f in zip(alone, feeds)]
     got = forward_many(stacked, feeds)
     for w, g, a, b in zip(want, got, alone, stacked):
         assert torch.allclose(w.logits, g.logits, atol=1e-4) and a.length == b.length
-        assert (w.hidden is None) == (g.hidden is None) and (w.hidden is None or torch.allclose(w.hidden, g.hidden, atol=1e-4))
+        assert (w.hidden is None) == (g.hidden is None) and (
+            w.hidden is None or torch.allclose(w.hidden, g.hidden, atol=1e-4)
+        )
         for (ka, va), (kb, vb) in zip(a.cached_kv(), b.cached_kv()):
             assert torch.allclose(ka, kb, atol=1e-5) and torch.allclose(va, vb, atol=1e-5)
 
@@ -40,10 +48,19 @@ def test_stacked_forward_equals_separate_forwards(tiny, arch):
 def test_batched_generation_equals_each_request_alone(tiny, backend):
     target = tiny("llama", layers=2)
     engine = Engine(target, truncated_copy(target, 1), backend=backend, head=random_head(target, seed=2))
-    for method, options in [("autoregressive", {}), ("auto", {"use": "head+draft+context+lookup", "probe": 1}),
-                            ("speculative", {}), ("lookahead", {"preset": "context"}), ("self-speculative", {"strategy": "heuristic"})]:
-        alone = [engine.generate(p, method=method, max_new_tokens=24, eos_token_id=[], chat=True, **options) for p in PROMPTS]
-        together = engine.generate_batch(PROMPTS, method=method, max_new_tokens=24, eos_token_id=[], chat=True, **options)
+    for method, options in [
+        ("autoregressive", {}),
+        ("auto", {"use": "head+draft+context+lookup", "probe": 1}),
+        ("speculative", {}),
+        ("lookahead", {"preset": "context"}),
+        ("self-speculative", {"strategy": "heuristic"}),
+    ]:
+        alone = [
+            engine.generate(p, method=method, max_new_tokens=24, eos_token_id=[], chat=True, **options) for p in PROMPTS
+        ]
+        together = engine.generate_batch(
+            PROMPTS, method=method, max_new_tokens=24, eos_token_id=[], chat=True, **options
+        )
         assert [r.tokens for r in together] == [r.tokens for r in alone], (backend, method)
         assert all(r.stats.new_tokens == 24 and r.stats.wall_s > 0 for r in together)
 
@@ -59,7 +76,10 @@ def test_requests_join_and_leave_between_steps(tiny):
     """Continuous batching: a request that joins mid-way, one that stops early and one dropped by its client."""
     target = tiny("llama", layers=2)
     engine = Engine(target, head=random_head(target, seed=2))
-    want = [engine.generate(p, method="auto", max_new_tokens=n, eos_token_id=[]).tokens for p, n in zip(PROMPTS, (30, 5, 30, 30))]
+    want = [
+        engine.generate(p, method="auto", max_new_tokens=n, eos_token_id=[]).tokens
+        for p, n in zip(PROMPTS, (30, 5, 30, 30))
+    ]
     batch, members = Batch(), {}
 
     def join(i: int, n: int):
@@ -78,4 +98,6 @@ def test_requests_join_and_leave_between_steps(tiny):
     while len(batch):
         batch.step()
     assert [members[i].session.output for i in range(3)] == want[:3]
-    assert members[3].session.output == want[3][: len(members[3].session.output)] and len(members[3].session.output) < 30
+    assert (
+        members[3].session.output == want[3][: len(members[3].session.output)] and len(members[3].session.output) < 30
+    )

@@ -19,13 +19,40 @@ from draftverify.methods.spec import split_specs
 from draftverify.methods.speculative import SpeculativeConfig
 
 
-def rec(label, prompt, repeat, wall, tokens=10, target=10, draft=0, drafted=0, accepted=0, draft_s=0.0, verify_s=None, ttft=0.1, times=None, toks=None, mem=100):
+def rec(
+    label,
+    prompt,
+    repeat,
+    wall,
+    tokens=10,
+    target=10,
+    draft=0,
+    drafted=0,
+    accepted=0,
+    draft_s=0.0,
+    verify_s=None,
+    ttft=0.1,
+    times=None,
+    toks=None,
+    mem=100,
+):
     return {
-        "label": label, "prompt_id": prompt, "repeat": repeat, "wall_s": wall, "new_tokens": tokens,
-        "target_forwards": target, "draft_forwards": draft, "drafted": drafted, "accepted": accepted,
-        "draft_s": draft_s, "verify_s": wall * 0.5 if verify_s is None else verify_s, "ttft_s": ttft,
+        "label": label,
+        "prompt_id": prompt,
+        "repeat": repeat,
+        "wall_s": wall,
+        "new_tokens": tokens,
+        "target_forwards": target,
+        "draft_forwards": draft,
+        "drafted": drafted,
+        "accepted": accepted,
+        "draft_s": draft_s,
+        "verify_s": wall * 0.5 if verify_s is None else verify_s,
+        "ttft_s": ttft,
         "token_times": times if times is not None else [0.1 * (i + 1) for i in range(tokens)],
-        "tokens": toks if toks is not None else list(range(tokens)), "steps": [], "peak_mem_bytes": mem,
+        "tokens": toks if toks is not None else list(range(tokens)),
+        "steps": [],
+        "peak_mem_bytes": mem,
     }
 
 
@@ -35,8 +62,36 @@ def hand_made():
     for r, (m1, m2) in enumerate(((1.0, 0.5), (2.0, 0.5))):
         records += [rec("AR", "p1", r, 2.0), rec("AR", "p2", r, 2.0)]
         records += [
-            rec("M", "p1", r, m1, target=4, draft=12, drafted=12, accepted=6, draft_s=0.25 * m1, verify_s=0.5 * m1, ttft=0.2, times=[0.2, 0.2, 0.2, 0.5, 0.5, 0.5, 0.9, 0.9, 0.9, 1.0], mem=300),
-            rec("M", "p2", r, m2, target=5, draft=10, drafted=10, accepted=5, draft_s=0.25 * m2, verify_s=0.5 * m2, ttft=0.4, times=[0.4] * 10, mem=200),
+            rec(
+                "M",
+                "p1",
+                r,
+                m1,
+                target=4,
+                draft=12,
+                drafted=12,
+                accepted=6,
+                draft_s=0.25 * m1,
+                verify_s=0.5 * m1,
+                ttft=0.2,
+                times=[0.2, 0.2, 0.2, 0.5, 0.5, 0.5, 0.9, 0.9, 0.9, 1.0],
+                mem=300,
+            ),
+            rec(
+                "M",
+                "p2",
+                r,
+                m2,
+                target=5,
+                draft=10,
+                drafted=10,
+                accepted=5,
+                draft_s=0.25 * m2,
+                verify_s=0.5 * m2,
+                ttft=0.4,
+                times=[0.4] * 10,
+                mem=200,
+            ),
         ]
     return records
 
@@ -55,7 +110,9 @@ def test_metric_formulas_on_hand_made_records():
     assert m["target_forwards_per_token"]["median"] == pytest.approx(9 / 20)
     assert m["draft_forwards_per_token"]["median"] == pytest.approx(22 / 20)
     assert m["discarded_per_token"]["median"] == pytest.approx(11 / 20)
-    assert (m["draft_share"]["median"], m["verify_share"]["median"], m["other_share"]["median"]) == pytest.approx((0.25, 0.5, 0.25))
+    assert (m["draft_share"]["median"], m["verify_share"]["median"], m["other_share"]["median"]) == pytest.approx(
+        (0.25, 0.5, 0.25)
+    )
     assert m["ttft_p50_s"]["median"] == pytest.approx(0.3)
     # latency: gaps of p1 are 0,0,.3,0,0,.4,0,0,.1 and of p2 nine zeros: 18 gaps, 15 of them 0
     gaps = [0, 0, 0.3, 0, 0, 0.4, 0, 0, 0.1] + [0] * 9
@@ -107,7 +164,9 @@ def test_oracle_rounds_follow_specdec_plus_plus():
 def test_the_ceiling_drafts_at_the_best_length_on_the_curve():
     flat = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}  # verifying 8 tokens costs one step
     assert chain_factor(flat, 1.0, 0.0) == pytest.approx(1 / 8)  # always right and free: 8 tokens a step
-    assert chain_factor({str(w): t for w, t in flat.items()}, 1.0, 0.0) == pytest.approx(1 / 8)  # a curve read back from JSON
+    assert chain_factor({str(w): t for w, t in flat.items()}, 1.0, 0.0) == pytest.approx(
+        1 / 8
+    )  # a curve read back from JSON
     assert chain_factor(flat, 0.5, 0.0) == pytest.approx(1 / (2 - 0.5**7))  # the longest chain still pays
     assert chain_factor(flat, 0.0, 0.0) == 1.0  # never right: plain decoding
     linear = {1: 1.0, 2: 2.0, 4: 4.0}  # every row costs a step: no draft pays, however good
@@ -120,7 +179,11 @@ def test_the_ceiling_drafts_at_the_best_length_on_the_curve():
 
 
 def test_ceiling_table_bounds_every_drafter_and_names_the_acceptance_needed():
-    records = [rec("AR", "p1", 0, wall=10.0, ttft=2.0), rec("AR", "p2", 0, wall=10.0, ttft=8.0), rec("M", "p1", 0, wall=5.0)]
+    records = [
+        rec("AR", "p1", 0, wall=10.0, ttft=2.0),
+        rec("AR", "p2", 0, wall=10.0, ttft=8.0),
+        rec("M", "p1", 0, wall=5.0),
+    ]
     table = metrics.ceiling_table(records, "AR", {"target": {1: 1.0, 2: 1.0, 4: 1.0}})
     by_prompt = {row["prompt_id"]: row for row in table["prompts"]}
     assert by_prompt["p1"]["ceiling"] == pytest.approx(10 / (2 + 8 / 4)) and by_prompt["p2"]["prefill_share"] == 0.8
@@ -130,7 +193,9 @@ def test_ceiling_table_bounds_every_drafter_and_names_the_acceptance_needed():
     needed = table["needed"][0.0]
     assert needed[1.2] is not None and table["grid"][0.0][1.0] < 2.0 and needed[2.0] is None  # beyond reach
     a = needed[1.2]  # the least acceptance (to 0.01) that reaches 1.2x
-    speed = lambda acc: math.sqrt(math.prod(10 / ceiling_times(10, t, 10.0, chain_factor({1: 1.0, 2: 1.0, 4: 1.0}, acc, 0.0)) for t in (2.0, 8.0)))
+    speed = lambda acc: math.sqrt(
+        math.prod(10 / ceiling_times(10, t, 10.0, chain_factor({1: 1.0, 2: 1.0, 4: 1.0}, acc, 0.0)) for t in (2.0, 8.0))
+    )
     assert speed(a) >= 1.2 > speed(a - 0.01)
     assert metrics.ceiling_table(records, "AR", {}) is None  # no measured curve, no ceiling
 
@@ -144,16 +209,36 @@ def test_forward_time_interpolates_and_extrapolates():
 
 def test_interleaving_order():
     assert schedule(["p1", "p2"], ["A", "B", "C"], 2) == [
-        ("p1", 0, "A"), ("p1", 0, "B"), ("p1", 0, "C"), ("p1", 1, "A"), ("p1", 1, "B"), ("p1", 1, "C"),
-        ("p2", 0, "A"), ("p2", 0, "B"), ("p2", 0, "C"), ("p2", 1, "A"), ("p2", 1, "B"), ("p2", 1, "C"),
+        ("p1", 0, "A"),
+        ("p1", 0, "B"),
+        ("p1", 0, "C"),
+        ("p1", 1, "A"),
+        ("p1", 1, "B"),
+        ("p1", 1, "C"),
+        ("p2", 0, "A"),
+        ("p2", 0, "B"),
+        ("p2", 0, "C"),
+        ("p2", 1, "A"),
+        ("p2", 1, "B"),
+        ("p2", 1, "C"),
     ]
 
 
 def test_method_specs():
     assert split_specs("a,b[k=1,x=2], c:p[y=3]") == ["a", "b[k=1,x=2]", "c:p[y=3]"]
-    specs = parse_specs("speculative[k=6,policy=heuristic],speculative:k2,hf-assisted[num_assistant_tokens=5,warm=false],hf-prompt-lookup")
-    assert [s.label for s in specs] == ["autoregressive", "speculative[k=6,policy=heuristic]", "speculative:k2", "hf-assisted[num_assistant_tokens=5,warm=false]", "hf-prompt-lookup"]
-    assert specs[1].config == SpeculativeConfig(policy="heuristic", k=6) and specs[2].config == SpeculativeConfig(policy="constant", k=2)
+    specs = parse_specs(
+        "speculative[k=6,policy=heuristic],speculative:k2,hf-assisted[num_assistant_tokens=5,warm=false],hf-prompt-lookup"
+    )
+    assert [s.label for s in specs] == [
+        "autoregressive",
+        "speculative[k=6,policy=heuristic]",
+        "speculative:k2",
+        "hf-assisted[num_assistant_tokens=5,warm=false]",
+        "hf-prompt-lookup",
+    ]
+    assert specs[1].config == SpeculativeConfig(policy="heuristic", k=6) and specs[2].config == SpeculativeConfig(
+        policy="constant", k=2
+    )
     assert specs[3].config == AssistedConfig(num_assistant_tokens=5) and not specs[3].warm and specs[3].needs_draft
     assert specs[4].config.prompt_lookup_num_tokens == 10 and not specs[4].needs_draft and specs[4].is_peer
     assert parse_specs("hf-prompt-lookup,autoregressive")[0].label == "autoregressive"  # the baseline goes first
@@ -197,11 +282,19 @@ def data_dir():
 
 def test_datasets_on_the_real_files(data_dir):
     rows = {name: load(data_dir) for name, load in DATASETS.items()}
-    assert {name: len(r) for name, r in rows.items()} == {"spec_bench": 480, "mt_bench": 80, "humaneval": 164, "gsm8k": 300, "cnn_dailymail": 80}
+    assert {name: len(r) for name, r in rows.items()} == {
+        "spec_bench": 480,
+        "mt_bench": 80,
+        "humaneval": 164,
+        "gsm8k": 300,
+        "cnn_dailymail": 80,
+    }
     spec_categories = {}
     for _, category, turns, _ in rows["spec_bench"]:
         spec_categories[category] = spec_categories.get(category, 0) + 1
-    assert spec_categories == {c: 80 for c in ("multi_turn", "translation", "summarization", "qa", "math_reasoning", "rag")}
+    assert spec_categories == {
+        c: 80 for c in ("multi_turn", "translation", "summarization", "qa", "math_reasoning", "rag")
+    }
     assert len({r[1] for r in rows["mt_bench"]}) == 8
     prompts = load_prompts(["spec_bench"], data_dir)
     assert len(prompts) == 560  # the 80 multi-turn rows give turn 1 and turn 2
@@ -211,8 +304,15 @@ def test_datasets_on_the_real_files(data_dir):
     per_cat = load_prompts(["spec_bench", "humaneval"], data_dir, per_category=2, turns="first")
     assert len(per_cat) == 6 * 2 + 2
     humaneval = [p for p in per_cat if p.dataset == "humaneval"]
-    assert humaneval[0].id == "humaneval/HumanEval/0" and not humaneval[0].chat and humaneval[0].turns[0].startswith("from typing")
-    assert [p.id for p in load_prompts(["gsm8k", "cnn_dailymail"], data_dir, limit=1)] == ["gsm8k/gsm8k-test-0000", "cnn_dailymail/specbench-241"]
+    assert (
+        humaneval[0].id == "humaneval/HumanEval/0"
+        and not humaneval[0].chat
+        and humaneval[0].turns[0].startswith("from typing")
+    )
+    assert [p.id for p in load_prompts(["gsm8k", "cnn_dailymail"], data_dir, limit=1)] == [
+        "gsm8k/gsm8k-test-0000",
+        "cnn_dailymail/specbench-241",
+    ]
 
 
 def test_select_and_user_jsonl(tmp_path):
@@ -220,11 +320,16 @@ def test_select_and_user_jsonl(tmp_path):
     assert [r[0] for r in select(rows, None, 2)] == ["0", "1", "2", "3"]
     assert [r[0] for r in select(rows, 3, 2)] == ["0", "1", "2"]
     path = tmp_path / "mine.jsonl"
-    path.write_text(json.dumps({"prompt": "Hi", "category": "greet"}) + "\n\n" + json.dumps({"id": "q2", "prompt": "Yo"}) + "\n")
+    path.write_text(
+        json.dumps({"prompt": "Hi", "category": "greet"}) + "\n\n" + json.dumps({"id": "q2", "prompt": "Yo"}) + "\n"
+    )
     prompts = load_prompts([], None, path)
-    assert [(p.id, p.category, p.turns) for p in prompts] == [("mine/1", "greet", ("Hi",)), ("mine/q2", "mine", ("Yo",))]
+    assert [(p.id, p.category, p.turns) for p in prompts] == [
+        ("mine/1", "greet", ("Hi",)),
+        ("mine/q2", "mine", ("Yo",)),
+    ]
     path.write_text(json.dumps({"text": "no prompt"}) + "\n")
-    with pytest.raises(DraftVerifyError, match="line 1 has no non-empty \"prompt\""):
+    with pytest.raises(DraftVerifyError, match='line 1 has no non-empty "prompt"'):
         load_prompts([], None, path)
     path.write_text("{not json\n")
     with pytest.raises(DraftVerifyError, match="line 1 is not valid JSON"):

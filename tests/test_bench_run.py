@@ -37,7 +37,14 @@ def bench(engine, out, repeats=1, max_new_tokens=12, methods=METHODS):
 
 def test_full_run_outputs_and_exactness(engine, tmp_path):
     results = bench(engine, tmp_path, repeats=2).run(command="draftverify bench --test", progress=False)
-    labels = ["autoregressive", "speculative[k=3]", "speculative:k2[warm=false]", "auto", "hf-assisted", "hf-prompt-lookup"]
+    labels = [
+        "autoregressive",
+        "speculative[k=3]",
+        "speculative:k2[warm=false]",
+        "auto",
+        "hf-assisted",
+        "hf-prompt-lookup",
+    ]
     assert [m["label"] for m in results["methods"]] == labels
     assert len(results["records"]) == len(PROMPTS) * len(labels) * 2
     # the second turn of mine/2 carries the greedy answer to its first turn
@@ -53,7 +60,11 @@ def test_full_run_outputs_and_exactness(engine, tmp_path):
     assert summary["hf-assisted"]["draft_share"]["median"] is None  # unknown for a peer, not 0
     assert summary["hf-prompt-lookup"]["draft_forwards_per_token"]["median"] == 0.0
     peer = next(r for r in results["records"] if r["label"] == "hf-assisted")
-    assert sum(peer["steps"]) == peer["new_tokens"] and peer["target_forwards"] == len(peer["steps"]) and peer["draft_forwards"] > 0
+    assert (
+        sum(peer["steps"]) == peer["new_tokens"]
+        and peer["target_forwards"] == len(peer["steps"])
+        and peer["draft_forwards"] > 0
+    )
     assert set(results["summary"]["categories"]) == {"mine/a", "mine/b"}
     oracle = results["oracle"]["all"]
     assert len(oracle["prompts"]) == len(PROMPTS) and all(row["target_forwards"] >= 1 for row in oracle["prompts"])
@@ -65,7 +76,9 @@ def test_full_run_outputs_and_exactness(engine, tmp_path):
     assert "### mine/a (1 prompt)" in report and "oracle speedup" in report
     assert "## Winners" in report and "| mine/a | `" in report  # a fastest method named per category
     assert "`auto` / oracle pick" in report  # how close auto came to the best single method, per category
-    assert "## The ceiling here" in report and "ceiling: a draft always right and free" in report  # the bound per category
+    assert (
+        "## The ceiling here" in report and "ceiling: a draft always right and free" in report
+    )  # the bound per category
     assert (tmp_path / "results.csv").read_text().count("\n") == len(results["records"]) + 1
     assert json.loads((tmp_path / "results.json").read_text())["environment"]["torch_threads"] >= 1
 
@@ -82,7 +95,17 @@ def test_resume_after_interruption(engine, tmp_path):
         bench(engine, tmp_path).run(progress=False, on_record=stop_after_five)
     assert not (tmp_path / "report.md").exists()
     done = [(r["prompt_id"], r["label"]) for r in seen]
-    assert done == [("mine/1", label) for label in ("autoregressive", "speculative[k=3]", "speculative:k2[warm=false]", "auto", "hf-assisted", "hf-prompt-lookup")]
+    assert done == [
+        ("mine/1", label)
+        for label in (
+            "autoregressive",
+            "speculative[k=3]",
+            "speculative:k2[warm=false]",
+            "auto",
+            "hf-assisted",
+            "hf-prompt-lookup",
+        )
+    ]
     with open(tmp_path / "records.jsonl", "a") as f:
         f.write('{"type": "generation", "prom')  # and the process died mid-write
     rest = []
@@ -110,7 +133,11 @@ def test_exactness_red_flag_on_an_altered_output(engine, tmp_path):
             lines[i] = json.dumps(record)
     path.write_text("\n".join(lines) + "\n")
     results = bench(engine, tmp_path, methods=methods).run(progress=False)
-    assert results["exactness"][methods] == {"compared": 4, "differ": 1, "cases": [{"prompt_id": "mine/3", "repeat": 0, "position": 4}]}
+    assert results["exactness"][methods] == {
+        "compared": 4,
+        "differ": 1,
+        "cases": [{"prompt_id": "mine/3", "repeat": 0, "position": 4}],
+    }
     report = (tmp_path / "report.md").read_text()
     assert "RED FLAG: output differs from autoregressive decoding for `speculative[k=3]` (1 prompts)" in report
     assert "mine/3 (repeat 0): token 4" in report
@@ -142,22 +169,46 @@ def test_quick_through_the_cli(tiny, tmp_path):
     target.model.save_pretrained(tmp_path / "m")
     target.tokenizer.save_pretrained(tmp_path / "m")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in (("Hello", "x"), ("abc abc abc", "y"), ("never used", "y"))))
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": p, "category": c}) + "\n"
+            for p, c in (("Hello", "x"), ("abc abc abc", "y"), ("never used", "y"))
+        )
+    )
     args = [
-        "bench", "--datasets", "", "--prompts", str(prompts), "--target", str(tmp_path / "m"), "--draft", "self:layers=2",
-        "--methods", "speculative[k=2],hf-assisted,hf-prompt-lookup,hf-autoregressive", "--quick", "--out", str(tmp_path / "out"), "--no-progress",
+        "bench",
+        "--datasets",
+        "",
+        "--prompts",
+        str(prompts),
+        "--target",
+        str(tmp_path / "m"),
+        "--draft",
+        "self:layers=2",
+        "--methods",
+        "speculative[k=2],hf-assisted,hf-prompt-lookup,hf-autoregressive",
+        "--quick",
+        "--out",
+        str(tmp_path / "out"),
+        "--no-progress",
     ]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert "Headline (all prompts)" in res.stdout and "report:" in res.stdout
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "## Forward cost curve" in report and "target t(w) / t(1)" in report and "Forward path: target: static" in report
+    assert (
+        "## Forward cost curve" in report
+        and "target t(w) / t(1)" in report
+        and "Forward path: target: static" in report
+    )
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["config"]["max_new_tokens"] == 16 and results["config"]["repeats"] == 1
     assert [p["id"] for p in results["prompts"]] == ["prompts/1", "prompts/2"]  # --quick: 2 prompts
     assert all(r["new_tokens"] <= 16 for r in results["records"])
     assert all(e["differ"] == 0 for e in results["exactness"].values())
-    res = CliRunner().invoke(app, args[:-4] + ["--max-new-tokens", "8", "--out", str(tmp_path / "out"), "--no-progress"])
+    res = CliRunner().invoke(
+        app, args[:-4] + ["--max-new-tokens", "8", "--out", str(tmp_path / "out"), "--no-progress"]
+    )
     assert res.exit_code != 0 and "holds a run with another config" in str(res.exception)
     res = CliRunner().invoke(app, ["bench", "--methods", "nope", "--prompts", str(prompts), "--datasets", ""])
     assert res.exit_code != 0 and "unknown method 'nope'" in str(res.exception)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ARCHS
 from phrase_sampling import second_token_pvalue
+
 from draftverify import Engine
 from draftverify.drafters.base import Drafter, Proposal
 from draftverify.drafters.prompt_lookup import PromptLookup, PromptLookupConfig
@@ -24,7 +24,9 @@ REPEATS = ["one two three one two three one two", "def f(x):\n    return x\ndef 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
     lookup = PromptLookup(PromptLookupConfig(k=3, max_ngram=2))
     s = Session([1], Sampling(), Stopping())
-    assert lookup.propose(s, [5, 6, 7, 8, 5, 6, 9, 5, 6], room=10).paths == [[9, 5, 6]]  # latest "5 6", then its follow-up
+    assert lookup.propose(s, [5, 6, 7, 8, 5, 6, 9, 5, 6], room=10).paths == [
+        [9, 5, 6]
+    ]  # latest "5 6", then its follow-up
     assert lookup.propose(s, [5, 6, 7, 8, 5, 6, 9, 5, 6], room=2).paths == [[9, 5]]
     assert lookup.propose(s, [1, 2, 3, 4], room=10).paths == []  # no earlier occurrence of any suffix
     assert lookup.propose(s, [4, 1, 2, 3, 4], room=10).paths == [[1, 2, 3]]  # falls back to a 1-gram
@@ -53,10 +55,13 @@ def test_prompt_lookup_sampling_matches_the_target(tiny, monkeypatch):
     engine = Engine(target)
     sampling, n = Sampling(temperature=0.1, top_k=4), 2500
     prompt = guessable_prompt(target.model, sampling)
+
     def pvalue():
         counts: dict[int, int] = {}
         for seed in range(n):
-            r = engine.generate(prompt, method="prompt-lookup", max_new_tokens=3, temperature=0.1, top_k=4, seed=seed, eos_token_id=[])
+            r = engine.generate(
+                prompt, method="prompt-lookup", max_new_tokens=3, temperature=0.1, top_k=4, seed=seed, eos_token_id=[]
+            )
             counts[r.tokens[1]] = counts.get(r.tokens[1], 0) + 1
         return second_token_pvalue(target.model, prompt, sampling, counts)
 
@@ -73,6 +78,7 @@ def guessable_prompt(model, sampling: Sampling) -> list[int]:
     rejects often enough for the wrong rule to show."""
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
+
         def probs(ids):
             return sampling.probs(model(torch.tensor([ids])).logits[0, -1])
 

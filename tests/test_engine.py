@@ -33,7 +33,9 @@ def test_stop_string_inside_accepted_chunk(engine):
     first = full.text.find(stop)
     results = [
         engine.generate("Hello", method="autoregressive", max_new_tokens=30, eos_token_id=[], stop=stop),
-        engine.generate("Hello", method="speculative", max_new_tokens=30, eos_token_id=[], stop=stop, policy="constant", k=8),
+        engine.generate(
+            "Hello", method="speculative", max_new_tokens=30, eos_token_id=[], stop=stop, policy="constant", k=8
+        ),
     ]
     assert results[0].tokens == results[1].tokens
     assert results[1].text == full.text[:first] and results[1].stats.finish_reason == "stop"
@@ -50,7 +52,11 @@ def test_text_iterator_streamer(engine):
 
     streamer = TextIteratorStreamer(engine.target.tokenizer, skip_prompt=True)
     result = {}
-    thread = threading.Thread(target=lambda: result.update(r=engine.generate("Hello", method="speculative", max_new_tokens=20, eos_token_id=[], streamer=streamer)))
+    thread = threading.Thread(
+        target=lambda: result.update(
+            r=engine.generate("Hello", method="speculative", max_new_tokens=20, eos_token_id=[], streamer=streamer)
+        )
+    )
     thread.start()
     text = "".join(streamer)
     thread.join()
@@ -59,7 +65,15 @@ def test_text_iterator_streamer(engine):
 
 def test_on_tokens_receives_chunks_and_can_cancel(engine):
     chunks = []
-    r = engine.generate("Hello", method="speculative", max_new_tokens=30, eos_token_id=[], policy="constant", k=4, on_tokens=lambda c: chunks.append(c))
+    r = engine.generate(
+        "Hello",
+        method="speculative",
+        max_new_tokens=30,
+        eos_token_id=[],
+        policy="constant",
+        k=4,
+        on_tokens=lambda c: chunks.append(c),
+    )
     assert sum(chunks, []) == r.tokens and max(map(len, chunks)) > 1
     r = engine.generate("Hello", method="speculative", max_new_tokens=30, eos_token_id=[], on_tokens=lambda c: False)
     assert r.stats.finish_reason == "cancelled" and len(r.tokens) <= 5
@@ -161,10 +175,30 @@ def test_local_folder_load_and_cli(tmp_path, tiny):
     runner = CliRunner()
     outs = {}
     for method in ("autoregressive", "speculative", "speculative:k2[policy=constant]"):  # any method spec
-        res = runner.invoke(app, ["generate", "Hello", "--target", str(tmp_path / "m"), "--draft", "self:layers=2", "--method", method, "-n", "12", "--json", "--no-chat"])
+        res = runner.invoke(
+            app,
+            [
+                "generate",
+                "Hello",
+                "--target",
+                str(tmp_path / "m"),
+                "--draft",
+                "self:layers=2",
+                "--method",
+                method,
+                "-n",
+                "12",
+                "--json",
+                "--no-chat",
+            ],
+        )
         assert res.exit_code == 0, res.output
         outs[method] = json.loads(res.stdout.strip().splitlines()[-1])
-    assert outs["autoregressive"]["tokens"] == outs["speculative"]["tokens"] == outs["speculative:k2[policy=constant]"]["tokens"]
+    assert (
+        outs["autoregressive"]["tokens"]
+        == outs["speculative"]["tokens"]
+        == outs["speculative:k2[policy=constant]"]["tokens"]
+    )
     assert outs["speculative"]["stats"]["target_forwards"] >= 1
     res = runner.invoke(app, ["generate", "--help"])
     assert "--temperature" in res.stdout and "--max-new-tokens" in res.stdout
@@ -178,8 +212,22 @@ def test_demo_command_compares_methods(tmp_path, tiny):
     model = tiny("llama")
     model.model.save_pretrained(tmp_path / "m")
     model.tokenizer.save_pretrained(tmp_path / "m")
-    res = CliRunner().invoke(app, ["demo", "--target", str(tmp_path / "m"), "--draft", "self:layers=2", "-n", "12", "--repeats", "2",
-                                   "--method", "auto,lookahead:context"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "demo",
+            "--target",
+            str(tmp_path / "m"),
+            "--draft",
+            "self:layers=2",
+            "-n",
+            "12",
+            "--repeats",
+            "2",
+            "--method",
+            "auto,lookahead:context",
+        ],
+    )
     assert res.exit_code == 0, res.output
     header = "| prompt | autoregressive tok/s | auto tok/s | speedup | identical | lookahead:context tok/s | speedup | identical |"
     assert header in res.stdout and "--- code: " in res.stdout

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import ARCHS
+
 from draftverify import Engine
 
 PROMPTS = ["Hello there, how", "def f(x):\n    return", "1, 2, 3, 4,"]
 
 
 def hf_greedy(model, ids, n):
-    out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    out = model.generate(
+        torch.tensor([ids]), do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -34,7 +36,13 @@ def test_speculative_greedy_equals_autoregressive(tiny, arch, draft_kind):
         ids = engine.encode(prompt)
         ar = engine.generate(ids, method="autoregressive", max_new_tokens=40, eos_token_id=[])
         assert ar.tokens == hf_greedy(target.model, ids, 40)
-        for options in ({"k": 1}, {"policy": "constant", "k": 4}, {"k": 4}, {"policy": "heuristic"}, {"policy": "confidence", "threshold": 0.3}):
+        for options in (
+            {"k": 1},
+            {"policy": "constant", "k": 4},
+            {"k": 4},
+            {"policy": "heuristic"},
+            {"policy": "confidence", "threshold": 0.3},
+        ):
             spec = engine.generate(ids, method="speculative", max_new_tokens=40, eos_token_id=[], **options)
             assert spec.tokens == ar.tokens, (arch, draft_kind, prompt, options)
     if draft_kind == "self":

@@ -8,20 +8,30 @@ import traceback
 import pytest
 import torch
 import torch.nn.functional as F
+from phrase_sampling import broken_rule, second_token_pvalue
 
 from draftverify import Engine
 from draftverify.errors import DraftVerifyError
 from draftverify.feature_draft import FeatureDraft, HeadCache, HeadConfig
-from draftverify.models import load_draft
+from draftverify.models import Runner, load_draft
 from draftverify.sampling import Sampling
-from draftverify.models import Runner
 from draftverify.tools.make_draft.features import FeatureCache, FeaturePlan, generate
 from draftverify.tools.make_draft.head import HeadTraining, build_head, head_losses, rollout, rollout_mask
-from phrase_sampling import broken_rule, second_token_pvalue
 
 WORDS = ["apple", "river", "stone", "cloud", "green", "quick", "seven", "paper"]
-TINY = dict(gen_batch=8, max_new_tokens=24, max_prompt_tokens=64, heldout=4, vocab=60, batch_tokens=512, max_len=96, epochs=30,
-            budget_minutes=2.0, lr=3e-3, warmup=5)
+TINY = dict(
+    gen_batch=8,
+    max_new_tokens=24,
+    max_prompt_tokens=64,
+    heldout=4,
+    vocab=60,
+    batch_tokens=512,
+    max_len=96,
+    epochs=30,
+    budget_minutes=2.0,
+    lr=3e-3,
+    warmup=5,
+)
 
 
 def quiet(_):
@@ -44,7 +54,9 @@ def built(tiny, tmp_path_factory):
     target = tiny("llama", layers=2)
     folder = tmp_path_factory.mktemp("head")
     prompts = folder / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"{WORDS[i % 8]} {WORDS[i * 3 % 8]} {i}"}) + "\n" for i in range(48)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"{WORDS[i % 8]} {WORDS[i * 3 % 8]} {i}"}) + "\n" for i in range(48))
+    )
     facts = build_head(target, folder / "out", prompts, HeadTraining(**TINY), log=quiet, progress=False)
     return target, folder / "out", prompts, facts
 
@@ -87,15 +99,22 @@ def test_packed_drafting_takes_the_fused_kernel_and_computes_the_layer(tiny):
     assert fused.rope_attention is not None, "the compiled kernels are missing: this test would check nothing"
     plain.rope_attention = None
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
-    for rows, positions, mask in ((slice(0, 10), torch.arange(10), None), (slice(10, 12), torch.arange(10, 12), None),
-                                  (slice(12, 15), torch.tensor([12, 13, 13]), tree)):
+    for rows, positions, mask in (
+        (slice(0, 10), torch.arange(10), None),
+        (slice(10, 12), torch.arange(10, 12), None),
+        (slice(12, 15), torch.tensor([12, 13, 13]), tree),
+    ):
         a = fused.forward(feats[rows], ids[rows], positions, mask)
         b = plain.forward(feats[rows], ids[rows], positions, mask)
         assert torch.allclose(a, b, atol=1e-5), (rows, (a - b).abs().max())
     assert torch.allclose(fused.keys[:, :, :15], plain.keys[:, :, :15], atol=1e-5)
-    x = feats[:3]  # FR-Spec's smaller vocabulary: a prefix of the LM head's rows, on the packed path too (rounded: a draft's)
+    x = feats[
+        :3
+    ]  # FR-Spec's smaller vocabulary: a prefix of the LM head's rows, on the packed path too (rounded: a draft's)
     exact = x @ head.lm_head[:20].T
-    assert torch.allclose(head.logits(x, 20), exact, atol=0.03 * exact.abs().max().item()) and head.logits(x, 20).shape == (3, 20)
+    assert torch.allclose(head.logits(x, 20), exact, atol=0.03 * exact.abs().max().item()) and head.logits(
+        x, 20
+    ).shape == (3, 20)
 
 
 def test_packed_drafting_reads_inputs_and_top_tokens_in_one_call_each(tiny):
@@ -105,10 +124,14 @@ def test_packed_drafting_reads_inputs_and_top_tokens_in_one_call_each(tiny):
 
     target = tiny("llama", layers=2)
     head = random_head(target, vocab=list(range(0, 96, 2))).pack()
-    assert cpu_kernels() is not None and head._fast["fc"].quant is not None, "no compiled kernels: this test would check nothing"
+    assert cpu_kernels() is not None and head._fast["fc"].quant is not None, (
+        "no compiled kernels: this test would check nothing"
+    )
     feats = torch.randn(5, head.config.hidden_size, generator=torch.Generator().manual_seed(3))
     ids = torch.tensor([3, 90, 7, 7, 41])
-    plain = head._linear("fc", torch.cat([head._norm("norm_feature", feats), head._norm("norm_embed", F.embedding(ids, head.embed))], -1))
+    plain = head._linear(
+        "fc", torch.cat([head._norm("norm_feature", feats), head._norm("norm_embed", F.embedding(ids, head.embed))], -1)
+    )
     assert torch.equal(head.inputs(feats, ids), plain)
     logits = head.logits(feats, 20)
     tokens, probs = head.top(feats, 20, 3)
@@ -146,6 +169,7 @@ def test_a_long_prompt_feeds_the_head_only_its_latest_positions(built, monkeypat
     monkeypatch.setattr(feature, "CATCH_UP", 6)
     fed = []
     forward = feature.HeadCache.forward
+
     def catch_up(self, f, t, p, mask=None):  # the catch-up forwards (an expansion passes its tree mask)
         if mask is None:
             fed.append(len(t))
@@ -162,7 +186,9 @@ def test_a_long_prompt_feeds_the_head_only_its_latest_positions(built, monkeypat
         r = engine.generate(ids, method=method, max_new_tokens=30, eos_token_id=[], **options)
         assert r.tokens == ar.tokens and max(fed) == 6, (method, fed)
     fixed = engine.generate(ids, method="speculative", preset="chain", nodes=3, max_new_tokens=30, eos_token_id=[])
-    assert fixed.tokens == ar.tokens and fixed.stats.drafted > 0  # a fixed tree size: the head drafts after a capped catch-up
+    assert (
+        fixed.tokens == ar.tokens and fixed.stats.drafted > 0
+    )  # a fixed tree size: the head drafts after a capped catch-up
 
 
 def test_calibration_scores_every_valued_node_against_the_emitted_tokens(tiny):
@@ -176,7 +202,12 @@ def test_calibration_scores_every_valued_node_against_the_emitted_tokens(tiny):
     drafter = FeatureHead(random_head(target), Runner(target.model))
     drafter.calibration = Acceptance(prior=0.0)
     drafter.pending = []
-    drafter.valued = {(): [(5, 0.35), (7, 0.35)], (5,): [(9, 0.7)], (7,): [(1, 0.7)], (5, 9): [(3, 0.7)]}  # parent -> children
+    drafter.valued = {
+        (): [(5, 0.35), (7, 0.35)],
+        (5,): [(9, 0.7)],
+        (7,): [(1, 0.7)],
+        (5, 9): [(3, 0.7)],
+    }  # parent -> children
     drafter.observe(None, [1, 2], None, SimpleNamespace(hidden=None, tokens=[5, 9]))  # the target emitted 5 then 9
     bins = drafter.calibration
     assert bins(0.35) == 0.5 and bins(0.7) == 1.0  # (5,) right, (7,) wrong; (5, 9) right; (7, 1) and (5, 9, 3) unknown
@@ -213,13 +244,26 @@ def test_tree_sampling_matches_the_target(tiny, monkeypatch):
     sampling, n, prompt = Sampling(temperature=1.0, top_k=6), 1200, [5, 9, 14]
     with torch.inference_mode():
         p1 = sampling.probs(target.model(torch.tensor([prompt])).logits[0, -1])
-        p2 = sum(p1[x] * sampling.probs(target.model(torch.tensor([prompt + [x]])).logits[0, -1]) for x in p1.nonzero().flatten().tolist())
+        p2 = sum(
+            p1[x] * sampling.probs(target.model(torch.tensor([prompt + [x]])).logits[0, -1])
+            for x in p1.nonzero().flatten().tolist()
+        )
     engine = Engine(target, random_head(target, seed=4, vocab=p2.topk(4).indices.tolist()))
 
     def pvalue():
         counts: dict[int, int] = {}
         for seed in range(n):
-            r = engine.generate(prompt, method="speculative", max_new_tokens=3, temperature=1.0, top_k=6, seed=seed, eos_token_id=[], nodes=6, k=2)
+            r = engine.generate(
+                prompt,
+                method="speculative",
+                max_new_tokens=3,
+                temperature=1.0,
+                top_k=6,
+                seed=seed,
+                eos_token_id=[],
+                nodes=6,
+                k=2,
+            )
             counts[r.tokens[1]] = counts.get(r.tokens[1], 0) + 1
         return second_token_pvalue(target.model, prompt, sampling, counts)
 
@@ -271,7 +315,9 @@ def test_interrupted_build_resumes_to_the_same_weights(built, tmp_path):
     build_head(target, tmp_path / "b", prompts, HeadTraining(**settings, steps=3), log=quiet, progress=False)
     with pytest.raises(DraftVerifyError, match="--resume"):
         build_head(target, tmp_path / "b", prompts, HeadTraining(**settings, steps=6), log=quiet, progress=False)
-    resumed = build_head(target, tmp_path / "b", prompts, HeadTraining(**settings, steps=6), resume=True, log=quiet, progress=False)
+    resumed = build_head(
+        target, tmp_path / "b", prompts, HeadTraining(**settings, steps=6), resume=True, log=quiet, progress=False
+    )
     assert resumed["steps"] == whole["steps"] == 6
     assert "resumed over several runs" in (tmp_path / "b" / "README.md").read_text()
     a = FeatureDraft.load(tmp_path / "a").state_dict()
@@ -295,9 +341,32 @@ def test_cli_builds_a_head(built, tmp_path):
     target, _, prompts, _ = built
     target.model.save_pretrained(tmp_path / "target")
     target.tokenizer.save_pretrained(tmp_path / "target")
-    result = CliRunner().invoke(app, ["make-draft", "--kind", "head", "--target", str(tmp_path / "target"), "--prompts", str(prompts),
-                                      "--out", str(tmp_path / "h"), "--vocab", "50", "--epochs", "1", "--gen-batch", "16",
-                                      "--max-new-tokens", "8", "--heldout", "4", "--budget-minutes", "1"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "make-draft",
+            "--kind",
+            "head",
+            "--target",
+            str(tmp_path / "target"),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(tmp_path / "h"),
+            "--vocab",
+            "50",
+            "--epochs",
+            "1",
+            "--gen-batch",
+            "16",
+            "--max-new-tokens",
+            "8",
+            "--heldout",
+            "4",
+            "--budget-minutes",
+            "1",
+        ],
+    )
     assert result.exit_code == 0, result.output + "".join(traceback.format_exception(*result.exc_info))
     assert {"feature_draft.json", "model.safetensors", "README.md"} <= {p.name for p in (tmp_path / "h").iterdir()}
     result = CliRunner().invoke(app, ["make-draft", "--kind", "head", "--out", str(tmp_path / "h2")])
@@ -321,7 +390,9 @@ def test_batched_replies_match_model_generate_and_feature_t_gives_token_t_plus_1
     again = generate(target, prompts, 12, seeds=[7, 8, 9], runners=runners)
     assert [s.ids.tolist() for s in sampled] == [s.ids.tolist() for s in again]
     assert [s.ids.tolist() for s in sampled] != [s.ids.tolist() for s in ours]
-    by_generate = [generate(target, prompts, 12, seeds=[7, 8, 9]) for _ in range(2)]  # model.generate samples too, seeded
+    by_generate = [
+        generate(target, prompts, 12, seeds=[7, 8, 9]) for _ in range(2)
+    ]  # model.generate samples too, seeded
     assert [s.ids.tolist() for s in by_generate[0]] == [s.ids.tolist() for s in by_generate[1]]
 
 
@@ -332,8 +403,13 @@ def test_sampled_replies_join_each_shard_and_an_older_plan_still_fits(tiny, tmp_
     cache = FeatureCache(tmp_path, FeaturePlan(**plan, sampled=2))
     cache.fill(target, texts, 5, deadline=float("inf"), log=quiet)
     shards = [cache.load(p) for p in cache.shards()]
-    assert [len(s) for s in shards] == [15, 15]  # 10 training prompts in batches of 5, a greedy and 2 sampled replies each
-    assert all(s[i].ids[: s[i].start].tolist() == s[i + 5].ids[: s[i + 5].start].tolist() for s in shards for i in range(5))
+    assert [len(s) for s in shards] == [
+        15,
+        15,
+    ]  # 10 training prompts in batches of 5, a greedy and 2 sampled replies each
+    assert all(
+        s[i].ids[: s[i].start].tolist() == s[i + 5].ids[: s[i + 5].start].tolist() for s in shards for i in range(5)
+    )
     assert len(cache.heldout()) == 2  # held out: greedy only
     old = tmp_path / "old"
     FeatureCache(old, FeaturePlan(**plan))
@@ -350,19 +426,55 @@ def test_template_prompts_add_data_beside_the_prompts_and_init_starts_from_a_hea
     --prompts stay usable); `--init HEAD` starts from that head's weights and vocabulary."""
     target, out, prompts, facts = built
     settings = {**TINY, "max_prompt_tokens": 256}
-    plain = build_head(target, tmp_path / "a", prompts, HeadTraining(**settings, steps=0), work=tmp_path / "w", log=quiet, progress=False)
-    more = build_head(target, tmp_path / "b", prompts, HeadTraining(**settings, templates=24, steps=0), work=tmp_path / "w2", init=out,
-                      log=quiet, progress=False)
+    plain = build_head(
+        target,
+        tmp_path / "a",
+        prompts,
+        HeadTraining(**settings, steps=0),
+        work=tmp_path / "w",
+        log=quiet,
+        progress=False,
+    )
+    more = build_head(
+        target,
+        tmp_path / "b",
+        prompts,
+        HeadTraining(**settings, templates=24, steps=0),
+        work=tmp_path / "w2",
+        init=out,
+        log=quiet,
+        progress=False,
+    )
     assert len(list((tmp_path / "w2" / "features-templates").glob("shard-*.pt"))) >= 1
     assert plain["prompt_sequences"] == more["prompt_sequences"] == plain["sequences"] < more["sequences"]
-    assert more["template_heldout_top1"] is not None and "stdlib templates" in (tmp_path / "b" / "README.md").read_text()
+    assert (
+        more["template_heldout_top1"] is not None and "stdlib templates" in (tmp_path / "b" / "README.md").read_text()
+    )
     start, head = FeatureDraft.load(out), FeatureDraft.load(tmp_path / "b")
     assert head.config.vocab == start.config.vocab
     assert all(torch.equal(a, b) for a, b in zip(start.state_dict().values(), head.state_dict().values()))
     with pytest.raises(DraftVerifyError, match="another target or settings"):  # another count is another data set
-        build_head(target, tmp_path / "c", prompts, HeadTraining(**settings, templates=12, steps=0), work=tmp_path / "w2",
-                   resume=True, log=quiet, progress=False)
-    with pytest.raises(DraftVerifyError, match="make-draft --kind head"):  # another target's head, refused before any data
-        build_head(tiny("llama", seed=5, layers=2), tmp_path / "d", prompts, HeadTraining(**settings, steps=0), work=tmp_path / "w3",
-                   init=out, log=quiet, progress=False)
+        build_head(
+            target,
+            tmp_path / "c",
+            prompts,
+            HeadTraining(**settings, templates=12, steps=0),
+            work=tmp_path / "w2",
+            resume=True,
+            log=quiet,
+            progress=False,
+        )
+    with pytest.raises(
+        DraftVerifyError, match="make-draft --kind head"
+    ):  # another target's head, refused before any data
+        build_head(
+            tiny("llama", seed=5, layers=2),
+            tmp_path / "d",
+            prompts,
+            HeadTraining(**settings, steps=0),
+            work=tmp_path / "w3",
+            init=out,
+            log=quiet,
+            progress=False,
+        )
     assert not (tmp_path / "w3" / "features" / "heldout.pt").exists()

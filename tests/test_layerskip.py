@@ -6,9 +6,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import ARCHS
-from draftverify.errors import DraftVerifyError
+
 from draftverify.drafters.skipsets import (
     SkipSet,
     load_skip_set,
@@ -17,6 +16,7 @@ from draftverify.drafters.skipsets import (
     skip_layers,
     sublayer_names,
 )
+from draftverify.errors import DraftVerifyError
 from draftverify.models import Runner, decoder_layers
 
 IDS = torch.tensor([[5, 17, 9, 33, 2, 41, 8]])
@@ -45,8 +45,15 @@ def test_skipped_sublayer_adds_nothing_to_the_residual(tiny, arch):
     model = tiny(arch).model
     layer = decoder_layers(model)[1]
     seen = {}
-    hooks = [layer.register_forward_pre_hook(lambda m, args, kw: seen.update(x=(args[0] if args else kw["hidden_states"]).clone()), with_kwargs=True),
-             layer.register_forward_hook(lambda m, args, kw, out: seen.update(y=(out[0] if isinstance(out, tuple) else out).clone()), with_kwargs=True)]
+    hooks = [
+        layer.register_forward_pre_hook(
+            lambda m, args, kw: seen.update(x=(args[0] if args else kw["hidden_states"]).clone()), with_kwargs=True
+        ),
+        layer.register_forward_hook(
+            lambda m, args, kw, out: seen.update(y=(out[0] if isinstance(out, tuple) else out).clone()),
+            with_kwargs=True,
+        ),
+    ]
     try:
         with skip_layers(model, SkipSet((1,), (1,))):
             logits(model)
@@ -68,7 +75,12 @@ def test_modules_are_restored_after_an_exception(tiny):
 
 
 def test_sublayer_names_per_architecture(tiny):
-    expected = {"llama": ("self_attn", "mlp"), "qwen2": ("self_attn", "mlp"), "gpt2": ("attn", "mlp"), "gpt_neox": ("attention", "mlp")}
+    expected = {
+        "llama": ("self_attn", "mlp"),
+        "qwen2": ("self_attn", "mlp"),
+        "gpt2": ("attn", "mlp"),
+        "gpt_neox": ("attention", "mlp"),
+    }
     for arch, names in expected.items():
         assert sublayer_names(decoder_layers(tiny(arch).model)[0]) == names
 
@@ -118,7 +130,9 @@ def test_cache_after_verification_equals_a_plain_forward(tiny, arch):
     one_shot = Runner(model, "eager")
     one_shot.forward(prompt + [root, drafts[0]])
     for ours, theirs in zip(runner.cache.layers, one_shot.cache.layers):
-        assert torch.allclose(ours.keys, theirs.keys, atol=1e-5) and torch.allclose(ours.values, theirs.values, atol=1e-5)
+        assert torch.allclose(ours.keys, theirs.keys, atol=1e-5) and torch.allclose(
+            ours.values, theirs.values, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("backend", ["eager", "static"])
@@ -149,7 +163,9 @@ def test_strategies_skip_the_same_number_of_sublayers():
     assert SkipSet.last(n, 2, 1) == SkipSet((28, 29), (29,))
     assert SkipSet.middle(n, 2, 1) == SkipSet((14, 15), (14,))
     r = SkipSet.random(n, 7, 3, seed=1)
-    assert (len(r.attention), len(r.mlp)) == (7, 3) and r == SkipSet.random(n, 7, 3, seed=1) != SkipSet.random(n, 7, 3, seed=2)
+    assert (len(r.attention), len(r.mlp)) == (7, 3) and r == SkipSet.random(n, 7, 3, seed=1) != SkipSet.random(
+        n, 7, 3, seed=2
+    )
     h = SkipSet.heuristic(n)
     assert len(h.attention) == 18 and len(h.mlp) == 9 and n - 1 not in h.attention + h.mlp
     assert min(h.mlp) >= n // 2 and min(h.attention) >= n // 4

@@ -17,7 +17,19 @@ def test_percentiles_and_mismatches():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([1.0, 2.0, 3.0, 4.0], 100) == 4.0
 
     def run(method, c, texts):
-        return Run(method, c, len(texts), 0, 1.0, 1.0, None, None, None, None, calls=[Call(i, True, text=t) for i, t in enumerate(texts)])
+        return Run(
+            method,
+            c,
+            len(texts),
+            0,
+            1.0,
+            1.0,
+            None,
+            None,
+            None,
+            None,
+            calls=[Call(i, True, text=t) for i, t in enumerate(texts)],
+        )
 
     runs = [run("a", 1, ["x", "y"]), run("a", 8, ["x", "z"]), run("b", 1, ["x", "y"]), run("b", 8, ["q", "y"])]
     count_mismatches(runs)
@@ -41,17 +53,48 @@ def test_spawned_load_run(tiny, tmp_path):
     target.model.save_pretrained(tmp_path / "t")
     target.tokenizer.save_pretrained(tmp_path / "t")
     out = tmp_path / "load"
-    result = CliRunner().invoke(app, ["load", "--spawn", "--target", str(tmp_path / "t"), "--draft", "self:layers=1",
-                                      "--methods", "autoregressive,auto", "--concurrency", "1,3", "--requests", "6",
-                                      "--max-tokens", "8", "--datasets", "mt_bench,gsm8k", "--data-dir", str(data), "--out", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "load",
+            "--spawn",
+            "--target",
+            str(tmp_path / "t"),
+            "--draft",
+            "self:layers=1",
+            "--methods",
+            "autoregressive,auto",
+            "--concurrency",
+            "1,3",
+            "--requests",
+            "6",
+            "--max-tokens",
+            "8",
+            "--datasets",
+            "mt_bench,gsm8k",
+            "--data-dir",
+            str(data),
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output + (out / "server.log").read_text()
     results = json.loads((out / "results.json").read_text())
     runs = results["runs"]
-    assert [(r["method"], r["concurrency"]) for r in runs] == [("autoregressive", 1), ("autoregressive", 3), ("auto", 1), ("auto", 3)]
+    assert [(r["method"], r["concurrency"]) for r in runs] == [
+        ("autoregressive", 1),
+        ("autoregressive", 3),
+        ("auto", 1),
+        ("auto", 3),
+    ]
     for r in runs:
         assert r["requests"] == 6 and r["errors"] == 0 and r["mismatches"] == 0, r
-        assert r["tokens_per_s"] > 0 and r["latency_p50_s"] <= r["latency_p99_s"] and r["ttft_p50_s"] <= r["latency_p99_s"]
+        assert (
+            r["tokens_per_s"] > 0 and r["latency_p50_s"] <= r["latency_p99_s"] and r["ttft_p50_s"] <= r["latency_p99_s"]
+        )
         assert all(c["tokens"] >= 1 for c in r["calls"])
     assert "| `auto` | 3 | 6 | 0 |" in (out / "report.md").read_text() and (out / "tokens_per_s.png").stat().st_size > 0
-    bad = CliRunner().invoke(app, ["load", "--url", "http://example.com/v1", "--out", str(tmp_path / "x"), "--data-dir", str(data)])
+    bad = CliRunner().invoke(
+        app, ["load", "--url", "http://example.com/v1", "--out", str(tmp_path / "x"), "--data-dir", str(data)]
+    )
     assert bad.exit_code != 0 and "not on loopback" in str(bad.exception)

@@ -3,17 +3,24 @@ architecture; the Jacobi window moves and harvests as specified; sampling is exa
 
 from __future__ import annotations
 
-import pytest
-
 import phrase_sampling as ps
+import pytest
 from conftest import ARCHS, make_model
+
 from draftverify import DraftVerifyError, Engine
 from draftverify.drafters.lookahead import JacobiWindow, ngrams
-from draftverify.models import Loaded
 from draftverify.drafters.pool import PhrasePool
+from draftverify.models import Loaded
 
 PROMPTS = ["Hello there, how", "def f(x):\n    return", "1, 2, 3, 4,"]
-CONFIGS = [{}, {"W": 1, "N": 2, "G": 1}, {"W": 4, "N": 4, "G": 2}, {"W": 15, "N": 5, "G": 15}, {"preset": "context"}, {"preset": "cpu-context"}]
+CONFIGS = [
+    {},
+    {"W": 1, "N": 2, "G": 1},
+    {"W": 4, "N": 4, "G": 2},
+    {"W": 15, "N": 5, "G": 15},
+    {"preset": "context"},
+    {"preset": "cpu-context"},
+]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

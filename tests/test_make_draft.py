@@ -3,23 +3,31 @@ and is lossless as a draft, tokenizers and targets must match, and an interrupte
 
 from __future__ import annotations
 
-import traceback
-
 import json
 import shutil
+import traceback
 
 import pytest
 import torch
 
 from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError
+from draftverify.models import Loaded, load_draft
 from draftverify.tools.make_draft.build import DraftConfig, build_draft, write_folder
 from draftverify.tools.make_draft.data import chat_ids, generated_records
 from draftverify.tools.make_draft.train import candidate_layer_sets, collate, distill_loss, init_draft, trainable
-from draftverify.models import Loaded, load_draft
 
-TINY = dict(layers=2, max_shards=3, gen_batch=4, max_new_tokens=8, heldout_prompts=3, batch_tokens=300, max_len=160,
-            eval_every=2, budget_minutes=30)
+TINY = dict(
+    layers=2,
+    max_shards=3,
+    gen_batch=4,
+    max_new_tokens=8,
+    heldout_prompts=3,
+    batch_tokens=300,
+    max_len=160,
+    eval_every=2,
+    budget_minutes=30,
+)
 PROMPTS = ["Hello there, how are you?", "def add(a, b):", "Write a poem about the sea."]
 
 
@@ -71,7 +79,10 @@ def test_built_draft_loads_with_plain_transformers(built):
     assert model.config.num_hidden_layers == 2
     assert (out / "README.md").is_file() and (out / "tokenizer.json").is_file()
     card = (out / "README.md").read_text()
-    assert f"**{facts['heldout']['agreement']:.3f}**" in card and f"**{facts['relative_forward_cost']['ratio']:.2f}x**" in card
+    assert (
+        f"**{facts['heldout']['agreement']:.3f}**" in card
+        and f"**{facts['relative_forward_cost']['ratio']:.2f}x**" in card
+    )
     ids = torch.tensor([[3, 4, 5, 6]])
     assert torch.allclose(model(ids).logits, load_draft(str(out), target).model(ids).logits, atol=1e-5)
 
@@ -152,8 +163,28 @@ def test_cli_builds_a_draft(built, tmp_path):
     target, _, _ = built
     target.model.save_pretrained(tmp_path / "target")
     target.tokenizer.save_pretrained(tmp_path / "target")
-    result = CliRunner().invoke(app, ["make-draft", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "d"),
-                                      "--layer-ids", "0,3", "--steps", "2", "--gen-batch", "4", "--max-new-tokens", "6",
-                                      "--data", "chat", "--budget-minutes", "0.3", "--share-embeddings"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "make-draft",
+            "--target",
+            str(tmp_path / "target"),
+            "--out",
+            str(tmp_path / "d"),
+            "--layer-ids",
+            "0,3",
+            "--steps",
+            "2",
+            "--gen-batch",
+            "4",
+            "--max-new-tokens",
+            "6",
+            "--data",
+            "chat",
+            "--budget-minutes",
+            "0.3",
+            "--share-embeddings",
+        ],
+    )
     assert result.exit_code == 0, result.output + "".join(traceback.format_exception(*result.exc_info))
     assert "draftverify.json" in {p.name for p in (tmp_path / "d").iterdir()}

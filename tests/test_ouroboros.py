@@ -4,15 +4,15 @@ policy hook, the pool's life across requests and files, exact sampling, and the 
 
 from __future__ import annotations
 
-import pytest
-
 import phrase_sampling as ps
+import pytest
 from conftest import ARCHS, make_model
+
 from draftverify import DraftVerifyError, Engine
+from draftverify.drafters.pool import PhrasePool
 from draftverify.methods.ouroboros import Ouroboros
 from draftverify.models import Loaded
 from draftverify.policies import ConstantK, WholePhrases
-from draftverify.drafters.pool import PhrasePool
 
 PROMPTS = ["Hello there, how", "1, 2, 3, 4,"]
 ABLATION = [  # the v2 paper's ablation order, then the papers' settings and other policies
@@ -77,7 +77,9 @@ def test_policy_hook_whole_phrases_then_cut(tiny, monkeypatch):
     engine = Engine(tiny("llama", seed=0), tiny("llama", seed=1, layers=2))
     ids = engine.encode("1, 2, 3, 4,")
     recorders = []
-    monkeypatch.setattr(Ouroboros, "make_policy", lambda self: recorders.append(Recorder(self.config.gamma)) or recorders[-1])
+    monkeypatch.setattr(
+        Ouroboros, "make_policy", lambda self: recorders.append(Recorder(self.config.gamma)) or recorders[-1]
+    )
     engine.generate(ids, method="ouroboros", max_new_tokens=60, eos_token_id=[], gamma=3, W=3, N=4, G=3, K=0)
     told = recorders[0].told
     assert told and all(drafted >= 3 for drafted, _ in told[:-3])  # whole phrases until >= gamma (the end may cut)
@@ -99,7 +101,9 @@ def test_pool_lives_across_requests_and_files(tiny, tmp_path):
     method = engine.method("ouroboros", pool_file=str(path))
     saved = PhrasePool.load(path, method._fingerprint, 3, 2)
     assert len(saved) == first.stats.extra["pool_phrases"] > 0
-    assert {k: method.pool.get(k) for k in method.pool.keys()} == {k: saved.get(k) for k in saved.keys()}  # the next request starts warm
+    assert {k: method.pool.get(k) for k in method.pool.keys()} == {
+        k: saved.get(k) for k in saved.keys()
+    }  # the next request starts warm
     second = engine.generate(ids, method="ouroboros", max_new_tokens=30, eos_token_id=[], pool_file=str(path))
     assert second.tokens == first.tokens
     # a new engine (another process) starts from the file
@@ -109,7 +113,10 @@ def test_pool_lives_across_requests_and_files(tiny, tmp_path):
     assert {k: pool.get(k) for k in pool.keys()} == {k: method.pool.get(k) for k in method.pool.keys()}
     # reuse=False: every request starts fresh, and the file is left alone
     before = path.read_bytes()
-    fresh = [engine.generate(ids, method="ouroboros", max_new_tokens=30, eos_token_id=[], reuse=False).stats for _ in range(2)]
+    fresh = [
+        engine.generate(ids, method="ouroboros", max_new_tokens=30, eos_token_id=[], reuse=False).stats
+        for _ in range(2)
+    ]
     assert fresh[0].extra == fresh[1].extra
     engine.generate(ids, method="ouroboros", max_new_tokens=30, eos_token_id=[], reuse=False, pool_file=str(path))
     assert path.read_bytes() == before
@@ -138,7 +145,11 @@ def engine_pool(engine, tmp_path):
 
 def test_bad_settings(tiny):
     engine = Engine(tiny("llama"), tiny("llama", seed=1, layers=2))
-    for options, message in [({"K": 5, "G": 2}, "K=5"), ({"gamma": 0}, "gamma=0"), ({"policy": "nope"}, "unknown draft policy")]:
+    for options, message in [
+        ({"K": 5, "G": 2}, "K=5"),
+        ({"gamma": 0}, "gamma=0"),
+        ({"policy": "nope"}, "unknown draft policy"),
+    ]:
         with pytest.raises(DraftVerifyError, match=message):
             engine.generate("Hi", method="ouroboros", **options)
     with pytest.raises(DraftVerifyError, match="needs a draft"):
@@ -172,11 +183,23 @@ def test_default_target_greedy(smollm):
     from draftverify.models import load_draft
 
     engine = Engine(smollm, load_draft(None, smollm))
-    for prompt in ["Write a Python function that reverses a string.", "What is 17 times 23? Think step by step.", "Translate to French: the cat sleeps."]:
+    for prompt in [
+        "Write a Python function that reverses a string.",
+        "What is 17 times 23? Think step by step.",
+        "Translate to French: the cat sleeps.",
+    ]:
         ids = engine.encode(prompt, chat=True)
         ar = engine.generate(ids, method="autoregressive", max_new_tokens=32)
-        for method, options in [("lookahead", {}), ("ouroboros", {}), ("ouroboros", {"gamma": 6, "W": 15, "N": 5, "G": 15, "K": 3})]:
-            assert engine.generate(ids, method=method, max_new_tokens=32, **options).tokens == ar.tokens, (prompt, method, options)
+        for method, options in [
+            ("lookahead", {}),
+            ("ouroboros", {}),
+            ("ouroboros", {"gamma": 6, "W": 15, "N": 5, "G": 15, "K": 3}),
+        ]:
+            assert engine.generate(ids, method=method, max_new_tokens=32, **options).tokens == ar.tokens, (
+                prompt,
+                method,
+                options,
+            )
 
 
 def test_lengthening_over_the_head_verifies_suffixes_only_while_they_pay():

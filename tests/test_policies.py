@@ -40,7 +40,10 @@ def test_the_length_follows_the_acceptance():
 
 
 def test_a_steeper_curve_drafts_less():
-    assert CostAware(STEEP, {1: 0.1}, accepted=3, rejections=1).best() < CostAware(FLAT, {1: 0.1}, accepted=3, rejections=1).best()
+    assert (
+        CostAware(STEEP, {1: 0.1}, accepted=3, rejections=1).best()
+        < CostAware(FLAT, {1: 0.1}, accepted=3, rejections=1).best()
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -85,7 +88,9 @@ def test_a_drafting_runners_cost_curve_is_timed_on_a_drafting_runner(tiny, monke
     drafting = costs.curve(Runner(model, "static", draft=True), all_logits=False, widths=(1, 2))
     assert made and all(made)
     made.clear()
-    assert costs.curve(Runner(model, "static"), all_logits=False, widths=(1, 2)) is not drafting and made and not any(made)
+    assert (
+        costs.curve(Runner(model, "static"), all_logits=False, widths=(1, 2)) is not drafting and made and not any(made)
+    )
 
 
 @pytest.mark.parametrize("others", [0, 3])
@@ -95,5 +100,9 @@ def test_marginal_times_reads_a_table_as_marginal_time_does(others):
     plain = {16: 1.6, 1: 1.0, 4: 1.1, 2: 1.0}  # any order; a dip that the batch floor catches
     curve = Curve(plain, 64, {1: 0.001, 2: 0.001, 4: 0.002, 16: 0.004})
     for table in (plain, Table(plain), curve, at_context(curve, 500)):
-        assert marginal_times(table, 40, others) == [marginal_time(plain if table is plain else dict(table), w, others) for w in range(1, 41)]
-    assert isinstance(at_context(curve, 500), Table) and at_context(curve, 500).points == sorted(at_context(curve, 500).items())
+        assert marginal_times(table, 40, others) == [
+            marginal_time(plain if table is plain else dict(table), w, others) for w in range(1, 41)
+        ]
+    assert isinstance(at_context(curve, 500), Table) and at_context(curve, 500).points == sorted(
+        at_context(curve, 500).items()
+    )

@@ -154,13 +154,34 @@ def test_save_is_atomic(tmp_path, monkeypatch):
         ('{"format": "draftverify-phrase-pool", "version": 1, "tok', "unreadable or corrupt"),
         ("[1, 2, 3]", "not a draftverify phrase pool"),
         ('{"format": "draftverify-phrase-pool", "version": 7}', "version 7"),
-        ('{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "other", "n": 3, "cap": 4, "phrases": {}}', "another tokenizer"),
-        ('{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 5, "cap": 4, "phrases": {}}', "N=5"),
-        ('{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": []}', "no phrase table"),
-        ('{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": {"1": [[2]]}}', "bad phrase"),
-        ('{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": {"1": [[2, -4]]}}', "bad phrase"),
-        ('{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": {"1": [[2, 999]]}}', "bad phrase"),
-        ('{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": {"x": [[2, 3]]}}', "bad entry"),
+        (
+            '{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "other", "n": 3, "cap": 4, "phrases": {}}',
+            "another tokenizer",
+        ),
+        (
+            '{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 5, "cap": 4, "phrases": {}}',
+            "N=5",
+        ),
+        (
+            '{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": []}',
+            "no phrase table",
+        ),
+        (
+            '{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": {"1": [[2]]}}',
+            "bad phrase",
+        ),
+        (
+            '{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": {"1": [[2, -4]]}}',
+            "bad phrase",
+        ),
+        (
+            '{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": {"1": [[2, 999]]}}',
+            "bad phrase",
+        ),
+        (
+            '{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": {"x": [[2, 3]]}}',
+            "bad entry",
+        ),
     ],
 )
 def test_bad_files_are_refused(tmp_path, content, message):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import ARCHS, make_model
+
 from draftverify import DraftVerifyError, Runner
 
 

@@ -84,7 +84,17 @@ def test_engine_sampling_matches_target_distribution(tiny, arch):
     n = 3000
     counts = dict.fromkeys(support, 0)
     for seed in range(n):
-        r = engine.generate(prompt, method="speculative", max_new_tokens=3, temperature=1.0, top_k=8, seed=seed, eos_token_id=[], policy="constant", k=3)
+        r = engine.generate(
+            prompt,
+            method="speculative",
+            max_new_tokens=3,
+            temperature=1.0,
+            top_k=8,
+            seed=seed,
+            eos_token_id=[],
+            policy="constant",
+            k=3,
+        )
         counts[r.tokens[1]] += 1
     observed = np.array([counts[t] for t in support])
     expected = p2[support].numpy()

@@ -8,8 +8,8 @@ import optuna
 import pytest
 from typer.testing import CliRunner
 
-from draftverify.errors import DraftVerifyError
 from draftverify.drafters.skipsets import SkipSet, load_skip_set
+from draftverify.errors import DraftVerifyError
 from draftverify.tools.search_layers import WARM_START_SCALES, params_skip, search_layers, skip_params, study_path
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
@@ -21,7 +21,9 @@ def trials_of(out):
 
 
 def run(target, out, **kw):
-    settings = dict(budget_s=120, trials=2, seed=0, max_new_tokens=6, progress=False, give_up=None)  # timing-independent
+    settings = dict(
+        budget_s=120, trials=2, seed=0, max_new_tokens=6, progress=False, give_up=None
+    )  # timing-independent
     return search_layers(target, PROMPTS, out, **{**settings, **kw})
 
 
@@ -78,11 +80,45 @@ def test_search_layers_command(tiny, tmp_path):
     prompts = tmp_path / "dev.jsonl"
     prompts.write_text('{"prompt": "Hello there"}\n{"prompt": "1, 2, 3,", "chat": false}\n')
     out = tmp_path / "skip.json"
-    args = ["search-layers", "--model", str(folder), "--prompts", str(prompts), "--budget", "2", "--trials", "2",
-            "--out", str(out), "--max-new-tokens", "5", "--clock", "cpu", "--threads", "1", "--give-up", "0"]
+    args = [
+        "search-layers",
+        "--model",
+        str(folder),
+        "--prompts",
+        str(prompts),
+        "--budget",
+        "2",
+        "--trials",
+        "2",
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "5",
+        "--clock",
+        "cpu",
+        "--threads",
+        "1",
+        "--give-up",
+        "0",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "best of 2 trials" in result.output and out.is_file() and study_path(out).is_file()
-    result = CliRunner().invoke(app, ["generate", "Hello", "--target", str(folder), "-m", "self-speculative", "-o", f"skip_file={out}", "-n", "8", "--json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "Hello",
+            "--target",
+            str(folder),
+            "-m",
+            "self-speculative",
+            "-o",
+            f"skip_file={out}",
+            "-n",
+            "8",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout.splitlines()[-1])["stats"]["method"] == "self-speculative"

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import ARCHS
 from phrase_sampling import broken_rule, second_token_pvalue
+
 from draftverify import Engine
-from draftverify.errors import DraftVerifyError
 from draftverify.drafters.skipsets import SkipSet, save_skip_set
+from draftverify.errors import DraftVerifyError
 from draftverify.models import Runner
 from draftverify.policies import POLICIES, AdaptiveThreshold, make_policy
 from draftverify.sampling import Sampling
@@ -28,10 +28,14 @@ def test_greedy_equals_autoregressive(tiny, arch):
         ar = engine.generate(ids, method="autoregressive", max_new_tokens=30, eos_token_id=[])
         for skip in SKIPS:
             for options in OPTIONS:
-                r = engine.generate(ids, method="self-speculative", skip=skip, max_new_tokens=30, eos_token_id=[], **options)
+                r = engine.generate(
+                    ids, method="self-speculative", skip=skip, max_new_tokens=30, eos_token_id=[], **options
+                )
                 assert r.tokens == ar.tokens, (arch, prompt, skip, options)
                 s = r.stats
-                assert s.draft_forwards == s.drafted and s.accepted <= s.drafted and s.target_forwards == len(s.steps) + 1
+                assert (
+                    s.draft_forwards == s.drafted and s.accepted <= s.drafted and s.target_forwards == len(s.steps) + 1
+                )
     none = engine.generate(ids, method="self-speculative", strategy="none", max_new_tokens=30, eos_token_id=[])
     assert none.stats.acceptance_rate == 1.0  # skipping nothing drafts the target's own tokens
 
@@ -55,7 +59,9 @@ def test_cache_matches_a_plain_forward_at_every_step(tiny, arch, backend):
             assert keys.shape == ref_keys.shape
             assert torch.allclose(keys, ref_keys, atol=1e-4) and torch.allclose(values, ref_values, atol=1e-4)
 
-    r = engine.generate(ids, method="self-speculative", skip=skip, k=4, max_new_tokens=20, eos_token_id=[], on_tokens=check)
+    r = engine.generate(
+        ids, method="self-speculative", skip=skip, k=4, max_new_tokens=20, eos_token_id=[], on_tokens=check
+    )
     assert emitted == r.tokens and len(r.stats.steps) >= 3 and r.stats.drafted > 0
 
 
@@ -63,8 +69,16 @@ def second_token_counts(engine, prompt, sampling, n, **options):
     counts: dict[int, int] = {}
     for seed in range(n):
         # 3 tokens: the prefill gives the 1st, one draft is verified for the 2nd (with 2 the round could draft nothing)
-        r = engine.generate(prompt, method="self-speculative", max_new_tokens=3, temperature=sampling.temperature,
-                            top_k=sampling.top_k, seed=seed, eos_token_id=[], **options)
+        r = engine.generate(
+            prompt,
+            method="self-speculative",
+            max_new_tokens=3,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            seed=seed,
+            eos_token_id=[],
+            **options,
+        )
         counts[r.tokens[1]] = counts.get(r.tokens[1], 0) + 1
     return counts
 
@@ -89,8 +103,19 @@ def test_sampling_matches_the_target_distribution_and_a_wrong_rule_fails(tiny, m
 
 def test_seeded_sampling_is_reproducible(tiny):
     engine = Engine(tiny("qwen2"))
-    runs = [engine.generate("Hello", method="self-speculative", skip=SkipSet((1,), (2,)), max_new_tokens=25,
-                            temperature=0.8, top_p=0.9, seed=7, eos_token_id=[]).tokens for _ in range(2)]
+    runs = [
+        engine.generate(
+            "Hello",
+            method="self-speculative",
+            skip=SkipSet((1,), (2,)),
+            max_new_tokens=25,
+            temperature=0.8,
+            top_p=0.9,
+            seed=7,
+            eos_token_id=[],
+        ).tokens
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -132,11 +157,17 @@ def test_fixed_k_and_static_threshold_variants(tiny):
     engine = Engine(tiny("llama"))
     ids = engine.encode(PROMPTS[1])
     skip = SkipSet((), (3,))
-    fixed = engine.generate(ids, method="self-speculative", preset="k4", skip=skip, max_new_tokens=41, eos_token_id=[]).stats
+    fixed = engine.generate(
+        ids, method="self-speculative", preset="k4", skip=skip, max_new_tokens=41, eos_token_id=[]
+    ).stats
     rounds = len(fixed.steps)
     assert 4 * (rounds - 1) <= fixed.drafted <= 4 * rounds  # every round drafts K = 4 but the last one (as many as fit)
-    never = engine.generate(ids, method="self-speculative", policy="confidence", gamma=1.0, skip=skip, max_new_tokens=20, eos_token_id=[]).stats
-    assert len(never.steps) - 1 <= never.drafted <= len(never.steps)  # a threshold of 1 stops after every first draft token (the last round may have no room)
+    never = engine.generate(
+        ids, method="self-speculative", policy="confidence", gamma=1.0, skip=skip, max_new_tokens=20, eos_token_id=[]
+    ).stats
+    assert (
+        len(never.steps) - 1 <= never.drafted <= len(never.steps)
+    )  # a threshold of 1 stops after every first draft token (the last round may have no room)
     adaptive = engine.generate(ids, method="self-speculative", skip=skip, max_new_tokens=20, eos_token_id=[]).stats
     assert 0 < adaptive.extra["final_gamma"] < 1 and adaptive.extra["skipped_mlp"] == 1
 

@@ -91,7 +91,9 @@ def streamed_text(events: list) -> str:
 
 
 def finish_of(events: list) -> str:
-    return next(c["finish_reason"] for e in events if isinstance(e, dict) for c in e.get("choices", []) if c["finish_reason"])
+    return next(
+        c["finish_reason"] for e in events if isinstance(e, dict) for c in e.get("choices", []) if c["finish_reason"]
+    )
 
 
 def first_text(lines) -> dict:
@@ -128,7 +130,9 @@ def live(models):
 
 
 @pytest.mark.parametrize("method", list(OPTIONS))
-@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "top_p": 0.9, "top_k": 30, "seed": 11}])
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0.0}, {"temperature": 0.9, "top_p": 0.9, "top_k": 30, "seed": 11}]
+)
 def test_completion_equals_offline(live, offline, method, sampling):
     client, _ = live
     want = expect(offline, "Hello there", method, max_new_tokens=12, **sampling)
@@ -137,7 +141,11 @@ def test_completion_equals_offline(live, offline, method, sampling):
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["object"] == "text_completion" and out["choices"][0]["text"] == want.text
-    assert out["usage"] == {"prompt_tokens": len(want.prompt_tokens), "completion_tokens": len(want.tokens), "total_tokens": len(want.prompt_tokens) + len(want.tokens)}
+    assert out["usage"] == {
+        "prompt_tokens": len(want.prompt_tokens),
+        "completion_tokens": len(want.tokens),
+        "total_tokens": len(want.prompt_tokens) + len(want.tokens),
+    }
     assert out["choices"][0]["finish_reason"] == {"eos": "stop", "length": "length"}[want.stats.finish_reason]
     stats = out["draftverify"]
     assert stats["method"] == method and stats["target_forwards"] == want.stats.target_forwards
@@ -175,12 +183,24 @@ def test_chat_template_applied(live, offline, tokenizer):
     for sent in (messages, parts):
         r = client.post("/v1/chat/completions", json={"messages": sent, "max_tokens": 10, "temperature": 0})
         out = r.json()
-        assert out["object"] == "chat.completion" and out["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+        assert out["object"] == "chat.completion" and out["choices"][0]["message"] == {
+            "role": "assistant",
+            "content": want.text,
+        }
         assert out["usage"]["prompt_tokens"] == len(want.prompt_tokens)
-    body = {"messages": messages, "max_completion_tokens": 10, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": messages,
+        "max_completion_tokens": 10,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         events = sse_events(r)
-    assert events[0]["object"] == "chat.completion.chunk" and events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[0]["object"] == "chat.completion.chunk" and events[0]["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": "",
+    }
     assert streamed_text(events) == want.text
     assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == len(want.tokens)
 
@@ -192,10 +212,14 @@ def test_openai_client(live, offline):
     api = openai.OpenAI(base_url=f"{url_of(client)}/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
     model = api.models.list().data[0].id
     want = expect(offline, "Hello", "autoregressive", max_new_tokens=8, temperature=0.0)
-    out = api.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0, extra_body={"method": "autoregressive"})
+    out = api.completions.create(
+        model=model, prompt="Hello", max_tokens=8, temperature=0, extra_body={"method": "autoregressive"}
+    )
     assert out.choices[0].text == want.text and out.model_extra["draftverify"]["method"] == "autoregressive"
     want = expect(offline, [{"role": "user", "content": "hi"}], chat=True, max_new_tokens=8, temperature=0.0)
-    chunks = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0, stream=True)
+    chunks = api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
     with pytest.raises(openai.BadRequestError) as err:
         api.completions.create(model=model, prompt="Hello", temperature=-1)
@@ -210,15 +234,21 @@ def test_models_health_metrics(live):
     assert models["object"] == "list" and models["data"][0]["methods"] == ["speculative[k=4]", "autoregressive"]
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["queue_capacity"] == 16 and health["busy"] is False
-    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "temperature": 0, "method": "speculative"})
-    assert r.json()["draftverify"]["method"] == "speculative[k=4]"  # a bare name picks the one loaded spec of that method
+    r = client.post(
+        "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "temperature": 0, "method": "speculative"}
+    )
+    assert (
+        r.json()["draftverify"]["method"] == "speculative[k=4]"
+    )  # a bare name picks the one loaded spec of that method
     text = client.get("/metrics").text
     samples = parse_metrics(text)
     assert samples['draftverify_requests_total{route="/v1/completions",status="200"}'] >= 1
     assert samples["draftverify_queue_depth"] == 0 and samples["draftverify_queue_capacity"] == 16
     assert samples['draftverify_generated_tokens_total{method="speculative[k=4]"}'] >= 3
     drafted = samples['draftverify_drafted_tokens_total{method="speculative[k=4]"}']
-    assert samples['draftverify_acceptance_rate{method="speculative[k=4]"}'] == pytest.approx(samples['draftverify_accepted_tokens_total{method="speculative[k=4]"}'] / drafted, abs=1e-5)
+    assert samples['draftverify_acceptance_rate{method="speculative[k=4]"}'] == pytest.approx(
+        samples['draftverify_accepted_tokens_total{method="speculative[k=4]"}'] / drafted, abs=1e-5
+    )
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -286,7 +316,12 @@ BAD = [  # (route, body: dict merged into a good one, or raw bytes), status, par
     (CHAT, {"messages": "hi"}, 400, "messages"),
     (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
     (CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages[0].content",
+    ),
     (CHAT, {"messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages"),
     (CHAT, {"messages": MSG, "max_tokens": 2, "max_completion_tokens": 2}, 400, "max_completion_tokens"),
     (CHAT, {"messages": MSG, "max_completion_tokens": 10**9}, 400, "max_completion_tokens"),
@@ -295,7 +330,11 @@ BAD = [  # (route, body: dict merged into a good one, or raw bytes), status, par
 ]
 
 
-@pytest.mark.parametrize("route, body, status, param", BAD, ids=[f"{i}-{b if isinstance(b, bytes) else list(b)}"[:60] for i, (_, b, _, _) in enumerate(BAD)])
+@pytest.mark.parametrize(
+    "route, body, status, param",
+    BAD,
+    ids=[f"{i}-{b if isinstance(b, bytes) else list(b)}"[:60] for i, (_, b, _, _) in enumerate(BAD)],
+)
 def test_bad_input_gets_its_error_and_the_next_request_succeeds(live, offline, route, body, status, param):
     client, _ = live
     if isinstance(body, bytes):
@@ -308,7 +347,10 @@ def test_bad_input_gets_its_error_and_the_next_request_succeeds(live, offline, r
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
     assert error["message"] and "\n" not in error["message"] and "Traceback" not in error["message"]
     r = client.post(C, json=GOOD)
-    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expect(offline, "Hello", max_new_tokens=2, temperature=0.0).text
+    assert (
+        r.status_code == 200
+        and r.json()["choices"][0]["text"] == expect(offline, "Hello", max_new_tokens=2, temperature=0.0).text
+    )
 
 
 def test_unknown_route_and_verb_in_openai_format(live):
@@ -399,7 +441,12 @@ def test_full_queue_answers_429_and_the_rest_complete(models, offline):
             assert int(r.headers["Retry-After"]) >= 1
         engine.gate.set()
         assert [f.result().json()["choices"][0]["text"] for f in held] == [want] * 3
-        assert parse_metrics(client.get("/metrics").text)['draftverify_requests_total{route="/v1/completions",status="429"}'] == 3
+        assert (
+            parse_metrics(client.get("/metrics").text)[
+                'draftverify_requests_total{route="/v1/completions",status="429"}'
+            ]
+            == 3
+        )
 
 
 def wait_for(condition, timeout_s: float = WAIT_S) -> None:
@@ -419,7 +466,17 @@ def test_load_50_requests_8_clients_some_disconnecting(models, offline):
         hangup = i % 5 == 4  # greedy from "Hello": no EOS for a long while (checked below), so the cancel must cut it
         sampling = {"temperature": 0.0} if (i // 2) % 2 or hangup else {"temperature": 0.8, "seed": 5}
         prompt = "Hello" if hangup or i % 3 else "The cat"
-        kinds.append({"i": i, "chat": not hangup and (i // 4) % 2 == 1, "stream": i % 3 == 0, "method": list(OPTIONS)[i % 2], "prompt": prompt, "sampling": sampling, "hangup": hangup})
+        kinds.append(
+            {
+                "i": i,
+                "chat": not hangup and (i // 4) % 2 == 1,
+                "stream": i % 3 == 0,
+                "method": list(OPTIONS)[i % 2],
+                "prompt": prompt,
+                "sampling": sampling,
+                "hangup": hangup,
+            }
+        )
     assert 0 not in expect(offline, "Hello", max_new_tokens=30, temperature=0.0, eos_token_id=[]).tokens
     wants, cases = {}, {}
     for k in kinds:
@@ -427,16 +484,25 @@ def test_load_50_requests_8_clients_some_disconnecting(models, offline):
             case = (k["prompt"], k["chat"], k["method"], tuple(k["sampling"].items()))
             if case not in cases:
                 prompt = [{"role": "user", "content": k["prompt"]}] if k["chat"] else k["prompt"]
-                cases[case] = expect(offline, prompt, k["method"], chat=k["chat"], max_new_tokens=4, **k["sampling"]).text
+                cases[case] = expect(
+                    offline, prompt, k["method"], chat=k["chat"], max_new_tokens=4, **k["sampling"]
+                ).text
             wants[k["i"]] = cases[case]
 
     def one(client: httpx.Client, k: dict) -> tuple[int, str]:
         route = CHAT if k["chat"] else C
-        body = {"max_tokens": 300 if k["hangup"] else 4, "method": k["method"], **k["sampling"], "stream": k["stream"] or k["hangup"]}
+        body = {
+            "max_tokens": 300 if k["hangup"] else 4,
+            "method": k["method"],
+            **k["sampling"],
+            "stream": k["stream"] or k["hangup"],
+        }
         body.update({"messages": [{"role": "user", "content": k["prompt"]}]} if k["chat"] else {"prompt": k["prompt"]})
         if not body["stream"]:
             r = client.post(route, json=body)
-            return r.status_code, r.json()["choices"][0]["message"]["content"] if k["chat"] else r.json()["choices"][0]["text"]
+            return r.status_code, r.json()["choices"][0]["message"]["content"] if k["chat"] else r.json()["choices"][0][
+                "text"
+            ]
         with client.stream("POST", route, json=body) as r:
             if k["hangup"]:
                 first_text(r.iter_lines())
@@ -461,11 +527,18 @@ def test_load_50_requests_8_clients_some_disconnecting(models, offline):
         wait_for(lambda: not client.get("/health").json()["busy"])
         samples = parse_metrics(client.get("/metrics").text)
         hangups = sum(k["hangup"] for k in kinds)
-        cancelled = sum(v for name, v in samples.items() if name.startswith("draftverify_generations_total") and 'finish_reason="cancelled"' in name)
+        cancelled = sum(
+            v
+            for name, v in samples.items()
+            if name.startswith("draftverify_generations_total") and 'finish_reason="cancelled"' in name
+        )
         assert cancelled == hangups
         assert not any(name.startswith("draftverify_requests_total") and 'status="5' in name for name in samples)
         r = client.post(C, json=GOOD)
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expect(offline, "Hello", max_new_tokens=2, temperature=0.0).text
+        assert (
+            r.status_code == 200
+            and r.json()["choices"][0]["text"] == expect(offline, "Hello", max_new_tokens=2, temperature=0.0).text
+        )
 
 
 def test_a_failing_generation_is_its_own_500_and_the_server_goes_on(models, offline):
@@ -474,7 +547,10 @@ def test_a_failing_generation_is_its_own_500_and_the_server_goes_on(models, offl
     with serving(engine) as (client, server):
         engine.fail = RuntimeError("CUDA out of memory (pretend)\nsecond line")
         r = client.post(C, json={**GOOD, "max_tokens": 20})
-        assert r.status_code == 500 and r.json()["error"]["message"] == "generation failed: RuntimeError: CUDA out of memory (pretend)"
+        assert (
+            r.status_code == 500
+            and r.json()["error"]["message"] == "generation failed: RuntimeError: CUDA out of memory (pretend)"
+        )
         engine.fail = RuntimeError("again")
         with client.stream("POST", C, json={**GOOD, "max_tokens": 20, "stream": True}) as r:
             events = sse_events(r)
@@ -509,7 +585,10 @@ def test_timeout_cuts_running_and_waiting_requests(models, offline):
             engine.gate.set()
             assert first.result().status_code == 504  # it waited at the gate past its deadline
         r = client.post(C, json=GOOD)
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expect(offline, "Hello", max_new_tokens=2, temperature=0.0).text
+        assert (
+            r.status_code == 200
+            and r.json()["choices"][0]["text"] == expect(offline, "Hello", max_new_tokens=2, temperature=0.0).text
+        )
 
 
 def test_disconnect_frees_the_model(models):
@@ -522,7 +601,12 @@ def test_disconnect_frees_the_model(models):
         wait_for(lambda: not client.get("/health").json()["busy"], timeout_s=10)
         with ThreadPoolExecutor(1) as pool:  # a non-streamed request whose client gives up
             engine.gate.clear()
-            gone = pool.submit(httpx.post, f"{url_of(client)}/v1/completions", json={"prompt": "Hello", "max_tokens": 400, "temperature": 0}, timeout=1.0)
+            gone = pool.submit(
+                httpx.post,
+                f"{url_of(client)}/v1/completions",
+                json={"prompt": "Hello", "max_tokens": 400, "temperature": 0},
+                timeout=1.0,
+            )
             wait_for(lambda: client.get("/health").json()["busy"])
             engine.gate.set()
             with pytest.raises(httpx.ReadTimeout):
@@ -562,8 +646,8 @@ def test_shutdown_during_a_stream(models, offline, grace_s):
 
 
 def test_pool_is_shared_across_requests_saved_and_loaded(models, offline, tmp_path):
-    from draftverify.models import tokenizer_fingerprint
     from draftverify.drafters.pool import PhrasePool
+    from draftverify.models import tokenizer_fingerprint
 
     target = models[0]
     path = tmp_path / "pool.json"
@@ -598,7 +682,9 @@ def test_real_model_chat_streamed_equals_offline(smollm):
     messages = [{"role": "user", "content": "Name three colours, in French."}]
     want = Engine(smollm).generate(messages, method="autoregressive", chat=True, max_new_tokens=10, temperature=0.0)
     with serving(Engine(smollm), methods="autoregressive") as (client, server):
-        with client.stream("POST", CHAT, json={"messages": messages, "max_tokens": 10, "temperature": 0, "stream": True}) as r:
+        with client.stream(
+            "POST", CHAT, json={"messages": messages, "max_tokens": 10, "temperature": 0, "stream": True}
+        ) as r:
             events = sse_events(r)
     assert streamed_text(events) == want.text and events[-1] == "[DONE]"
     assert events[-2]["draftverify"]["new_tokens"] == len(want.tokens)

@@ -14,11 +14,11 @@ import threading
 
 import httpx
 import pytest
+from test_serve import first_text, sse_events, streamed_text
 
 from draftverify import DraftVerifyError, Engine
 from draftverify.methods.spec import parse_spec
 from draftverify.models import load_draft, load_model
-from test_serve import first_text, sse_events, streamed_text
 
 START_S = 180  # a replica imports torch, transformers and FastAPI, then loads the model
 WAIT_S = 60
@@ -32,7 +32,10 @@ class Replica:
         self.log_path = log_path
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "draftverify.cli", "serve", *args, "--port", "0", "--log-level", "warning"],
-            stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=open(log_path, "w"),
+            text=True,
+            env=env,
         )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [self.lines.put(line) for line in self.proc.stdout], daemon=True).start()
@@ -87,7 +90,16 @@ def test_two_replicas_behind_round_robin(model_dir, tmp_path):
     # a constant draft length: the default `cost` policy picks lengths from forward times each
     # process measures for itself, so a seeded sample is reproducible across processes only with fixed lengths
     spec = "speculative[k=3,policy=constant]"
-    args = ["--target", str(model_dir), "--draft", "self:layers=2", "--methods", f"{spec},autoregressive", "--device", "cpu"]
+    args = [
+        "--target",
+        str(model_dir),
+        "--draft",
+        "self:layers=2",
+        "--methods",
+        f"{spec},autoregressive",
+        "--device",
+        "cpu",
+    ]
     a = Replica([*args, "--shutdown-grace", "0"], tmp_path / "a.log")
     b = Replica([*args, "--device-map", "auto"], tmp_path / "b.log")
     try:
@@ -95,11 +107,18 @@ def test_two_replicas_behind_round_robin(model_dir, tmp_path):
         target = load_model(model_dir, device="cpu")
         offline = Engine(target, load_draft("self:layers=2", target))
         lb = RoundRobin([a.url, b.url])
-        cases = [(spec, {"temperature": 0.0}), ("autoregressive", {"temperature": 0.0}), (spec, {"temperature": 0.7, "seed": 3}), ("autoregressive", {"temperature": 0.7, "seed": 3})]
+        cases = [
+            (spec, {"temperature": 0.0}),
+            ("autoregressive", {"temperature": 0.0}),
+            (spec, {"temperature": 0.7, "seed": 3}),
+            ("autoregressive", {"temperature": 0.7, "seed": 3}),
+        ]
         served = set()
         for method, sampling in cases * 2:  # every case on both replicas
             parsed = parse_spec(method)
-            want = offline.generate("Hello", method=parsed.name, max_new_tokens=6, **sampling, **dict(parsed.options)).text
+            want = offline.generate(
+                "Hello", method=parsed.name, max_new_tokens=6, **sampling, **dict(parsed.options)
+            ).text
             url, r = lb.post("/v1/completions", {"prompt": "Hello", "max_tokens": 6, "method": method, **sampling})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, (url, method, sampling)
             served.add(url)
@@ -107,7 +126,12 @@ def test_two_replicas_behind_round_robin(model_dir, tmp_path):
 
         # SIGTERM to replica a during a stream: the stream ends cleanly, a exits, b takes over
         greedy = offline.generate("Hello", method="autoregressive", max_new_tokens=20, temperature=0.0).text
-        with httpx.stream("POST", a.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True}, timeout=WAIT_S) as r:
+        with httpx.stream(
+            "POST",
+            a.url + "/v1/completions",
+            json={"prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True},
+            timeout=WAIT_S,
+        ) as r:
             lines = r.iter_lines()
             events = [first_text(lines)]
             a.proc.send_signal(signal.SIGTERM)
@@ -118,7 +142,10 @@ def test_two_replicas_behind_round_robin(model_dir, tmp_path):
         assert a.proc.wait(WAIT_S) == -signal.SIGTERM  # uvicorn re-raises the signal after a clean shutdown
         assert "Traceback" not in a.log()
         for _ in range(2):
-            url, r = lb.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0})
+            url, r = lb.post(
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0},
+            )
             assert url == b.url and r.status_code == 200
         assert b.stop(signal.SIGINT) == 0 and "Traceback" not in b.log()
     finally:
@@ -142,8 +169,15 @@ def test_cli_errors_are_one_line(model_dir, tmp_path):
         (["--pool-file", str(corrupt)], "exactly one loaded method with a pool"),
         (["--methods", "ouroboros", "--pool-file", str(corrupt)], "corrupt"),
     ):
-        res = runner.invoke(app, ["serve", "--target", str(model_dir), "--draft", "self:layers=2", "--device", "cpu", *args])
+        res = runner.invoke(
+            app, ["serve", "--target", str(model_dir), "--draft", "self:layers=2", "--device", "cpu", *args]
+        )
         assert isinstance(res.exception, DraftVerifyError), (args, res.output)
         assert message in str(res.exception) and "\n" not in str(res.exception)
     res = runner.invoke(app, ["serve", "--help"])
-    assert res.exit_code == 0 and "--max-queue" in res.stdout and "--pool-file" in res.stdout and "--device-map" in res.stdout
+    assert (
+        res.exit_code == 0
+        and "--max-queue" in res.stdout
+        and "--pool-file" in res.stdout
+        and "--device-map" in res.stdout
+    )

@@ -41,7 +41,9 @@ def test_llamacpp_gets_an_f32_gguf_of_exactly_the_target_weights(smollm):
     source, copy = gguf.GGUFReader(smollm.source), gguf.GGUFReader(path)
     assert {t.name for t in copy.tensors} == {t.name for t in source.tensors}
     assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in copy.tensors)
-    assert set(source.fields) == set(copy.fields) and copy.fields["general.file_type"].contents() == int(gguf.LlamaFileType.ALL_F32)
+    assert set(source.fields) == set(copy.fields) and copy.fields["general.file_type"].contents() == int(
+        gguf.LlamaFileType.ALL_F32
+    )
     embd = next(t for t in copy.tensors if t.name == "token_embd.weight")
     ours = smollm.model.get_input_embeddings().weight
     assert torch.equal(torch.from_numpy(embd.data.reshape(ours.shape).copy()), ours)
@@ -51,7 +53,9 @@ def test_speculative_equals_autoregressive_and_hf_generate(smollm):
     engine = Engine(smollm, truncated_copy(smollm, 8))
     for i, prompt in enumerate(PROMPTS):
         ar = engine.generate(prompt, chat=True, method="autoregressive", max_new_tokens=64, eos_token_id=[])
-        spec = engine.generate(prompt, chat=True, method="speculative", max_new_tokens=64, eos_token_id=[], policy="constant", k=3)
+        spec = engine.generate(
+            prompt, chat=True, method="speculative", max_new_tokens=64, eos_token_id=[], policy="constant", k=3
+        )
         assert spec.tokens == ar.tokens, prompt
         if i < 3:  # transformers' own greedy loop agrees too (stopping at EOS as it does by default)
             ours = engine.generate(prompt, chat=True, method="speculative", max_new_tokens=64, policy="constant", k=3)

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
-
 from conftest import ARCHS
 from phrase_sampling import broken_rule
+from scipy.stats import chisquare
+
 from draftverify import Engine
-from draftverify.errors import DraftVerifyError
 from draftverify.drafters.head import AcceptanceHead, AcceptanceHeadPolicy, load_head, save_head
+from draftverify.errors import DraftVerifyError
 from draftverify.models import Loaded
 from draftverify.sampling import Sampling
 from draftverify.tools.train_head import (
@@ -96,7 +96,10 @@ def test_acceptance_labels_on_hand_made_distributions():
     assert acceptance_labels(p, q, y).tolist() == pytest.approx([0.5, 1.0, 1.0])
     # greedy settings make p and q one-hot: the label says whether the argmaxes agree
     greedy = Sampling()
-    pg, qg = greedy.probs(torch.tensor([[1.0, 5.0, 2.0], [3.0, 0.0, 1.0]])), greedy.probs(torch.tensor([[0.0, 9.0, 1.0], [0.0, 0.0, 4.0]]))
+    pg, qg = (
+        greedy.probs(torch.tensor([[1.0, 5.0, 2.0], [3.0, 0.0, 1.0]])),
+        greedy.probs(torch.tensor([[0.0, 9.0, 1.0], [0.0, 0.0, 4.0]])),
+    )
     yg = qg.argmax(-1)
     assert acceptance_labels(pg, qg, yg).tolist() == [1.0, 0.0]
 
@@ -130,7 +133,10 @@ def test_weighted_bce():
     num = 1 * s(-logits[0]) + 6 * s(logits[1]) + (0.5 * s(-logits[2]) + 6 * 0.5 * s(logits[2]))
     assert weighted_bce(logits, labels, 1.0, 6.0).item() == pytest.approx((num / (1 + 6 + 0.5 + 3)).item())
     # a larger reject weight pulls the best constant prediction down
-    best = {w: max(torch.linspace(-4, 4, 801), key=lambda c: -weighted_bce(c.expand(3), labels, 1.0, w).item()).item() for w in (1.0, 6.0)}
+    best = {
+        w: max(torch.linspace(-4, 4, 801), key=lambda c: -weighted_bce(c.expand(3), labels, 1.0, w).item()).item()
+        for w in (1.0, 6.0)
+    }
     assert best[6.0] < best[1.0]
 
 
@@ -160,8 +166,19 @@ def test_fit_head_learns_a_known_rule():
 def test_head_trains_on_a_tiny_pair(tiny):
     target = tiny("llama", seed=0, layers=2, hidden=32)
     draft = noisy_copy(target, 0.5)
-    prompts = [(f"{w} {i}", False) for i, w in enumerate(["cats", "dogs", "rain", "sun", "code", "tea", "maps", "wind"] * 3)]
-    head = train_head(target, draft, prompts, TrainSettings(depth=1, epochs=10, batch_size=32, w_rej=1.0), Sampling(), max_new_tokens=24, answer_batch=24, progress=False)
+    prompts = [
+        (f"{w} {i}", False) for i, w in enumerate(["cats", "dogs", "rain", "sun", "code", "tea", "maps", "wind"] * 3)
+    ]
+    head = train_head(
+        target,
+        draft,
+        prompts,
+        TrainSettings(depth=1, epochs=10, batch_size=32, w_rej=1.0),
+        Sampling(),
+        max_new_tokens=24,
+        answer_batch=24,
+        progress=False,
+    )
     report = head.settings["report"]
     losses = [row["train_weighted_bce"] for row in report["history"]]
     assert losses[-1] < 0.9 * losses[0]
@@ -176,11 +193,22 @@ def test_labelled_positions_are_the_draft_positions(tiny):
     prompts, answers = [[5, 6, 7], [8, 9]], [[10, 11, 12, 13, 14, 15], [16, 17, 18]]
     # the target as its own draft: every draft sample is accepted (label 1), greedy or sampled
     for sampling in (Sampling(), Sampling(temperature=1.0)):
-        ex = label_responses(Runner(target.model), Runner(target.model), prompts, answers, sampling, r=0.0, seed=0, progress=False)
+        ex = label_responses(
+            Runner(target.model), Runner(target.model), prompts, answers, sampling, r=0.0, seed=0, progress=False
+        )
         assert len(ex.labels) == 9 and ex.features.shape == (9, 32)
         assert torch.allclose(ex.labels, torch.ones(9)) and ex.response.tolist() == [0] * 6 + [1] * 3
     # r close to 1 keeps almost every target token: few positions carry the loss
-    ex = label_responses(Runner(target.model), Runner(tiny("llama", seed=1, layers=1, hidden=32).model), prompts, answers, Sampling(temperature=1.0), r=0.99, seed=0, progress=False)
+    ex = label_responses(
+        Runner(target.model),
+        Runner(tiny("llama", seed=1, layers=1, hidden=32).model),
+        prompts,
+        answers,
+        Sampling(temperature=1.0),
+        r=0.99,
+        seed=0,
+        progress=False,
+    )
     assert len(ex.labels) <= 2
 
 
@@ -204,10 +232,14 @@ def test_answers_are_cached_and_resume_after_an_interruption(tiny, tmp_path, mon
     assert len(list(tmp_path.glob("answers-*.partial.json"))) == 1
     calls.clear()
     monkeypatch.setattr(target.model, "generate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    assert answer_prompts(target, prompts, 6, Sampling(), (0,), batch_size=2, cache_dir=tmp_path, progress=False) == fresh
+    assert (
+        answer_prompts(target, prompts, 6, Sampling(), (0,), batch_size=2, cache_dir=tmp_path, progress=False) == fresh
+    )
     assert len(calls) == 1  # only the missing batch was generated
     assert not list(tmp_path.glob("*.partial.json")) and len(list(tmp_path.glob("answers-*.json"))) == 1
-    assert answer_prompts(target, prompts, 6, Sampling(), (0,), batch_size=2, cache_dir=tmp_path, progress=False) == fresh
+    assert (
+        answer_prompts(target, prompts, 6, Sampling(), (0,), batch_size=2, cache_dir=tmp_path, progress=False) == fresh
+    )
     assert len(calls) == 1  # the finished answers come from the cache
 
 
@@ -218,9 +250,13 @@ def test_greedy_labels_need_no_target_forward(tiny):
 
     target = tiny("llama", seed=0, layers=2, hidden=32)
     draft = noisy_copy(target, 0.5)
-    ids, answers = target_answers(target, [("cats", False), ("dogs and", False), ("a", True)], Sampling(), 16, answer_batch=3, progress=False)
+    ids, answers = target_answers(
+        target, [("cats", False), ("dogs and", False), ("a", True)], Sampling(), 16, answer_batch=3, progress=False
+    )
     full = label_responses(Runner(target.model), Runner(draft.model), ids, answers, Sampling(), 0.3, 0, progress=False)
-    short = label_responses(Runner(target.model), Runner(draft.model), ids, answers, Sampling(), 0.3, 0, progress=False, greedy_answers=True)
+    short = label_responses(
+        Runner(target.model), Runner(draft.model), ids, answers, Sampling(), 0.3, 0, progress=False, greedy_answers=True
+    )
     assert torch.equal(full.labels, short.labels) and torch.equal(full.features, short.features)
     assert 0 < full.labels.mean() < 1
 
@@ -259,7 +295,9 @@ def test_shipped_prompts_are_disjoint_from_the_benchmark_sets():
         with opener(path, "rt", encoding="utf-8") as fh:
             for line in fh:
                 row = json.loads(line)
-                bench += [row[k] for k in ("prompt",) if isinstance(row.get(k), str)] + [t for t in row.get("turns", []) if isinstance(t, str)]
+                bench += [row[k] for k in ("prompt",) if isinstance(row.get(k), str)] + [
+                    t for t in row.get("turns", []) if isinstance(t, str)
+                ]
     bench_text = "\n".join(bench)
     assert bench
     for prompt, _ in rows:
@@ -309,7 +347,9 @@ def test_policy_sets_the_draft_lengths_in_the_method(tiny, tmp_path):
             head.out.weight.zero_()
             head.out.bias.fill_(bias)
         path = save_head(tmp_path / f"{name}.safetensors", head, draft.identity, target.identity)
-        stats = engine.generate("Hello", method="specdec-pp", max_new_tokens=30, eos_token_id=[], head=str(path), h=0.5, cap=6).stats
+        stats = engine.generate(
+            "Hello", method="specdec-pp", max_new_tokens=30, eos_token_id=[], head=str(path), h=0.5, cap=6
+        ).stats
         lengths[name] = (stats.drafted, len(stats.steps))
     drafted, rounds = lengths["pessimist"]
     assert 2 * rounds - 3 <= drafted <= 2 * rounds  # two per round (fewer only in the last two, where the output ends)
@@ -331,7 +371,9 @@ def test_greedy_equals_autoregressive(tiny, tmp_path, arch, draft_kind):
         ids = engine.encode(prompt)
         ar = engine.generate(ids, method="autoregressive", max_new_tokens=32, eos_token_id=[])
         for options in ({"h": 0.2}, {"h": 0.8, "cap": 3}):
-            out = engine.generate(ids, method="specdec-pp", max_new_tokens=32, eos_token_id=[], head=str(path), **options)
+            out = engine.generate(
+                ids, method="specdec-pp", max_new_tokens=32, eos_token_id=[], head=str(path), **options
+            )
             assert out.tokens == ar.tokens, (arch, draft_kind, prompt, options)
     if draft_kind == "self":
         assert out.stats.acceptance_rate == 1.0
@@ -353,7 +395,9 @@ def test_ouroboros_with_the_head_is_exact_and_stops_by_it(tiny, tmp_path, arch):
             head.out.bias.fill_(bias)
             head.out.weight.zero_()
         path = save_head(tmp_path / f"{name}.safetensors", head, draft.identity, target.identity)
-        stats = engine.generate(ids, method="ouroboros-pp", max_new_tokens=40, eos_token_id=[], head=str(path), cap=6, reuse=False).stats
+        stats = engine.generate(
+            ids, method="ouroboros-pp", max_new_tokens=40, eos_token_id=[], head=str(path), cap=6, reuse=False
+        ).stats
         rounds = len(stats.steps)
         assert stats.extra["draft_tokens"] <= most * rounds
         if name == "optimist":
@@ -372,7 +416,18 @@ def second_token_pvalue(engine: Engine, target: Loaded, head: Path, n: int) -> f
             p2 += p1[x1] * sampling.probs(target.model(torch.tensor([prompt + [x1]])).logits[0, -1]).double()
     counts = torch.zeros_like(p2)
     for seed in range(n):
-        out = engine.generate(prompt, method="specdec-pp", max_new_tokens=3, temperature=1.0, top_k=8, seed=seed, eos_token_id=[], head=str(head), h=0.5, cap=4)
+        out = engine.generate(
+            prompt,
+            method="specdec-pp",
+            max_new_tokens=3,
+            temperature=1.0,
+            top_k=8,
+            seed=seed,
+            eos_token_id=[],
+            head=str(head),
+            h=0.5,
+            cap=4,
+        )
         counts[out.tokens[1]] += 1
     expected = p2 * n
     big = expected >= 5
@@ -392,7 +447,9 @@ def test_sampling_matches_the_target_distribution(tiny, tmp_path, monkeypatch):
     assert second_token_pvalue(engine, target, head, 3000) > 1e-3
     # the same test catches a broken acceptance rule with the policy on
     broken_rule(monkeypatch)  # on rejection, resample from p instead of norm(max(p - q, 0))
-    assert second_token_pvalue(engine, target, head, 8000) < 1e-4  # more samples: the broken rule is only slightly off here
+    assert (
+        second_token_pvalue(engine, target, head, 8000) < 1e-4
+    )  # more samples: the broken rule is only slightly off here
 
 
 # -- files ----------------------------------------------------------------------------------
@@ -476,8 +533,29 @@ def test_train_head_command(tiny, tmp_path, monkeypatch):
     prompts.write_text("\n".join(f"tell me about {w}" for w in ["cats", "dogs", "rain", "sun", "tea", "maps"]))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "heads" / "h.safetensors"
-    args = ["train-head", "--target", str(folders["target"]), "--draft", str(folders["draft"]), "--prompts", str(prompts),
-            "--out", str(out), "--epochs", "3", "--max-new-tokens", "12", "--depth", "0", "--w-rej", "3", "--holdout", "0.2", "--device", "cpu"]
+    args = [
+        "train-head",
+        "--target",
+        str(folders["target"]),
+        "--draft",
+        str(folders["draft"]),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--epochs",
+        "3",
+        "--max-new-tokens",
+        "12",
+        "--depth",
+        "0",
+        "--w-rej",
+        "3",
+        "--holdout",
+        "0.2",
+        "--device",
+        "cpu",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert out.is_file() and out.with_suffix(".md").is_file()
@@ -488,8 +566,10 @@ def test_train_head_command(tiny, tmp_path, monkeypatch):
     t, d = load_model(folders["target"], device="cpu"), load_model(folders["draft"], device="cpu")
     head = load_head(out, d.identity, t.identity)
     assert head.depth == 0 and head.settings["training"]["w_rej"] == 3.0
-    assert Engine(t, d).generate([5, 6, 7], method="specdec-pp", max_new_tokens=10, eos_token_id=[], head=str(out)).tokens == \
-        Engine(t, d).generate([5, 6, 7], method="autoregressive", max_new_tokens=10, eos_token_id=[]).tokens
+    assert (
+        Engine(t, d).generate([5, 6, 7], method="specdec-pp", max_new_tokens=10, eos_token_id=[], head=str(out)).tokens
+        == Engine(t, d).generate([5, 6, 7], method="autoregressive", max_new_tokens=10, eos_token_id=[]).tokens
+    )
 
 
 # -- the Pareto view of a bench run ------------------------------------------------------------
@@ -497,9 +577,23 @@ def test_train_head_command(tiny, tmp_path, monkeypatch):
 
 def bench_record(label, prompt, dataset, wall, tokens, target, drafted, accepted):
     return {
-        "label": label, "prompt_id": prompt, "repeat": 0, "dataset": dataset, "category": dataset, "wall_s": wall,
-        "new_tokens": tokens, "target_forwards": target, "draft_forwards": drafted, "drafted": drafted, "accepted": accepted,
-        "draft_s": 0.1, "verify_s": 0.1, "ttft_s": 0.1, "token_times": [0.1] * tokens, "steps": [], "peak_mem_bytes": 1,
+        "label": label,
+        "prompt_id": prompt,
+        "repeat": 0,
+        "dataset": dataset,
+        "category": dataset,
+        "wall_s": wall,
+        "new_tokens": tokens,
+        "target_forwards": target,
+        "draft_forwards": drafted,
+        "drafted": drafted,
+        "accepted": accepted,
+        "draft_s": 0.1,
+        "verify_s": 0.1,
+        "ttft_s": 0.1,
+        "token_times": [0.1] * tokens,
+        "steps": [],
+        "peak_mem_bytes": 1,
     }
 
 
@@ -511,23 +605,39 @@ def test_pareto_view_of_a_bench_run(tmp_path):
 
     assert frontier([(1, 1), (2, 0.5), (2, 2), (0.5, 3), (1, 1)]) == [True, True, False, True, True]
     # (label, target forwards, drafted, accepted) for 10 tokens on each of two data sets
-    methods = [("autoregressive", 10, 0, 0), ("speculative[k=2]", 5, 10, 5), ("speculative[k=8]", 3, 24, 7),
-               ("specdec-pp:h0.3", 4, 8, 6), ("specdec-pp[h=0.9,head=wrej3]", 3, 30, 7)]
-    records = [bench_record(label, f"{d}-1", d, 1.0, 10, t, dr, a) for d in ("humaneval", "spec_bench") for label, t, dr, a in methods]
+    methods = [
+        ("autoregressive", 10, 0, 0),
+        ("speculative[k=2]", 5, 10, 5),
+        ("speculative[k=8]", 3, 24, 7),
+        ("specdec-pp:h0.3", 4, 8, 6),
+        ("specdec-pp[h=0.9,head=wrej3]", 3, 30, 7),
+    ]
+    records = [
+        bench_record(label, f"{d}-1", d, 1.0, 10, t, dr, a)
+        for d in ("humaneval", "spec_bench")
+        for label, t, dr, a in methods
+    ]
     results = {"baseline": "autoregressive", "methods": [{"label": m[0]} for m in methods], "records": records}
     tables = pareto_tables(results)
     assert set(tables) == {"all", "humaneval", "spec_bench"}
     rows = {r["label"]: r for r in tables["humaneval"]}
     assert "autoregressive" not in rows
-    assert rows["speculative[k=2]"]["verification_rate"] == pytest.approx(0.5) and rows["speculative[k=2]"]["discard_rate"] == pytest.approx(0.5)
+    assert rows["speculative[k=2]"]["verification_rate"] == pytest.approx(0.5) and rows["speculative[k=2]"][
+        "discard_rate"
+    ] == pytest.approx(0.5)
     # specdec-pp h0.3 (0.4, 0.2) beats k=2 (0.5, 0.5); k=8 (0.3, 1.7) beats the wrej3 head's (0.3, 2.3)
     assert {label for label, r in rows.items() if r["frontier"]} == {"specdec-pp:h0.3", "speculative[k=8]"}
-    assert rows["specdec-pp[h=0.9,head=wrej3]"]["series"] == "specdec-pp[head=wrej3]" and rows["speculative[k=8]"]["series"] == "speculative"
+    assert (
+        rows["specdec-pp[h=0.9,head=wrej3]"]["series"] == "specdec-pp[head=wrej3]"
+        and rows["speculative[k=8]"]["series"] == "speculative"
+    )
     path = tmp_path / "results.json"
     path.write_text(json.dumps(results))
     result = CliRunner().invoke(app, ["pareto", str(path)])
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "pareto.png").stat().st_size > 0 and "| `specdec-pp:h0.3` | 0.400 | 0.200 |" in (tmp_path / "pareto.md").read_text()
+    assert (tmp_path / "pareto.png").stat().st_size > 0 and "| `specdec-pp:h0.3` | 0.400 | 0.200 |" in (
+        tmp_path / "pareto.md"
+    ).read_text()
     path.write_text('{"records": []}')
     assert "is not a bench results.json" in str(CliRunner().invoke(app, ["pareto", str(path)]).exception)
 

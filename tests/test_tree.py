@@ -107,7 +107,9 @@ def test_layout_forward_equals_chains(tiny, arch):
     lay = layout(tree, rows, lead)
     run = Runner(model)
     run.forward(prefix)
-    out = run.forward(lay.tokens, positions=torch.tensor(lay.offsets) + len(prefix) + len(lead), tree_mask=lay.mask, last=lay.keep).logits
+    out = run.forward(
+        lay.tokens, positions=torch.tensor(lay.offsets) + len(prefix) + len(lead), tree_mask=lay.mask, last=lay.keep
+    ).logits
 
     def chain_logits(tokens):
         ref = Runner(model)

@@ -27,7 +27,10 @@ def test_atomic_folder_new_and_merged(tmp_path):
     (tmp_path / "new" / "keep").write_text("k")
     with atomic_path(tmp_path / "new", folder=True) as tmp:  # an existing folder gets the files one by one
         (tmp / "x").write_text("2")
-    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["keep", "x"] and (tmp_path / "new" / "x").read_text() == "2"
+    assert (
+        sorted(p.name for p in (tmp_path / "new").iterdir()) == ["keep", "x"]
+        and (tmp_path / "new" / "x").read_text() == "2"
+    )
     with pytest.raises(RuntimeError), atomic_path(tmp_path / "gone", folder=True) as tmp:
         (tmp / "x").write_text("1")
         raise RuntimeError
@@ -35,9 +38,17 @@ def test_atomic_folder_new_and_merged(tmp_path):
 
 
 def test_same_weights_one_tolerance():
-    a = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "embedding_fingerprint": 10.0, "tokenizer": "t"}
+    a = {
+        "model_type": "llama",
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "embedding_fingerprint": 10.0,
+        "tokenizer": "t",
+    }
     assert same_weights(a, {**a, "embedding_fingerprint": 10.09})  # bf16 rounding: within 1%
-    assert same_weights({**a, "embedding_fingerprint": 0.0}, {**a, "embedding_fingerprint": 0.04})  # near 0: within 0.05
+    assert same_weights(
+        {**a, "embedding_fingerprint": 0.0}, {**a, "embedding_fingerprint": 0.04}
+    )  # near 0: within 0.05
     assert not same_weights(a, {**a, "embedding_fingerprint": 10.2})
     assert not same_weights(a, {**a, "num_hidden_layers": 5})
     assert same_weights(a, {k: v for k, v in a.items() if k != "tokenizer"})  # a method's identity has no tokenizer
@@ -46,12 +57,29 @@ def test_same_weights_one_tolerance():
 
 def test_one_spec_grammar():
     spec = read_spec(" speculative:k2[k=3,policy=constant] ")
-    assert (spec.label, spec.name, spec.preset, spec.options) == ("speculative:k2[k=3,policy=constant]", "speculative", "k2", (("k", 3), ("policy", "constant")))
+    assert (spec.label, spec.name, spec.preset, spec.options) == (
+        "speculative:k2[k=3,policy=constant]",
+        "speculative",
+        "k2",
+        (("k", 3), ("policy", "constant")),
+    )
     assert [s.label for s in parse_specs("speculative[k=4,policy=heuristic], lookahead:context,ouroboros")] == [
-        "speculative[k=4,policy=heuristic]", "lookahead:context", "ouroboros"]
-    assert parse_options(["k=4", "policy=heuristic", "max-ngram=2.5"]) == {"k": 4, "policy": "heuristic", "max_ngram": 2.5}
-    for text, message in [("nope", "unknown method 'nope'"), ("hf-assisted", "unknown method"), ("speculative[k=0]", "k=0"),
-                          ("speculative:nope", "unknown preset"), ("speculative[warm=false]", "unknown option 'warm'")]:
+        "speculative[k=4,policy=heuristic]",
+        "lookahead:context",
+        "ouroboros",
+    ]
+    assert parse_options(["k=4", "policy=heuristic", "max-ngram=2.5"]) == {
+        "k": 4,
+        "policy": "heuristic",
+        "max_ngram": 2.5,
+    }
+    for text, message in [
+        ("nope", "unknown method 'nope'"),
+        ("hf-assisted", "unknown method"),
+        ("speculative[k=0]", "k=0"),
+        ("speculative:nope", "unknown preset"),
+        ("speculative[warm=false]", "unknown option 'warm'"),
+    ]:
         with pytest.raises(DraftVerifyError, match=message):
             parse_spec(text)
     with pytest.raises(DraftVerifyError, match="listed twice"):

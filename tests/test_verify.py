@@ -25,7 +25,12 @@ def onehot_logits(*best: int) -> torch.Tensor:
         ([1, 2, 3], [1, 0, 3, 4], 1, [1, 0]),  # first mismatch at 2 -> correction
         ([1, 2, 3], [4, 2, 3, 4], 0, [4]),  # nothing accepted
         ([], [2], 0, [2]),  # no draft: a plain decoding step
-        ([0, 1], [0, 1, 2], 2, [0, 1, 2]),  # an EOS id (0) inside the accepted chunk is still returned; emit stops there
+        (
+            [0, 1],
+            [0, 1, 2],
+            2,
+            [0, 1, 2],
+        ),  # an EOS id (0) inside the accepted chunk is still returned; emit stops there
     ],
 )
 def test_greedy_chain(draft, target_best, accepted, tokens):

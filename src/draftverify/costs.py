@@ -36,7 +36,9 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def forward_times(runner: Runner, context: list[int], widths=WIDTHS, reps: int = 5, all_logits: bool = True) -> dict[int, float]:
+def forward_times(
+    runner: Runner, context: list[int], widths=WIDTHS, reps: int = 5, all_logits: bool = True
+) -> dict[int, float]:
     """Seconds of one forward of w new tokens after `context`, for each w in `widths`, on a fork of `runner` (its
     model on its path: a drafting runner's forward is timed as it drafts): the fastest of `reps` runs (the least
     disturbed by the rest of the machine).

@@ -1,9 +1,9 @@
 """The user-facing entry point: load a target (and a draft) once, generate with any method.
 
-    from draftverify import Engine
-    engine = Engine.load()                       # SmolLM2-135M-Instruct + its default draft
-    out = engine.generate("Why is the sky blue?", chat=True, max_new_tokens=64)  # method "auto"
-    print(out.text, out.stats.summary())
+from draftverify import Engine
+engine = Engine.load()                       # SmolLM2-135M-Instruct + its default draft
+out = engine.generate("Why is the sky blue?", chat=True, max_new_tokens=64)  # method "auto"
+print(out.text, out.stats.summary())
 """
 
 from __future__ import annotations
@@ -40,7 +40,13 @@ class Engine:
     the one `generate` uses). One caller at a time per engine: a slot's caches are not shared.
     """
 
-    def __init__(self, target: Loaded, draft: Loaded | FeatureDraft | None = None, backend: str = "auto", head: FeatureDraft | None = None):
+    def __init__(
+        self,
+        target: Loaded,
+        draft: Loaded | FeatureDraft | None = None,
+        backend: str = "auto",
+        head: FeatureDraft | None = None,
+    ):
         """`draft`: a draft model, or a feature head; `head`: a feature head beside a draft model. The
         methods that draft with a head (speculative, ouroboros) use it when there is one, the others
         the draft model."""
@@ -52,7 +58,9 @@ class Engine:
         self.backend = backend
         self.target_runner = Runner(target.model, backend)
         # A separate draft model may run on rounded weights (static.PackedLinear); the target drafting for itself does not.
-        self.draft_runner = Runner(draft.model, backend, draft=draft.model is not target.model) if draft is not None else None
+        self.draft_runner = (
+            Runner(draft.model, backend, draft=draft.model is not target.model) if draft is not None else None
+        )
         self._methods: dict[tuple, Method] = {}
         self._slots: list[tuple[Runner, Runner | None]] = [(self.target_runner, self.draft_runner)]
 
@@ -75,7 +83,9 @@ class Engine:
         """
         loaded = load_model(target, dtype=dtype, device=device, device_map=device_map)
         head = default_head(loaded) if draft is None else None
-        return cls(loaded, load_draft(draft, loaded, dtype=dtype, device=draft_device or device), backend=backend, head=head)
+        return cls(
+            loaded, load_draft(draft, loaded, dtype=dtype, device=draft_device or device), backend=backend, head=head
+        )
 
     def describe_drafts(self) -> str:
         """One line: the draft model and the feature head in use."""
@@ -109,7 +119,9 @@ class Engine:
     def slot(self, i: int) -> tuple[Runner, Runner | None]:
         """Batch slot i's target and draft runners (made on first use; their caches are the slot's own)."""
         while len(self._slots) <= i:
-            self._slots.append((self.target_runner.fork(), self.draft_runner.fork() if self.draft_runner is not None else None))
+            self._slots.append(
+                (self.target_runner.fork(), self.draft_runner.fork() if self.draft_runner is not None else None)
+            )
         return self._slots[i]
 
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
@@ -120,8 +132,13 @@ class Engine:
         elif isinstance(prompt, list) or chat:
             require(not isinstance(prompt, str) or prompt.strip(), "the prompt is empty: give some text")
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            require(getattr(tok, "chat_template", None), "this tokenizer has no chat template: drop --chat and send a raw prompt")
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+            require(
+                getattr(tok, "chat_template", None),
+                "this tokenizer has no chat template: drop --chat and send a raw prompt",
+            )
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
         else:
             require(prompt.strip() != "", "the prompt is empty: give some text")
             ids = tok(prompt)["input_ids"]
@@ -214,7 +231,9 @@ class Engine:
         require(max_new_tokens >= 1, f"max_new_tokens={max_new_tokens} must be at least 1")
         stopping = Stopping(min(max_new_tokens, context - len(ids)), eos, stops)
         m = self.method(method, preset, slot=slot, **options)
-        session = Session(ids, sampling, stopping, tokenizer=self.target.tokenizer, streamer=streamer, on_tokens=on_tokens)
+        session = Session(
+            ids, sampling, stopping, tokenizer=self.target.tokenizer, streamer=streamer, on_tokens=on_tokens
+        )
         session.stats.method = method
         session.stats.prompt_tokens = len(ids)
         if self.target_runner.device.type == "cuda":

@@ -20,15 +20,23 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 from types import SimpleNamespace
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from draftverify.errors import DraftVerifyError, require
-from draftverify.static import ATTENTION_HEAD_DIMS, QUANT_ROWS, cpu_kernels, layer_weights, packed_linear, rms_norm, rotate_half
+from draftverify.static import (
+    ATTENTION_HEAD_DIMS,
+    QUANT_ROWS,
+    cpu_kernels,
+    layer_weights,
+    packed_linear,
+    rms_norm,
+    rotate_half,
+)
 from draftverify.util import atomic_path, atomic_write, describe_identity, same_weights
 
 CONFIG_FILE = "feature_draft.json"
@@ -53,8 +61,17 @@ class HeadConfig:
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         theta = getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        return cls(c.hidden_size, c.intermediate_size, heads, getattr(c, "num_key_value_heads", heads), head_dim,
-                   float(theta), float(getattr(c, "rms_norm_eps", 1e-6)), tuple(int(v) for v in vocab), target.identity)
+        return cls(
+            c.hidden_size,
+            c.intermediate_size,
+            heads,
+            getattr(c, "num_key_value_heads", heads),
+            head_dim,
+            float(theta),
+            float(getattr(c, "rms_norm_eps", 1e-6)),
+            tuple(int(v) for v in vocab),
+            target.identity,
+        )
 
 
 class FeatureDraft(nn.Module):
@@ -80,16 +97,20 @@ class FeatureDraft(nn.Module):
         self.register_buffer("vocab", torch.tensor(c.vocab, dtype=torch.long), persistent=False)
         self.name = "feature-head"  # the folder's name once loaded
         self._fast: dict | None = None  # prepacked linears for drafting (`pack`)
-        self._inputs: tuple | None = None  # the one-call `inputs` kernel's arguments after the features and tokens (`pack`)
+        self._inputs: tuple | None = (
+            None  # the one-call `inputs` kernel's arguments after the features and tokens (`pack`)
+        )
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin tables by position (`rope_rows`)
         self.embed: torch.Tensor | None = None  # [V, H] the target's, frozen
         self.lm_head: torch.Tensor | None = None  # [N, H] the target's LM head rows of `vocab`, frozen
 
     def bind(self, target) -> "FeatureDraft":
         """Attach the target's (a `models.Loaded`) embeddings and LM head, refusing a target it was not trained for."""
-        require(same_weights(self.config.target, target.identity),
-                f"this feature draft was trained for {describe_identity(self.config.target)}, not {describe_identity(target.identity)}: "
-                "build one for this target with `draftverify make-draft --kind head`")
+        require(
+            same_weights(self.config.target, target.identity),
+            f"this feature draft was trained for {describe_identity(self.config.target)}, not {describe_identity(target.identity)}: "
+            "build one for this target with `draftverify make-draft --kind head`",
+        )
         embed = target.model.get_input_embeddings().weight.detach()
         head = target.model.get_output_embeddings().weight.detach()
         self.to(device=embed.device, dtype=embed.dtype)
@@ -104,8 +125,13 @@ class FeatureDraft(nn.Module):
         never what is accepted), its norms and attention on the target's one-pass kernels. For inference only:
         the packed copies do not follow later changes of the weights."""
         if self._fast is None and self.fc.weight.device.type == "cpu":
-            self._fast = {name: packed_linear([getattr(self, name)], draft=True) for name in ("fc", "q", "kv", "o", "gate_up", "down")}
-            self._fast["qkv"] = packed_linear([self.q, self.kv], draft=True)  # q | k | v rows: `rope_attention`'s layout
+            self._fast = {
+                name: packed_linear([getattr(self, name)], draft=True)
+                for name in ("fc", "q", "kv", "o", "gate_up", "down")
+            }
+            self._fast["qkv"] = packed_linear(
+                [self.q, self.kv], draft=True
+            )  # q | k | v rows: `rope_attention`'s layout
             self._fast["lm_head"] = self._lm_head(self.lm_head.shape[0])
             fc = self._fast["fc"].quant
             if fc is not None and self.embed.is_contiguous():  # `inputs` in one call: its arguments, read once
@@ -154,7 +180,9 @@ class FeatureDraft(nn.Module):
         ints = not isinstance(positions, torch.Tensor)
         end = (max(positions) if ints else int(positions.max())) + 1
         if self._rope is None or self._rope[0].shape[0] < end:
-            self._rope = self.rope(torch.arange(max(end, 2 * (0 if self._rope is None else self._rope[0].shape[0]), 256)))
+            self._rope = self.rope(
+                torch.arange(max(end, 2 * (0 if self._rope is None else self._rope[0].shape[0]), 256))
+            )
         cos, sin = self._rope
         if isinstance(positions, range) and positions.step == 1:
             return cos[positions.start : positions.stop], sin[positions.start : positions.stop]
@@ -173,10 +201,21 @@ class FeatureDraft(nn.Module):
 
     def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """[..., H] features and [...] next tokens -> [..., H] layer inputs."""
-        if self._inputs is not None and not self.training and features.dim() == 2 and features.shape[0] <= QUANT_ROWS \
-                and features.dtype == torch.float32:  # drafting: one call, the bits of the op-by-op path (which takes fc's copy here)
+        if (
+            self._inputs is not None
+            and not self.training
+            and features.dim() == 2
+            and features.shape[0] <= QUANT_ROWS
+            and features.dtype == torch.float32
+        ):  # drafting: one call, the bits of the op-by-op path (which takes fc's copy here)
             return cpu_kernels().head_inputs(features.contiguous(), tokens, *self._inputs)
-        return self._linear("fc", torch.cat([self._norm("norm_feature", features), self._norm("norm_embed", F.embedding(tokens, self.embed))], dim=-1))
+        return self._linear(
+            "fc",
+            torch.cat(
+                [self._norm("norm_feature", features), self._norm("norm_embed", F.embedding(tokens, self.embed))],
+                dim=-1,
+            ),
+        )
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, H] -> q [B, heads, T, d], k and v [B, kv heads, T, d], rotated."""
@@ -189,7 +228,9 @@ class FeatureDraft(nn.Module):
         cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # broadcast over heads
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
-    def finish(self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def finish(
+        self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """Attention of q over keys/values (mask: bool [T, S], True = may attend), MLP, final norm -> [B, T, H]."""
         c = self.config
         b, _, t, _ = q.shape
@@ -247,8 +288,10 @@ class FeatureDraft(nn.Module):
             head.load_state_dict({k: v.float() for k, v in load_file(str(folder / WEIGHTS_FILE)).items()})
             head.name = folder.name
         except (OSError, ValueError, TypeError, RuntimeError) as exc:
-            raise DraftVerifyError(f"cannot load the feature draft in {folder} ({type(exc).__name__}): rebuild it with "
-                                   "`draftverify make-draft --kind head`") from exc
+            raise DraftVerifyError(
+                f"cannot load the feature draft in {folder} ({type(exc).__name__}): rebuild it with "
+                "`draftverify make-draft --kind head`"
+            ) from exc
         return head.eval().requires_grad_(False)
 
 
@@ -265,13 +308,19 @@ class HeadCache:
         shape = (1, c.num_kv_heads, capacity, c.head_dim)
         self.keys = torch.zeros(shape, dtype=head.fc.weight.dtype, device=head.fc.weight.device)
         self.values = torch.zeros_like(self.keys)
-        self.causal = torch.ones(capacity, capacity, dtype=torch.bool, device=self.keys.device).tril()  # row past + i: a new row's mask, no tree
+        self.causal = torch.ones(
+            capacity, capacity, dtype=torch.bool, device=self.keys.device
+        ).tril()  # row past + i: a new row's mask, no tree
         fast = head._fast is not None and self.keys.dtype == torch.float32 and c.head_dim in ATTENTION_HEAD_DIMS
         kernels = cpu_kernels() if fast else None
         self.rope_attention = kernels.rope_attention if kernels is not None else None
         self.layer = kernels.layer if kernels is not None else None
         # the rounded copies (int8 rows or Q8_0, `pack`): the one-call layer takes them
-        self.fused = layer_weights(*(head._fast[name] for name in ("qkv", "o", "gate_up", "down"))) if kernels is not None else None
+        self.fused = (
+            layer_weights(*(head._fast[name] for name in ("qkv", "o", "gate_up", "down")))
+            if kernels is not None
+            else None
+        )
         self.no_mask = torch.empty(0, dtype=torch.bool)
         # what every drafting forward passes, read once (a module's attributes cost a lookup each, run cache-cold)
         self.norms = (head.norm_in.weight, head.norm_post.weight, c.rms_eps)
@@ -286,8 +335,13 @@ class HeadCache:
             self.causal = torch.ones(grow, grow, dtype=torch.bool, device=self.keys.device).tril()
 
     @torch.inference_mode()
-    def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | Sequence[int],
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        features: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | Sequence[int],
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Append n rows (features [n, H], next tokens [n], positions [n]: a tensor or ints); return the predicted
         features [n, H].
 
@@ -298,7 +352,9 @@ class HeadCache:
         self._reserve(past + n)
         full = None
         if mask is not None:
-            full = torch.cat([torch.ones(n, past + n - mask.shape[1], dtype=torch.bool, device=mask.device), mask], dim=1)
+            full = torch.cat(
+                [torch.ones(n, past + n - mask.shape[1], dtype=torch.bool, device=mask.device), mask], dim=1
+            )
         elif n > 1:
             full = self.causal[past : past + n, : past + n].contiguous()
         self.length = past + n
@@ -308,10 +364,24 @@ class HeadCache:
             cos, sin = head.rope_rows(positions)
             mask, scale = self.no_mask if full is None else full, self.scale
             if self.fused is not None:  # the whole layer in one call, as the target's static path runs its own
-                x = self.layer(x, *self.norms, *self.fused, cos, sin, self.keys[0], self.values[0], past, head.config.num_heads, mask, scale)
+                x = self.layer(
+                    x,
+                    *self.norms,
+                    *self.fused,
+                    cos,
+                    sin,
+                    self.keys[0],
+                    self.values[0],
+                    past,
+                    head.config.num_heads,
+                    mask,
+                    scale,
+                )
                 return rms_norm(x, *self.norm_out)  # `_norm`'s drafting path
             qkv = head._linear("qkv", head._norm("norm_in", x))
-            out = self.rope_attention(qkv, cos, sin, self.keys[0], self.values[0], past, head.config.num_heads, mask, scale)
+            out = self.rope_attention(
+                qkv, cos, sin, self.keys[0], self.values[0], past, head.config.num_heads, mask, scale
+            )
             return head.after_attention(x, out)
         x = x.unsqueeze(0)  # [1, n, H]
         q, k, v = head.qkv(x, torch.as_tensor(positions, device=x.device).view(1, n))
@@ -320,4 +390,3 @@ class HeadCache:
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
-

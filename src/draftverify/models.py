@@ -152,7 +152,9 @@ def gguf_to_folder(path: Path) -> Path:
     if (folder / "model.safetensors").is_file():
         return folder
     started = time.monotonic()
-    print(f"draftverify: converting {path.name} to a safetensors folder once (about 20 s)...", file=sys.stderr, flush=True)
+    print(
+        f"draftverify: converting {path.name} to a safetensors folder once (about 20 s)...", file=sys.stderr, flush=True
+    )
     with atomic_path(folder, folder=True) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
@@ -162,7 +164,9 @@ def gguf_to_folder(path: Path) -> Path:
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    print(f"draftverify: converted in {time.monotonic() - started:.0f} s, cached in {folder}", file=sys.stderr, flush=True)
+    print(
+        f"draftverify: converted in {time.monotonic() - started:.0f} s, cached in {folder}", file=sys.stderr, flush=True
+    )
     return folder
 
 
@@ -172,7 +176,9 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) == n:
             return module
-    raise DraftVerifyError(f"cannot find the decoder layers of {type(model).__name__}: this architecture is unsupported")
+    raise DraftVerifyError(
+        f"cannot find the decoder layers of {type(model).__name__}: this architecture is unsupported"
+    )
 
 
 def truncated_copy(target: Loaded, n_layers: int) -> Loaded:
@@ -183,7 +189,10 @@ def truncated_copy(target: Loaded, n_layers: int) -> Loaded:
     import copy
 
     total = target.model.config.num_hidden_layers
-    require(1 <= n_layers < total, f"self:layers={n_layers} is impossible: the target has {total} layers, use 1..{total - 1}")
+    require(
+        1 <= n_layers < total,
+        f"self:layers={n_layers} is impossible: the target has {total} layers, use 1..{total - 1}",
+    )
     config = copy.deepcopy(target.model.config)
     config.num_hidden_layers = n_layers
     if isinstance(getattr(config, "layer_types", None), list):
@@ -219,7 +228,9 @@ def _layer_prefix(model: torch.nn.Module) -> str:
     raise AssertionError("unreachable")
 
 
-def load_draft(spec: str | None, target: Loaded, dtype: str = "auto", device: str = "auto") -> Loaded | FeatureDraft | None:
+def load_draft(
+    spec: str | None, target: Loaded, dtype: str = "auto", device: str = "auto"
+) -> Loaded | FeatureDraft | None:
     """Resolve a draft spec: `none`, `self:layers=N` (truncated target), a folder or a .gguf file: a
     draft model, or a feature draft head (`make-draft --kind head`) bound to the target.
 
@@ -228,7 +239,11 @@ def load_draft(spec: str | None, target: Loaded, dtype: str = "auto", device: st
     """
     if spec is None:
         shipped = shipped_draft_path()
-        spec = str(shipped) if shipped is not None and target.name == DEFAULT_MODEL_FILE else f"self:layers={DEFAULT_SELF_DRAFT_LAYERS}"
+        spec = (
+            str(shipped)
+            if shipped is not None and target.name == DEFAULT_MODEL_FILE
+            else f"self:layers={DEFAULT_SELF_DRAFT_LAYERS}"
+        )
     if spec == "none":
         return None
     if spec.startswith("self:"):
@@ -273,8 +288,10 @@ def restore_shared_embeddings(draft: Loaded, target: Loaded, folder: Path) -> No
         f"draft {folder} stores no embeddings and was built for another target: use it with the target it was made for",
     )
     weight = draft.model.get_input_embeddings().weight
-    for source, module in ((target.model.get_input_embeddings(), draft.model.get_input_embeddings()),
-                           (target.model.get_output_embeddings(), draft.model.get_output_embeddings())):
+    for source, module in (
+        (target.model.get_input_embeddings(), draft.model.get_input_embeddings()),
+        (target.model.get_output_embeddings(), draft.model.get_output_embeddings()),
+    ):
         # `.to` returns the target's own tensor when device and dtype agree: no copy.
         module.weight = torch.nn.Parameter(source.weight.detach().to(weight.device, weight.dtype), requires_grad=False)
 
@@ -384,7 +401,10 @@ class Runner:
             f"{type(model).__name__} is an encoder-decoder model: draftverify needs a decoder-only causal LM",
         )
         odd = unsupported_layer_types(model.config)
-        require(not odd, f"{type(model).__name__} has layer types {odd} that draftverify cannot mask: use a model with full or sliding-window attention")
+        require(
+            not odd,
+            f"{type(model).__name__} has layer types {odd} that draftverify cannot mask: use a model with full or sliding-window attention",
+        )
         self.model = model
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
@@ -447,7 +467,9 @@ class Runner:
         n, past = tokens.shape[0], self.length
         kwargs = {}
         sliding = any(w is not None for w in self.windows)
-        if positions is not None or tree_mask is not None or sliding or skip is not None:  # the model would size them from layer 0
+        if (
+            positions is not None or tree_mask is not None or sliding or skip is not None
+        ):  # the model would size them from layer 0
             if positions is None:
                 positions = torch.arange(past, past + n, device=self.device)
             kwargs["position_ids"] = positions.to(self.device).view(1, n)

@@ -104,7 +104,9 @@ class AdaptiveThreshold(DraftPolicy):
         require(0 <= self.gamma <= 1, f"threshold gamma={self.gamma} must lie in [0, 1]")
         require(0 < self.alpha <= 1, f"target acceptance rate alpha={self.alpha} must lie in (0, 1]")
         require(self.epsilon >= 0, f"step epsilon={self.epsilon} must not be negative")
-        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"beta1={self.beta1} and beta2={self.beta2} must lie in [0, 1)")
+        require(
+            0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"beta1={self.beta1} and beta2={self.beta2} must lie in [0, 1)"
+        )
         require(self.max_k >= 1, f"max draft length K={self.max_k} must be at least 1")
 
     def max_length(self) -> int:
@@ -183,7 +185,9 @@ class CostAware(DraftPolicy):
 
         target = at_context(self.target_costs, self.context)
         a, t_draft = min(self.alpha, 0.999), forward_time(at_context(self.draft_costs, self.context), 1)
-        rates = [(1 - a ** (k + 1)) / (1 - a) / (k * t_draft + forward_time(target, k + 1)) for k in range(self.max_k + 1)]
+        rates = [
+            (1 - a ** (k + 1)) / (1 - a) / (k * t_draft + forward_time(target, k + 1)) for k in range(self.max_k + 1)
+        ]
         return max(range(self.max_k + 1), key=rates.__getitem__)
 
     def max_length(self) -> int:

@@ -22,7 +22,9 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self):
-        require(self.temperature >= 0, f"temperature={self.temperature} is negative: use 0 (greedy) or a positive value")
+        require(
+            self.temperature >= 0, f"temperature={self.temperature} is negative: use 0 (greedy) or a positive value"
+        )
         require(0 < self.top_p <= 1, f"top_p={self.top_p} is outside (0, 1]: use e.g. 0.9, or 1 to turn it off")
         require(self.top_k >= 0, f"top_k={self.top_k} is negative: use 0 to turn it off")
 

@@ -98,5 +98,3 @@ class Session:
     def text(self) -> str:
         text = self.tokenizer.decode(self.output, skip_special_tokens=True)
         return text if self.stop_text_at is None else text[: self.stop_text_at]
-
-

@@ -60,7 +60,9 @@ ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # head sizes the attention kernel (cpu.
 # prompt's 30 layers: 98 ms in calls of 128 rows, 102 of 32, 126 in one call; SDPA with the mask 237, with
 # is_causal 171 (which cannot take a cached prefix, a tree or a window).
 PREFILL_ROWS = 128
-QUANT_ROWS = 32  # up to this many rows, exactly quantized weights go to the quantized product (measured: docs/backends.md)
+QUANT_ROWS = (
+    32  # up to this many rows, exactly quantized weights go to the quantized product (measured: docs/backends.md)
+)
 
 
 def layer_windows(config) -> list[int | None]:
@@ -85,7 +87,9 @@ def window_masks(positions: torch.Tensor, tree_mask: torch.Tensor | None, past: 
     elif n > 1:
         allowed[:, past:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     key_pos = torch.cat([torch.arange(past, device=device), positions])  # [past + n]
-    return {w: allowed if w is None else allowed & (positions.view(n, 1) - key_pos.view(1, -1) < w) for w in set(windows)}
+    return {
+        w: allowed if w is None else allowed & (positions.view(n, 1) - key_pos.view(1, -1) < w) for w in set(windows)
+    }
 
 
 def unsupported_layer_types(config) -> list[str]:
@@ -129,7 +133,13 @@ def packed_linear(linears: list[torch.nn.Linear], draft: bool = False) -> "Packe
     A live PackedLinear belongs to a decoder that holds its model, so the weights' addresses
     in the key cannot be reused while the entry exists.
     """
-    key = (draft, *((lin.weight.data_ptr(), tuple(lin.weight.shape), lin.weight.dtype, str(lin.weight.device)) for lin in linears))
+    key = (
+        draft,
+        *(
+            (lin.weight.data_ptr(), tuple(lin.weight.shape), lin.weight.dtype, str(lin.weight.device))
+            for lin in linears
+        ),
+    )
     found = _PACKED.get(key)
     if found is None:
         found = _PACKED[key] = PackedLinear(linears, draft)
@@ -148,10 +158,14 @@ class PackedLinear:
         weight = torch.cat([lin.weight.detach() for lin in linears])  # [out, in]
         biases = [lin.bias for lin in linears]
         if any(b is not None for b in biases):
-            self.bias = torch.cat([
-                b.detach() if b is not None else torch.zeros(lin.out_features, dtype=weight.dtype, device=weight.device)
-                for b, lin in zip(biases, linears)
-            ])
+            self.bias = torch.cat(
+                [
+                    b.detach()
+                    if b is not None
+                    else torch.zeros(lin.out_features, dtype=weight.dtype, device=weight.device)
+                    for b, lin in zip(biases, linears)
+                ]
+            )
         else:
             self.bias = None
         self.packed = packable(weight)
@@ -196,7 +210,11 @@ class Spans:
         self.single = len(spans) == 1
         self.long = [(a, n) for a, n in spans if n > QUANT_ROWS]
         short = [(a, n) for a, n in spans if n <= QUANT_ROWS]
-        self.short = None if self.single or not short or not self.long else torch.cat([torch.arange(a, a + n, device=device) for a, n in short])
+        self.short = (
+            None
+            if self.single or not short or not self.long
+            else torch.cat([torch.arange(a, a + n, device=device) for a, n in short])
+        )
 
     def __call__(self, linear: PackedLinear, x: torch.Tensor) -> torch.Tensor:
         if self.single or linear.blocks is None:  # one sequence; or no quantized product (oneDNN throughout)
@@ -339,7 +357,11 @@ class StaticDecoder:
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.max_length = getattr(cfg, "max_position_embeddings", None)
-        kernels = cpu_kernels() if self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim in ATTENTION_HEAD_DIMS else None
+        kernels = (
+            cpu_kernels()
+            if self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim in ATTENTION_HEAD_DIMS
+            else None
+        )
         self.attention_kernel = kernels.attention if kernels is not None else None
         self.rope_attention = kernels.rope_attention if kernels is not None else None
         self.layer_kernel = kernels.layer if kernels is not None else None
@@ -411,7 +433,9 @@ class StaticDecoder:
             n, past = tokens.shape[0], d.length
             d._reserve(past + n)
             causal = positions is None and tree_mask is None
-            positions = torch.arange(past, past + n, device=self.device) if positions is None else positions.to(self.device)
+            positions = (
+                torch.arange(past, past + n, device=self.device) if positions is None else positions.to(self.device)
+            )
             parts.append((d, rows, n, past, d._masks(positions, tree_mask, causal, past, n)))
             all_tokens.append(tokens)
             all_positions.append(positions)
@@ -431,8 +455,20 @@ class StaticDecoder:
             if one is not None and layer.fused is not None and i not in skip_attn and i not in skip_mlp:
                 d, _, _, past, masks = one
                 mask = masks[self.windows[i]]
-                h = self.layer_kernel(h, layer.norm_in, layer.norm_post, layer.eps, *layer.fused, *rows, d.keys[i], d.values[i],
-                                      past, self.n_heads, self._no_mask if mask is None else mask, layer.scaling)
+                h = self.layer_kernel(
+                    h,
+                    layer.norm_in,
+                    layer.norm_post,
+                    layer.eps,
+                    *layer.fused,
+                    *rows,
+                    d.keys[i],
+                    d.values[i],
+                    past,
+                    self.n_heads,
+                    self._no_mask if mask is None else mask,
+                    layer.scaling,
+                )
                 continue
             if i not in skip_attn:
                 h = h + self._attention(i, layer, h, cos, sin, parts, spans)
@@ -455,7 +491,9 @@ class StaticDecoder:
         else:
             index = torch.cat([torch.arange(b, b + m, device=self.device) for b, m in out_rows])
             starts = [0, *itertools.accumulate(m for _, m in out_rows)]
-            logits = Spans(list(zip(starts, (m for _, m in out_rows))), self.device)(self.head, states[index]).split([m for _, m in out_rows])
+            logits = Spans(list(zip(starts, (m for _, m in out_rows))), self.device)(self.head, states[index]).split(
+                [m for _, m in out_rows]
+            )
         return [(logit, None if s is None else states[s[0] : s[0] + s[1]]) for logit, s in zip(logits, state_rows)]
 
     def _attention(self, i, layer: _Layer, h, cos, sin, parts, spans: Spans) -> torch.Tensor:
@@ -467,21 +505,51 @@ class StaticDecoder:
             mask = masks[self.windows[i]]
             keys, values = dec.keys[i], dec.values[i]
             if fused and n <= QUANT_ROWS:  # one kernel call: rotate q and k, store k and v, attend (cpu.cpp)
-                outs.append(self.rope_attention(qkv[a : a + n], cos[a : a + n, 0], sin[a : a + n, 0], keys, values, past,
-                                                self.n_heads, self._no_mask if mask is None else mask, layer.scaling))
+                outs.append(
+                    self.rope_attention(
+                        qkv[a : a + n],
+                        cos[a : a + n, 0],
+                        sin[a : a + n, 0],
+                        keys,
+                        values,
+                        past,
+                        self.n_heads,
+                        self._no_mask if mask is None else mask,
+                        layer.scaling,
+                    )
+                )
                 continue
             q, k, v = self._rotated(layer, qkv[a : a + n], cos[a : a + n], sin[a : a + n])
             keys[:, past : past + n] = k.transpose(0, 1)
             values[:, past : past + n] = v.transpose(0, 1)
             if self.attention_kernel is not None and n <= QUANT_ROWS:  # few queries (Qwen3's normed q and k): one call
-                outs.append(self.attention_kernel(q, keys, values, past + n, self._no_mask if mask is None else mask, layer.scaling))
+                outs.append(
+                    self.attention_kernel(
+                        q, keys, values, past + n, self._no_mask if mask is None else mask, layer.scaling
+                    )
+                )
                 continue
             if self.attention_kernel is not None:  # a prefill (n > 1, so a mask): PREFILL_ROWS query rows a call
-                outs.append(torch.cat([self.attention_kernel(q[r : r + PREFILL_ROWS], keys, values, past + n, mask[r : r + PREFILL_ROWS], layer.scaling)
-                                       for r in range(0, n, PREFILL_ROWS)]))
+                outs.append(
+                    torch.cat(
+                        [
+                            self.attention_kernel(
+                                q[r : r + PREFILL_ROWS],
+                                keys,
+                                values,
+                                past + n,
+                                mask[r : r + PREFILL_ROWS],
+                                layer.scaling,
+                            )
+                            for r in range(0, n, PREFILL_ROWS)
+                        ]
+                    )
+                )
                 continue
             if n == 1 and mask is None:  # one query, every key: three small ops beat SDPA's CPU kernel
-                groups = q[0].view(self.n_kv, self.n_heads // self.n_kv, self.head_dim)  # query head h reads kv head h // group
+                groups = q[0].view(
+                    self.n_kv, self.n_heads // self.n_kv, self.head_dim
+                )  # query head h reads kv head h // group
                 scores = torch.bmm(groups, keys[:, : past + 1].transpose(1, 2)).mul_(layer.scaling)
                 out = torch.bmm(scores.softmax(-1, dtype=torch.float32).to(q.dtype), values[:, : past + 1])
                 outs.append(out.view(1, self.n_heads * self.head_dim))

@@ -97,7 +97,14 @@ class Stats:
         out = {k: v for k, v in asdict(self).items() if not k.startswith("_") and k != "sync_device"}
         if not timings:
             out.pop("token_times")
-        for name in ("tokens_per_s", "accepted_per_forward", "mean_accepted_per_step", "acceptance_rate", "discarded_per_token", "other_s"):
+        for name in (
+            "tokens_per_s",
+            "accepted_per_forward",
+            "mean_accepted_per_step",
+            "acceptance_rate",
+            "discarded_per_token",
+            "other_s",
+        ):
             out[name] = getattr(self, name)
         return out
 

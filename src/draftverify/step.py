@@ -113,7 +113,13 @@ def prepare_step(runner: Runner, root: int, proposal: Proposal) -> Prepared:
         return Prepared(tree, {"tokens": tree.tokens, "hidden": proposal.hidden}, base, chain=True)
     lay = layout(tree, rows, lead)
     positions = torch.tensor(lay.offsets) + base + len(lead)
-    feed = {"tokens": lay.tokens, "positions": positions, "tree_mask": lay.mask, "last": lay.keep, "hidden": proposal.hidden}
+    feed = {
+        "tokens": lay.tokens,
+        "positions": positions,
+        "tree_mask": lay.mask,
+        "last": lay.keep,
+        "hidden": proposal.hidden,
+    }
     return Prepared(tree, feed, base, chain=False, lay=lay)
 
 

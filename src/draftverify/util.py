@@ -90,7 +90,9 @@ def same_weights(a: dict, b: dict) -> bool:
     for key in shared:
         if key == "embedding_fingerprint":
             try:
-                close = math.isclose(float(a[key]), float(b[key]), rel_tol=FINGERPRINT_REL_TOL, abs_tol=FINGERPRINT_ABS_TOL)
+                close = math.isclose(
+                    float(a[key]), float(b[key]), rel_tol=FINGERPRINT_REL_TOL, abs_tol=FINGERPRINT_ABS_TOL
+                )
             except (TypeError, ValueError):
                 return False
             if not close:

@@ -55,7 +55,9 @@ def resolve_data_dir(option: str | Path | None, cwd: Path | None = None) -> Path
     and <repo root>/../shared/data."""
     if option is not None:
         path = Path(option)
-        require(path.is_dir(), f"--data-dir {path} is not a folder: pass the folder that holds spec_bench/, humaneval/, ...")
+        require(
+            path.is_dir(), f"--data-dir {path} is not a folder: pass the folder that holds spec_bench/, humaneval/, ..."
+        )
         return path
     if os.environ.get(DATA_DIR_ENV):
         path = Path(os.environ[DATA_DIR_ENV])
@@ -78,7 +80,9 @@ def _jsonl(path: Path) -> list[dict]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as exc:
-                    raise DraftVerifyError(f"{path} line {n} is not valid JSON ({exc.msg}): fix or replace the file") from exc
+                    raise DraftVerifyError(
+                        f"{path} line {n} is not valid JSON ({exc.msg}): fix or replace the file"
+                    ) from exc
     return rows
 
 
@@ -100,7 +104,9 @@ DATASETS = {
     "mt_bench": lambda d: _question_rows(d / "mt_bench" / "question.jsonl", "mt_bench", merge_mt_bench=False),
     "humaneval": lambda d: _prompt_rows(d / "humaneval" / "HumanEval.jsonl.gz", "humaneval", "task_id", chat=False),
     "gsm8k": lambda d: _prompt_rows(d / "gsm8k" / "gsm8k_test_first300.jsonl", "gsm8k", "id", chat=True),
-    "cnn_dailymail": lambda d: _prompt_rows(d / "cnn_dailymail" / "cnndm_test_specbench80.jsonl", "cnn_dailymail", "id", chat=True),
+    "cnn_dailymail": lambda d: _prompt_rows(
+        d / "cnn_dailymail" / "cnndm_test_specbench80.jsonl", "cnn_dailymail", "id", chat=True
+    ),
 }
 
 
@@ -110,7 +116,7 @@ def user_rows(path: Path) -> list[tuple[str, str, tuple[str, ...], bool]]:
     for n, r in enumerate(_jsonl(path), 1):
         require(
             isinstance(r, dict) and isinstance(r.get("prompt"), str) and r["prompt"].strip(),
-            f"{path} line {n} has no non-empty \"prompt\" string: write one JSON object per line with a \"prompt\" field",
+            f'{path} line {n} has no non-empty "prompt" string: write one JSON object per line with a "prompt" field',
         )
         rows.append((str(r.get("id", n)), str(r.get("category", path.stem)), (r["prompt"],), True))
     return rows

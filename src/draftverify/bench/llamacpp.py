@@ -97,7 +97,9 @@ def peer(spec, source: Path | None, name: str, n_ctx: int) -> "LlamaCpp":
 class LlamaCpp:
     """One llama.cpp model (F32 GGUF of the target) with the bench's threads and context."""
 
-    def __init__(self, path: Path, n_ctx: int, threads: int, prompt_lookup: int | None = None, logits_all: bool = False):
+    def __init__(
+        self, path: Path, n_ctx: int, threads: int, prompt_lookup: int | None = None, logits_all: bool = False
+    ):
         require_llamacpp()
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -106,8 +108,14 @@ class LlamaCpp:
         # With a draft model llama-cpp-python keeps every row's logits but sizes its buffer from
         # the `logits_all` argument (0.3.36): say True, or a context past 512 tokens overflows it.
         self.llm = Llama(
-            model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
-            logits_all=logits_all or draft is not None, draft_model=draft, verbose=False,
+            model_path=str(path),
+            n_ctx=n_ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=512,
+            logits_all=logits_all or draft is not None,
+            draft_model=draft,
+            verbose=False,
         )
 
     def generate(self, ids: list[int], sampling, max_new_tokens: int, eos: tuple[int, ...]) -> dict:
@@ -129,10 +137,20 @@ class LlamaCpp:
                 break
         wall = time.perf_counter() - start
         return {
-            "tokens": tokens, "new_tokens": len(tokens), "wall_s": wall, "ttft_s": times[0] if times else None,
-            "token_times": times, "target_forwards": None, "draft_forwards": None, "drafted": None, "accepted": None,
-            "steps": None, "draft_s": None, "verify_s": None,
-            "finish_reason": "eos" if tokens and tokens[-1] in eos else "length", "extra": {},
+            "tokens": tokens,
+            "new_tokens": len(tokens),
+            "wall_s": wall,
+            "ttft_s": times[0] if times else None,
+            "token_times": times,
+            "target_forwards": None,
+            "draft_forwards": None,
+            "drafted": None,
+            "accepted": None,
+            "steps": None,
+            "draft_s": None,
+            "verify_s": None,
+            "finish_reason": "eos" if tokens and tokens[-1] in eos else "length",
+            "extra": {},
         }
 
     def forward_times(self, context: list[int], widths, reps: int = 5) -> dict[int, float]:

@@ -102,7 +102,11 @@ def environment(device: torch.device) -> dict:
 
     cpu = platform.processor() or ""
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
     from draftverify.kernels import cpu_flags, has_avx512
@@ -111,9 +115,16 @@ def environment(device: torch.device) -> dict:
     vector = "AVX-512" if has_avx512() else "AVX2" if "avx2" in cpu_flags() else None
     cpu = f"{cpu}, {vector}" if cpu and vector else cpu
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
-        ).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=Path(__file__).parent,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {

@@ -160,7 +160,8 @@ def exactness(records: list[dict], baseline_label: str) -> dict[str, dict]:
             entry["differ"].add(r["prompt_id"])
             entry["cases"].append({"prompt_id": r["prompt_id"], "repeat": r["repeat"], "position": position})
     return {
-        label: {"compared": len(e["compared"]), "differ": len(e["differ"]), "cases": e["cases"]} for label, e in out.items()
+        label: {"compared": len(e["compared"]), "differ": len(e["differ"]), "cases": e["cases"]}
+        for label, e in out.items()
     }
 
 
@@ -178,13 +179,26 @@ def oracle_table(oracles: list[dict], records: list[dict], baseline_label: str, 
     for o in oracles:
         if o["prompt_id"] not in ttft:
             continue
-        t_oracle, t_ar = oracle_times(o["n"], o["disagreements"], float(np.median(ttft[o["prompt_id"]])), o["draft_prefill_s"], costs)
+        t_oracle, t_ar = oracle_times(
+            o["n"], o["disagreements"], float(np.median(ttft[o["prompt_id"]])), o["draft_prefill_s"], costs
+        )
         forwards = 1 + len(oracle_rounds(o["n"], o["disagreements"]))
-        rows.append({"prompt_id": o["prompt_id"], "n": o["n"], "target_forwards": forwards, "t_oracle_s": t_oracle, "t_ar_model_s": t_ar, "speedup": t_ar / t_oracle})
+        rows.append(
+            {
+                "prompt_id": o["prompt_id"],
+                "n": o["n"],
+                "target_forwards": forwards,
+                "t_oracle_s": t_oracle,
+                "t_ar_model_s": t_ar,
+                "speedup": t_ar / t_oracle,
+            }
+        )
     return {
         "prompts": rows,
         "speedup": geomean([row["speedup"] for row in rows]),
-        "target_forwards_per_token": _div(sum(r["target_forwards"] for r in rows), sum(r["n"] for r in rows)) if rows else None,
+        "target_forwards_per_token": _div(sum(r["target_forwards"] for r in rows), sum(r["n"] for r in rows))
+        if rows
+        else None,
     }
 
 
@@ -203,8 +217,14 @@ def ceiling_table(records: list[dict], baseline_label: str, costs: dict) -> dict
             runs[r["prompt_id"]].append(r)
     if not curve or not runs:
         return None
-    prompts = {pid: (rs[0]["new_tokens"], float(np.median([r["ttft_s"] for r in rs])), float(np.median([r["wall_s"] for r in rs])))
-               for pid, rs in runs.items()}
+    prompts = {
+        pid: (
+            rs[0]["new_tokens"],
+            float(np.median([r["ttft_s"] for r in rs])),
+            float(np.median([r["wall_s"] for r in rs])),
+        )
+        for pid, rs in runs.items()
+    }
 
     def speedup(acceptance: float, cost: float) -> float:
         factor = chain_factor(curve, acceptance, cost)
@@ -217,8 +237,10 @@ def ceiling_table(records: list[dict], baseline_label: str, costs: dict) -> dict
 
     full = chain_factor(curve, 1.0, 0.0)
     return {
-        "prompts": [{"prompt_id": pid, "prefill_share": first / wall, "ceiling": wall / ceiling_times(n, first, wall, full)}
-                    for pid, (n, first, wall) in prompts.items()],
+        "prompts": [
+            {"prompt_id": pid, "prefill_share": first / wall, "ceiling": wall / ceiling_times(n, first, wall, full)}
+            for pid, (n, first, wall) in prompts.items()
+        ],
         "ceiling": speedup(1.0, 0.0),
         "prefill_share": float(np.mean([first / wall for _, first, wall in prompts.values()])),
         "grid": {c: {a: speedup(a, c) for a in CEILING_ACCEPTANCES} for c in CEILING_DRAFT_COSTS},

@@ -41,13 +41,15 @@ import time
 
 import torch
 
-from draftverify.costs import sync_device, forward_time
+from draftverify.costs import forward_time, sync_device
 from draftverify.models import Runner
 
 TEACHER_CHUNK = 256  # tokens per teacher-forced draft forward (bounds the logits' memory)
 
 
-def teacher_forced_disagreements(model: torch.nn.Module, prompt: list[int], output: list[int]) -> tuple[list[int], float]:
+def teacher_forced_disagreements(
+    model: torch.nn.Module, prompt: list[int], output: list[int]
+) -> tuple[list[int], float]:
     """Positions i (1-based) where the draft's greedy token given prompt + X_<i differs from X_i,
     and the seconds of the draft's forward over the prompt."""
     runner = Runner(model)
@@ -75,11 +77,15 @@ def oracle_rounds(n: int, disagreements: list[int]) -> list[int]:
     return rounds
 
 
-def oracle_times(n: int, disagreements: list[int], prefill_s: float, draft_prefill_s: float, costs: dict) -> tuple[float, float]:
+def oracle_times(
+    n: int, disagreements: list[int], prefill_s: float, draft_prefill_s: float, costs: dict
+) -> tuple[float, float]:
     """(T_oracle, T_AR) in seconds for one request, by the cost model above."""
     target, draft = costs["target"], costs["draft"]
     rounds = oracle_rounds(n, disagreements)
-    t_oracle = prefill_s + draft_prefill_s + sum((m - 1) * forward_time(draft, 1) + forward_time(target, m) for m in rounds)
+    t_oracle = (
+        prefill_s + draft_prefill_s + sum((m - 1) * forward_time(draft, 1) + forward_time(target, m) for m in rounds)
+    )
     t_ar = prefill_s + max(0, n - 1) * forward_time(target, 1)
     return t_oracle, t_ar
 

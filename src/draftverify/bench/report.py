@@ -17,9 +17,29 @@ from draftverify.bench.metrics import first_divergence
 from draftverify.util import atomic_write
 
 CSV_FIELDS = (
-    "prompt_id", "dataset", "category", "turn", "repeat", "label", "method", "prompt_tokens", "new_tokens", "wall_s",
-    "tokens_per_s", "ttft_s", "target_forwards", "draft_forwards", "drafted", "accepted", "steps", "draft_s",
-    "verify_s", "finish_reason", "peak_mem_bytes", "mem_kind", "first_divergence",
+    "prompt_id",
+    "dataset",
+    "category",
+    "turn",
+    "repeat",
+    "label",
+    "method",
+    "prompt_tokens",
+    "new_tokens",
+    "wall_s",
+    "tokens_per_s",
+    "ttft_s",
+    "target_forwards",
+    "draft_forwards",
+    "drafted",
+    "accepted",
+    "steps",
+    "draft_s",
+    "verify_s",
+    "finish_reason",
+    "peak_mem_bytes",
+    "mem_kind",
+    "first_divergence",
 )
 
 
@@ -101,7 +121,15 @@ def _speed_rows(results: dict, summary: dict, exact: dict | None) -> list[list[s
         ]
         if exact is not None:
             e = exact.get(m["label"])
-            cells.append("baseline" if m["label"] == results["baseline"] else "n/a" if e is None else "yes" if not e["differ"] else f"**NO ({e['differ']})**")
+            cells.append(
+                "baseline"
+                if m["label"] == results["baseline"]
+                else "n/a"
+                if e is None
+                else "yes"
+                if not e["differ"]
+                else f"**NO ({e['differ']})**"
+            )
         rows.append(cells)
     return rows
 
@@ -112,19 +140,27 @@ def _cost_rows(results: dict, summary: dict) -> list[list[str]]:
     for m in results["methods"]:
         s, peer = summary[m["label"]], m["peer"]
         split = [s["draft_share"], s["verify_share"], s["other_share"]]
-        split_text = "unknown" if any(x["median"] is None for x in split) else " / ".join(f"{x['median'] * 100:.0f}%" for x in split)
+        split_text = (
+            "unknown"
+            if any(x["median"] is None for x in split)
+            else " / ".join(f"{x['median'] * 100:.0f}%" for x in split)
+        )
         mem = s["peak_mem_bytes"]
-        rows.append([
-            f"`{m['label']}`",
-            _cell(s["target_forwards_per_token"], ".3f", peer),
-            _cell(s["draft_forwards_per_token"], ".3f", peer),
-            _cell(s["discarded_per_token"], ".3f", peer),
-            _per_drafted(s.get("draft_s_per_drafted"), t1),
-            split_text,
-            _cell(s["ttft_p50_s"], ".1f", peer, scale=1000),
-            _cell(s["latency_p50_s"], ".1f", peer, scale=1000) + " / " + _cell(s["latency_p99_s"], ".1f", peer, scale=1000),
-            "unknown" if mem is None else f"{mem / 2**20:.0f}",
-        ])
+        rows.append(
+            [
+                f"`{m['label']}`",
+                _cell(s["target_forwards_per_token"], ".3f", peer),
+                _cell(s["draft_forwards_per_token"], ".3f", peer),
+                _cell(s["discarded_per_token"], ".3f", peer),
+                _per_drafted(s.get("draft_s_per_drafted"), t1),
+                split_text,
+                _cell(s["ttft_p50_s"], ".1f", peer, scale=1000),
+                _cell(s["latency_p50_s"], ".1f", peer, scale=1000)
+                + " / "
+                + _cell(s["latency_p99_s"], ".1f", peer, scale=1000),
+                "unknown" if mem is None else f"{mem / 2**20:.0f}",
+            ]
+        )
     return rows
 
 
@@ -138,7 +174,11 @@ def _per_drafted(spread: dict | None, t1: float | None) -> str:
 def to_markdown(results: dict) -> str:
     cfg, env = results["config"], results["environment"]
     exact = results["exactness"]
-    sampling = "greedy" if results["greedy"] else f"sampling (temperature {cfg['temperature']}, top-k {cfg['top_k']}, top-p {cfg['top_p']}, seed {cfg['seed']})"
+    sampling = (
+        "greedy"
+        if results["greedy"]
+        else f"sampling (temperature {cfg['temperature']}, top-k {cfg['top_k']}, top-p {cfg['top_p']}, seed {cfg['seed']})"
+    )
     hardware = env["gpu"] or env["cpu"] or env["platform"]
     mem_kind = next((r["mem_kind"] for r in results["records"] if r.get("mem_kind")), None)
     out = [
@@ -148,7 +188,9 @@ def to_markdown(results: dict) -> str:
         results["command"] or "(run from Python)",
         "```",
         "",
-        f"- target `{cfg['target']}`, draft `{cfg['draft'] or 'none'}`" + (f", feature head `{cfg['head']}`" if cfg.get("head") else "") + ", "
+        f"- target `{cfg['target']}`, draft `{cfg['draft'] or 'none'}`"
+        + (f", feature head `{cfg['head']}`" if cfg.get("head") else "")
+        + ", "
         f"{cfg['dtype'].replace('torch.', '')} on {env['device']} ({hardware}), "
         f"{env['torch_threads']} threads; torch {env['torch']}, transformers {env['transformers']}, draftverify {env['draftverify']}"
         + (f" ({env['git_commit']})" if env.get("git_commit") else ""),
@@ -162,15 +204,35 @@ def to_markdown(results: dict) -> str:
         "",
     ]
     header = ["method", "speedup", "total-time speedup", "tokens/s", "tokens per target forward", "acceptance rate"]
-    out += _table(header + (["same tokens as AR"] if exact is not None else []), _speed_rows(results, results["summary"]["all"], exact))
-    out += ["", "## Cost per generated token (all prompts)", ""]
-    mem_label = {"cuda_max_allocated": "CUDA max allocated", "process_peak_rss": "process peak RSS", "process_max_rss_growth": "process max-RSS growth"}.get(mem_kind, "memory")
     out += _table(
-        ["method", "target forwards/token", "draft forwards/token", "discarded/token", "draft time per drafted token (ms, x target forward)", "time draft / verify / other", "TTFT p50 (ms)", "per-token latency p50 / p99 (ms)", f"peak memory, {mem_label} (MiB)"],
+        header + (["same tokens as AR"] if exact is not None else []),
+        _speed_rows(results, results["summary"]["all"], exact),
+    )
+    out += ["", "## Cost per generated token (all prompts)", ""]
+    mem_label = {
+        "cuda_max_allocated": "CUDA max allocated",
+        "process_peak_rss": "process peak RSS",
+        "process_max_rss_growth": "process max-RSS growth",
+    }.get(mem_kind, "memory")
+    out += _table(
+        [
+            "method",
+            "target forwards/token",
+            "draft forwards/token",
+            "discarded/token",
+            "draft time per drafted token (ms, x target forward)",
+            "time draft / verify / other",
+            "TTFT p50 (ms)",
+            "per-token latency p50 / p99 (ms)",
+            f"peak memory, {mem_label} (MiB)",
+        ],
         _cost_rows(results, results["summary"]["all"]),
     )
     if mem_kind in ("process_peak_rss", "process_max_rss_growth"):
-        out += ["", "Peak memory on CPU is process-wide (both models, the Python heap and every method that ran before), not the method's own."]
+        out += [
+            "",
+            "Peak memory on CPU is process-wide (both models, the Python heap and every method that ran before), not the method's own.",
+        ]
     out += [""] + cost_curve_section(results)
     out += winners_section(results)
     out += ceiling_section(results)
@@ -183,8 +245,17 @@ def to_markdown(results: dict) -> str:
     out += oracle_section(results)
     if results["skipped"]:
         out += ["## Skipped prompts", ""] + [f"- `{s['id']}`: {s['reason']}" for s in results["skipped"]] + [""]
-    out += ["## Files", "", "results.json (everything, raw records included), results.csv (one row per generation), records.jsonl (the resumable log),",
-            "speedup.png, accepted_hist.png.", "", "![speedup](speedup.png)", "", "![accepted tokens per step](accepted_hist.png)", ""]
+    out += [
+        "## Files",
+        "",
+        "results.json (everything, raw records included), results.csv (one row per generation), records.jsonl (the resumable log),",
+        "speedup.png, accepted_hist.png.",
+        "",
+        "![speedup](speedup.png)",
+        "",
+        "![accepted tokens per step](accepted_hist.png)",
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -206,7 +277,9 @@ def winners_section(results: dict) -> list[str]:
 
     everyone = [m["label"] for m in results["methods"]]
     autos = [m["label"] for m in results["methods"] if m["name"] == "auto"]
-    singles = [results["baseline"]] + [label for label in ours if label not in autos]  # what auto chooses among, AR included
+    singles = [results["baseline"]] + [
+        label for label in ours if label not in autos
+    ]  # what auto chooses among, AR included
     rows = []
     ceilings = results.get("ceiling") or {}
     ceiling = {"all prompts": ceilings.get("all"), **ceilings.get("categories", {})}
@@ -221,15 +294,24 @@ def winners_section(results: dict) -> list[str]:
             mine = speedup(summary, label)
             row.append("n/a" if mine is None else f"{mine / value:.2f} (`{pick}` {value:.2f}x)")
         rows.append(row)
-    header = ["prompts", "fastest (any)", "fastest of draftverify's methods", "draftverify methods slower than autoregressive"]
+    header = [
+        "prompts",
+        "fastest (any)",
+        "fastest of draftverify's methods",
+        "draftverify methods slower than autoregressive",
+    ]
     notes = ["Speedup over autoregressive decoding; a method below 1.00x is slower than plain decoding there."]
     if ceilings:
         header.append("ceiling: a draft always right and free")
-        notes.append("Ceiling: the most any lossless drafter could reach on those prompts on this machine (next section).")
+        notes.append(
+            "Ceiling: the most any lossless drafter could reach on those prompts on this machine (next section)."
+        )
     if autos:
         header += [f"`{label}` / oracle pick" for label in autos]
-        notes.append("Oracle pick: the fastest single draftverify method of this run (autoregressive included) on those prompts, "
-                     "chosen after the fact; `auto` / oracle pick is how close `auto`, choosing as it goes, came to it.")
+        notes.append(
+            "Oracle pick: the fastest single draftverify method of this run (autoregressive included) on those prompts, "
+            "chosen after the fact; `auto` / oracle pick is how close `auto`, choosing as it goes, came to it."
+        )
     return ["## Winners", ""] + notes + [""] + _table(header, rows) + [""]
 
 
@@ -257,7 +339,13 @@ def ceiling_section(results: dict) -> list[str]:
     rows = [[f"{a:.1f}", *(f"{table['grid'][c][a]:.2f}x" for c in costs)] for a in next(iter(table["grid"].values()))]
     out += _table(["per-token acceptance", *(f"drafting {cost_name(c)}" for c in costs)], rows) + [""]
     targets = list(next(iter(table["needed"].values())))
-    rows = [[cost_name(c), *("beyond reach" if table["needed"][c][t] is None else f"{table['needed'][c][t]:.2f}" for t in targets)] for c in costs]
+    rows = [
+        [
+            cost_name(c),
+            *("beyond reach" if table["needed"][c][t] is None else f"{table['needed'][c][t]:.2f}" for t in targets),
+        ]
+        for c in costs
+    ]
     out += ["Per-token acceptance needed for a speedup:", ""]
     out += _table(["drafting cost per drafted token", *(f"{t:g}x" for t in targets)], rows) + [""]
     return out
@@ -278,14 +366,18 @@ def cost_curve_section(results: dict) -> list[str]:
         + (f" Forward path: {costs['backend']}." if costs.get("backend") else ""),
         "",
     ]
-    rows = [["target forward (ms)", *(f"{t * 1000:.1f}" for t in costs["target"].values())],
-            ["target t(w) / t(1)", *(f"{t / t1:.2f}" for t in costs["target"].values())]]
+    rows = [
+        ["target forward (ms)", *(f"{t * 1000:.1f}" for t in costs["target"].values())],
+        ["target t(w) / t(1)", *(f"{t / t1:.2f}" for t in costs["target"].values())],
+    ]
     if "draft" in costs:
         rows.append(["draft forward (ms)", *(f"{t * 1000:.1f}" for t in costs["draft"].values())])
     if "llamacpp" in costs:
         ref = costs["llamacpp"]
         rows.append(["llama.cpp forward (ms)", *(f"{ref[w] * 1000:.1f}" if w in ref else "-" for w in widths)])
-        rows.append(["target / llama.cpp", *(f"{costs['target'][w] / ref[w]:.2f}" if w in ref else "-" for w in widths)])
+        rows.append(
+            ["target / llama.cpp", *(f"{costs['target'][w] / ref[w]:.2f}" if w in ref else "-" for w in widths)]
+        )
     return out + _table(["new tokens per forward", *map(str, widths)], rows) + [""]
 
 
@@ -293,22 +385,33 @@ def exactness_section(results: dict) -> list[str]:
     out = ["## Exactness", ""]
     exact = results["exactness"]
     if exact is None:
-        return out + ["Sampling run: outputs differ from autoregressive decoding by design. Exactness of the sampled",
-                      "distribution is checked statistically by the test suite.", ""]
+        return out + [
+            "Sampling run: outputs differ from autoregressive decoding by design. Exactness of the sampled",
+            "distribution is checked statistically by the test suite.",
+            "",
+        ]
     other_kernels = {m["label"] for m in results["methods"] if m.get("engine") == "llama.cpp"}
     failing = {label: e for label, e in exact.items() if e["differ"] and label not in other_kernels}
     if other_kernels:
-        out += [f"llama.cpp ({', '.join(f'`{x}`' for x in sorted(other_kernels))}) runs the same weights with its own kernels, which round",
-                "differently: where two tokens nearly tie its greedy choice may differ. Those rows measure speed, not exactness.", ""]
+        out += [
+            f"llama.cpp ({', '.join(f'`{x}`' for x in sorted(other_kernels))}) runs the same weights with its own kernels, which round",
+            "differently: where two tokens nearly tie its greedy choice may differ. Those rows measure speed, not exactness.",
+            "",
+        ]
     if failing:
         names = ", ".join(f"`{label}` ({e['differ']} prompts)" for label, e in failing.items())
-        out += [f"**RED FLAG: output differs from autoregressive decoding for {names}.** Expected: no difference in fp32.", ""]
+        out += [
+            f"**RED FLAG: output differs from autoregressive decoding for {names}.** Expected: no difference in fp32.",
+            "",
+        ]
     else:
         out += ["Every method produced exactly the autoregressive tokens on every prompt and repeat.", ""]
     rows = []
     for label, e in exact.items():
         first = ", ".join(f"{c['prompt_id']} (repeat {c['repeat']}): token {c['position']}" for c in e["cases"][:5])
-        rows.append([f"`{label}`", str(e["compared"]), str(e["differ"]), first + (" ..." if len(e["cases"]) > 5 else "") or "-"])
+        rows.append(
+            [f"`{label}`", str(e["compared"]), str(e["differ"]), first + (" ..." if len(e["cases"]) > 5 else "") or "-"]
+        )
     return out + _table(["method", "prompts compared", "prompts that differ", "first divergence"], rows) + [""]
 
 
@@ -325,25 +428,39 @@ def oracle_section(results: dict) -> list[str]:
     ]
     out += _table(
         ["new tokens per forward", *map(str, costs["target"])],
-        [["target forward (ms)", *(f"{t * 1000:.1f}" for t in costs["target"].values())],
-         ["draft forward (ms)", *(f"{t * 1000:.1f}" for t in costs["draft"].values())]],
+        [
+            ["target forward (ms)", *(f"{t * 1000:.1f}" for t in costs["target"].values())],
+            ["draft forward (ms)", *(f"{t * 1000:.1f}" for t in costs["draft"].values())],
+        ],
     ) + [""]
     summary = results["summary"]["all"]
     rows = []
     for m in results["methods"]:
         s = summary[m["label"]]
         uses = m["needs_draft"]
-        rows.append([
-            f"`{m['label']}`",
-            _cell(s["speedup"], ".2f", m["peer"], unit="x"),
-            f"{oracle['speedup']:.2f}x" if uses else "n/a",
-            _cell(s["target_forwards_per_token"], ".3f", m["peer"]),
-            f"{oracle['target_forwards_per_token']:.3f}" if uses else "n/a",
-        ])
-    out += _table(["method", "achieved speedup", "oracle speedup (cost model)", "target forwards/token", "oracle target forwards/token"], rows) + [""]
+        rows.append(
+            [
+                f"`{m['label']}`",
+                _cell(s["speedup"], ".2f", m["peer"], unit="x"),
+                f"{oracle['speedup']:.2f}x" if uses else "n/a",
+                _cell(s["target_forwards_per_token"], ".3f", m["peer"]),
+                f"{oracle['target_forwards_per_token']:.3f}" if uses else "n/a",
+            ]
+        )
+    out += _table(
+        [
+            "method",
+            "achieved speedup",
+            "oracle speedup (cost model)",
+            "target forwards/token",
+            "oracle target forwards/token",
+        ],
+        rows,
+    ) + [""]
     cat_rows = [
         [key, f"{o['speedup']:.2f}x", f"{o['target_forwards_per_token']:.3f}"]
-        for key, o in results["oracle"]["categories"].items() if o is not None and o["prompts"]
+        for key, o in results["oracle"]["categories"].items()
+        if o is not None and o["prompts"]
     ]
     out += _table(["category", "oracle speedup", "oracle target forwards/token"], cat_rows) + [""]
     return out

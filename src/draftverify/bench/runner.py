@@ -31,10 +31,10 @@ from draftverify.bench import llamacpp, metrics
 from draftverify.bench.datasets import Prompt, category_key
 from draftverify.bench.measure import environment, peak_memory
 from draftverify.bench.oracle import teacher_forced_disagreements
-from draftverify.costs import WIDTHS, forward_times
 from draftverify.bench.peers import PeerState, run_peer
 from draftverify.bench.report import jsonable, write_all
 from draftverify.bench.specs import BenchSpec
+from draftverify.costs import WIDTHS, forward_times
 from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError, require
 from draftverify.sampling import Sampling
@@ -44,8 +44,19 @@ FORMATS = ("auto", "chat", "raw")
 WARMUP_PROMPT = "Hello! Say one sentence about the weather."
 COST_CONTEXT = 128  # tokens of context before the timed forwards of the cost model
 STAT_FIELDS = (
-    "new_tokens", "wall_s", "ttft_s", "token_times", "target_forwards", "draft_forwards", "drafted",
-    "accepted", "steps", "draft_s", "verify_s", "finish_reason", "extra",
+    "new_tokens",
+    "wall_s",
+    "ttft_s",
+    "token_times",
+    "target_forwards",
+    "draft_forwards",
+    "drafted",
+    "accepted",
+    "steps",
+    "draft_s",
+    "verify_s",
+    "finish_reason",
+    "extra",
 )
 
 
@@ -63,7 +74,9 @@ class Settings:
     def __post_init__(self):
         require(self.max_new_tokens >= 1, f"--max-new-tokens {self.max_new_tokens} must be at least 1")
         require(self.repeats >= 1, f"--repeats {self.repeats} must be at least 1")
-        require(self.prompt_format in FORMATS, f"--prompt-format {self.prompt_format!r} is unknown: use auto, chat or raw")
+        require(
+            self.prompt_format in FORMATS, f"--prompt-format {self.prompt_format!r} is unknown: use auto, chat or raw"
+        )
         Sampling(self.temperature, self.top_k, self.top_p)  # validates the sampling values
 
     @property
@@ -105,7 +118,9 @@ class RecordLog:
             header = json.loads(lines[0]) if lines else {}
         except json.JSONDecodeError:
             header = {}
-        require(header.get("type") == "config", f"{self.path} is not a bench record file: pass another --out or --overwrite")
+        require(
+            header.get("type") == "config", f"{self.path} is not a bench record file: pass another --out or --overwrite"
+        )
         old = header["config"]
         if old != config:
             key = next(k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k))
@@ -156,7 +171,9 @@ def messages_for(prompt: Prompt, answers: list[str]) -> list[dict]:
 class Bench:
     """One benchmark run over `prompts` with `specs` (the baseline first) on `engine`."""
 
-    def __init__(self, engine: Engine, prompts: list[Prompt], specs: list[BenchSpec], settings: Settings, out_dir: Path):
+    def __init__(
+        self, engine: Engine, prompts: list[Prompt], specs: list[BenchSpec], settings: Settings, out_dir: Path
+    ):
         require(prompts, "no prompts to benchmark: check --datasets, --prompts, --limit and --per-category")
         require(specs and specs[0].is_baseline, "the autoregressive baseline must come first")
         for spec in specs:
@@ -235,7 +252,9 @@ class Bench:
                 continue
             self.ids[prompt.id] = ids
         if not self.ids:
-            raise DraftVerifyError(f"every prompt was skipped ({next(iter(self.skipped.values()))}): pick other prompts or fewer tokens")
+            raise DraftVerifyError(
+                f"every prompt was skipped ({next(iter(self.skipped.values()))}): pick other prompts or fewer tokens"
+            )
 
     # -- one generation ---------------------------------------------------------------------
 
@@ -246,19 +265,31 @@ class Bench:
             if spec.engine == "llama.cpp":
                 state = self.peer_states.get(spec.label)
                 if state is None or not spec.warm:
-                    state = self.peer_states[spec.label] = llamacpp.peer(spec, engine.target.source, engine.target.name, self.n_ctx())
+                    state = self.peer_states[spec.label] = llamacpp.peer(
+                        spec, engine.target.source, engine.target.name, self.n_ctx()
+                    )
                 fields = state.generate(ids, sampling, max_new_tokens, engine.eos_ids())
             elif spec.is_peer:
                 draft = engine.draft.model if engine.draft is not None else None
                 state = self.peer_states.get(spec.label)
                 if state is None or not spec.warm:
                     state = self.peer_states[spec.label] = PeerState(spec, draft)
-                fields = run_peer(spec, state, engine.target.model, draft, ids, sampling, max_new_tokens, engine.eos_ids())
+                fields = run_peer(
+                    spec, state, engine.target.model, draft, ids, sampling, max_new_tokens, engine.eos_ids()
+                )
             else:
-                runner = engine if spec.warm else Engine(engine.target, engine.draft, engine.backend, head=engine.head)  # fresh method instance
+                runner = (
+                    engine if spec.warm else Engine(engine.target, engine.draft, engine.backend, head=engine.head)
+                )  # fresh method instance
                 result = runner.generate(
-                    ids, method=spec.name, preset=spec.preset, max_new_tokens=max_new_tokens,
-                    temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=seed,
+                    ids,
+                    method=spec.name,
+                    preset=spec.preset,
+                    max_new_tokens=max_new_tokens,
+                    temperature=sampling.temperature,
+                    top_k=sampling.top_k,
+                    top_p=sampling.top_p,
+                    seed=seed,
                     **{k: v for k, v in spec.options if k != "warm"},
                 )
                 fields = {"tokens": result.tokens, **{k: getattr(result.stats, k) for k in STAT_FIELDS}}
@@ -275,7 +306,13 @@ class Bench:
 
     # -- the run ----------------------------------------------------------------------------
 
-    def run(self, command: str = "", overwrite: bool = False, progress: bool = True, on_record: Callable[[dict], None] | None = None) -> dict:
+    def run(
+        self,
+        command: str = "",
+        overwrite: bool = False,
+        progress: bool = True,
+        on_record: Callable[[dict], None] | None = None,
+    ) -> dict:
         from tqdm import tqdm
 
         log = RecordLog(self.out_dir / "records.jsonl", self.config(), overwrite=overwrite)
@@ -290,16 +327,32 @@ class Bench:
         specs = {s.label: s for s in self.specs}
         prompts = {p.id: p for p in self.prompts}
         todo = [job for job in order if job not in log.generations]
-        bar = tqdm(total=len(order), initial=len(order) - len(todo), desc="bench", unit="gen", disable=not progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(order),
+            initial=len(order) - len(todo),
+            desc="bench",
+            unit="gen",
+            disable=not progress,
+            dynamic_ncols=True,
+        )
         with bar:
             for prompt_id, repeat, label in todo:
                 bar.set_postfix_str(f"{prompt_id} {label}", refresh=False)
                 prompt = prompts[prompt_id]
-                fields = self.generate(specs[label], self.ids[prompt_id], self.settings.max_new_tokens, self.seed(index[prompt_id], repeat))
+                fields = self.generate(
+                    specs[label], self.ids[prompt_id], self.settings.max_new_tokens, self.seed(index[prompt_id], repeat)
+                )
                 record = {
-                    "type": "generation", "prompt_id": prompt_id, "dataset": prompt.dataset, "category": prompt.category,
-                    "turn": prompt.turn, "repeat": repeat, "label": label, "method": specs[label].name,
-                    "prompt_tokens": len(self.ids[prompt_id]), **fields,
+                    "type": "generation",
+                    "prompt_id": prompt_id,
+                    "dataset": prompt.dataset,
+                    "category": prompt.category,
+                    "turn": prompt.turn,
+                    "repeat": repeat,
+                    "label": label,
+                    "method": specs[label].name,
+                    "prompt_tokens": len(self.ids[prompt_id]),
+                    **fields,
                 }
                 log.append(record)
                 bar.update(1)
@@ -322,8 +375,10 @@ class Bench:
             costs["draft"] = forward_times(self.engine.draft_runner, context, all_logits=False)
         if any(s.engine == "llama.cpp" for s in self.specs):  # the same buckets, all logits, on llama.cpp
             model = llamacpp.LlamaCpp(
-                llamacpp.gguf_for(self.engine.target.source, self.engine.target.name), self.n_ctx(),
-                torch.get_num_threads(), logits_all=True,
+                llamacpp.gguf_for(self.engine.target.source, self.engine.target.name),
+                self.n_ctx(),
+                torch.get_num_threads(),
+                logits_all=True,
             )
             costs["llamacpp"] = model.forward_times(context, WIDTHS)
             del model
@@ -339,12 +394,24 @@ class Bench:
             if record is None or prompt_id in log.oracles:
                 continue
             disagreements, prefill_s = teacher_forced_disagreements(self.engine.draft.model, ids, record["tokens"])
-            log.append({"type": "oracle", "prompt_id": prompt_id, "n": len(record["tokens"]), "disagreements": disagreements, "draft_prefill_s": prefill_s})
+            log.append(
+                {
+                    "type": "oracle",
+                    "prompt_id": prompt_id,
+                    "n": len(record["tokens"]),
+                    "disagreements": disagreements,
+                    "draft_prefill_s": prefill_s,
+                }
+            )
 
     def results(self, log: RecordLog, command: str) -> dict:
         """Everything in results.json: config, environment, raw records and their summaries."""
         baseline = self.specs[0].label
-        records = [log.generations[job] for job in schedule(list(self.ids), [s.label for s in self.specs], self.settings.repeats) if job in log.generations]
+        records = [
+            log.generations[job]
+            for job in schedule(list(self.ids), [s.label for s in self.specs], self.settings.repeats)
+            if job in log.generations
+        ]
         oracles = [log.oracles[p] for p in self.ids if p in log.oracles]
         costs = log.costs or {}
         groups = {}
@@ -353,7 +420,11 @@ class Bench:
 
         def oracle_for(recs):
             ids = {r["prompt_id"] for r in recs}
-            return metrics.oracle_table([o for o in oracles if o["prompt_id"] in ids], recs, baseline, costs) if "draft" in costs and oracles else None
+            return (
+                metrics.oracle_table([o for o in oracles if o["prompt_id"] in ids], recs, baseline, costs)
+                if "draft" in costs and oracles
+                else None
+            )
 
         return {
             "command": command,
@@ -362,21 +433,42 @@ class Bench:
             "baseline": baseline,
             "greedy": self.settings.greedy,
             "methods": [
-                {"label": s.label, "name": s.name, "preset": s.preset, "options": dict(s.options), "peer": s.is_peer, "engine": s.engine,
-                 "needs_draft": s.needs_draft, "warm": s.warm, "config": dataclasses.asdict(s.config)}
+                {
+                    "label": s.label,
+                    "name": s.name,
+                    "preset": s.preset,
+                    "options": dict(s.options),
+                    "peer": s.is_peer,
+                    "engine": s.engine,
+                    "needs_draft": s.needs_draft,
+                    "warm": s.warm,
+                    "config": dataclasses.asdict(s.config),
+                }
                 for s in self.specs
             ],
             "prompts": [
-                {"id": p.id, "dataset": p.dataset, "category": p.category, "turn": p.turn, "prompt_tokens": len(self.ids[p.id])}
-                for p in self.prompts if p.id in self.ids
+                {
+                    "id": p.id,
+                    "dataset": p.dataset,
+                    "category": p.category,
+                    "turn": p.turn,
+                    "prompt_tokens": len(self.ids[p.id]),
+                }
+                for p in self.prompts
+                if p.id in self.ids
             ],
             "skipped": [{"id": k, "reason": v} for k, v in self.skipped.items()],
             "cost_model": costs,
-            "summary": {"all": metrics.summarize(records, baseline), "categories": {k: metrics.summarize(v, baseline) for k, v in groups.items()}},
+            "summary": {
+                "all": metrics.summarize(records, baseline),
+                "categories": {k: metrics.summarize(v, baseline) for k, v in groups.items()},
+            },
             "exactness": metrics.exactness(records, baseline) if self.settings.greedy else None,
             "oracle": {"all": oracle_for(records), "categories": {k: oracle_for(v) for k, v in groups.items()}},
-            "ceiling": {"all": metrics.ceiling_table(records, baseline, costs),
-                        "categories": {k: metrics.ceiling_table(v, baseline, costs) for k, v in groups.items()}},
+            "ceiling": {
+                "all": metrics.ceiling_table(records, baseline, costs),
+                "categories": {k: metrics.ceiling_table(v, baseline, costs) for k, v in groups.items()},
+            },
             "oracles": oracles,
             "records": records,
         }

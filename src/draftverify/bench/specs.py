@@ -36,13 +36,19 @@ class AssistedConfig:
     assistant_confidence_threshold: float | None = None
 
     def __post_init__(self):
-        n, schedule, threshold = self.num_assistant_tokens, self.num_assistant_tokens_schedule, self.assistant_confidence_threshold
+        n, schedule, threshold = (
+            self.num_assistant_tokens,
+            self.num_assistant_tokens_schedule,
+            self.assistant_confidence_threshold,
+        )
         require(n is None or (isinstance(n, int) and n >= 1), f"num_assistant_tokens={n} must be an integer >= 1")
         require(
             schedule in (None, "constant", "heuristic", "heuristic_transient"),
             f"num_assistant_tokens_schedule={schedule!r} is unknown: use constant, heuristic or heuristic_transient",
         )
-        require(threshold is None or 0 <= threshold <= 1, f"assistant_confidence_threshold={threshold} must lie in [0, 1]")
+        require(
+            threshold is None or 0 <= threshold <= 1, f"assistant_confidence_threshold={threshold} must lie in [0, 1]"
+        )
 
 
 @dataclass(frozen=True)
@@ -82,11 +88,18 @@ class Peer:
 
 
 PEERS = {
-    "hf-assisted": Peer("hf-assisted", AssistedConfig, needs_draft=True, presets={"heuristic": {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic"}}),
+    "hf-assisted": Peer(
+        "hf-assisted",
+        AssistedConfig,
+        needs_draft=True,
+        presets={"heuristic": {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic"}},
+    ),
     "hf-prompt-lookup": Peer("hf-prompt-lookup", PromptLookupConfig, needs_draft=False),
     "hf-autoregressive": Peer("hf-autoregressive", NoOptions, needs_draft=False),
     "llamacpp": Peer("llamacpp", NoOptions, needs_draft=False, engine="llama.cpp"),
-    "llamacpp-prompt-lookup": Peer("llamacpp-prompt-lookup", LlamaCppLookupConfig, needs_draft=False, engine="llama.cpp"),
+    "llamacpp-prompt-lookup": Peer(
+        "llamacpp-prompt-lookup", LlamaCppLookupConfig, needs_draft=False, engine="llama.cpp"
+    ),
 }
 
 
@@ -135,18 +148,25 @@ def parse_spec(text: str) -> BenchSpec:
     elif spec.name in METHODS:
         config = METHODS[spec.name].make_config(spec.preset, **settings)
     else:
-        raise DraftVerifyError(f"unknown method {spec.name!r} in --methods: use one of {', '.join(sorted([*METHODS, *PEERS]))}")
+        raise DraftVerifyError(
+            f"unknown method {spec.name!r} in --methods: use one of {', '.join(sorted([*METHODS, *PEERS]))}"
+        )
     return BenchSpec(spec.label, spec.name, spec.preset, spec.options, config, warm)
 
 
 def peer_config(peer: Peer, preset: str | None, settings: dict):
     values = {}
     if preset is not None:
-        require(preset in peer.presets, f"unknown preset {preset!r} for {peer.name}: use one of {', '.join(peer.presets) or 'none'}")
+        require(
+            preset in peer.presets,
+            f"unknown preset {preset!r} for {peer.name}: use one of {', '.join(peer.presets) or 'none'}",
+        )
         values.update(peer.presets[preset])
     fields = {f.name for f in dataclasses.fields(peer.Config)}
     for key in settings:
-        require(key in fields, f"unknown option {key!r} for {peer.name}: it takes {', '.join(sorted(fields))} (and warm)")
+        require(
+            key in fields, f"unknown option {key!r} for {peer.name}: it takes {', '.join(sorted(fields))} (and warm)"
+        )
     values.update(settings)
     return peer.Config(**values)
 

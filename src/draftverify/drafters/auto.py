@@ -89,8 +89,17 @@ class Record:
 
 
 class Auto(Drafter):
-    def __init__(self, candidates: dict[str, Drafter], costs: dict, records: dict[str, Record], scale: list[float],
-                 probe: int = 8, decay: float = 0.7, merge: bool = True, margin: float = 0.0):
+    def __init__(
+        self,
+        candidates: dict[str, Drafter],
+        costs: dict,
+        records: dict[str, Record],
+        scale: list[float],
+        probe: int = 8,
+        decay: float = 0.7,
+        merge: bool = True,
+        margin: float = 0.0,
+    ):
         """`records` (per candidate) and `scale` (a one-element list) are the caller's, kept across requests.
         `merge`: also offer each model-run drafter's candidates merged with each free drafter's offer."""
         self.candidates, self.costs, self.records, self.scale = candidates, costs, records, scale
@@ -98,12 +107,20 @@ class Auto(Drafter):
         self.probe, self.decay, self.margin = probe, decay, margin
         model_run = [name for name, d in candidates.items() if not d.free]
         free = [name for name, d in candidates.items() if d.free]
-        self.merged = {f"{m}+{f}": (m, f) for m in model_run for f in free} if merge else {}  # name -> (model-run, free)
+        self.merged = (
+            {f"{m}+{f}": (m, f) for m in model_run for f in free} if merge else {}
+        )  # name -> (model-run, free)
         for name in [*candidates, *self.merged]:
             records.setdefault(name, Record())
-        self.calibration = {name: [CALIBRATION_PRIOR, CALIBRATION_PRIOR] for name in candidates}  # this request's accepted, expected
-        self.idle = dict.fromkeys([*candidates, *self.merged], 0)  # this request's rounds since each last drafted (when it could have)
-        self.backoff = dict.fromkeys([*candidates, *self.merged], 1)  # the wait for each one's next probe, in `probe`s of rounds
+        self.calibration = {
+            name: [CALIBRATION_PRIOR, CALIBRATION_PRIOR] for name in candidates
+        }  # this request's accepted, expected
+        self.idle = dict.fromkeys(
+            [*candidates, *self.merged], 0
+        )  # this request's rounds since each last drafted (when it could have)
+        self.backoff = dict.fromkeys(
+            [*candidates, *self.merged], 1
+        )  # the wait for each one's next probe, in `probe`s of rounds
         self.chosen: str = AR
         self.model_run: str | None = None  # the model-run drafter in this round's choice, if any
         self.previous: set[str] = set()  # the candidates that proposed last round (caught up, if they run a model)
@@ -151,7 +168,9 @@ class Auto(Drafter):
             stale = [name for name in able if self.idle[name] > every * self.backoff[name]]
             self.chosen = max(stale, key=self.idle.__getitem__) if stale else max(rates, key=rates.__getitem__)
             self.probing = bool(stale)
-            model_run, free = self.merged.get(self.chosen, (AR, self.chosen) if self.chosen in offers else (self.chosen, None))
+            model_run, free = self.merged.get(
+                self.chosen, (AR, self.chosen) if self.chosen in offers else (self.chosen, None)
+            )
             if model_run != AR:
                 self.model_run = model_run
                 self.parts = {model_run: self.candidates[model_run].propose(s, seq, room)}
@@ -170,7 +189,9 @@ class Auto(Drafter):
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
         verify_s = time.perf_counter() - self.sent_at
         if not s.others:  # alone: the measured verification against the curve (in a batch it holds the others' rows)
-            self.scale[0] = self.decay * self.scale[0] + (1 - self.decay) * verify_s / forward_time(self.costs_now, step.tree.size)
+            self.scale[0] = self.decay * self.scale[0] + (1 - self.decay) * verify_s / forward_time(
+                self.costs_now, step.tree.size
+            )
         for name, d in self.candidates.items():
             d.observe(s, seq, self.parts.get(name, Proposal()), step)
         if self.chosen != AR:
@@ -178,7 +199,9 @@ class Auto(Drafter):
             steady = self.model_run is None or self.model_run in self.previous  # caught up on one round, not on many
             own = self.parts.get(self.chosen)  # a single candidate's proposal (a merged one's figures are the round's)
             accepted = step.accepted
-            if own is not None and own.expected is not None:  # its own expectation, scaled by how it fared in this request
+            if (
+                own is not None and own.expected is not None
+            ):  # its own expectation, scaled by how it fared in this request
                 calibration = self.calibration[self.chosen]
                 calibration[0] += step.accepted
                 calibration[1] += own.expected
@@ -187,7 +210,9 @@ class Auto(Drafter):
             self.idle[self.chosen] = 0
             if self.probing:  # judged by the prices every choice uses: did this round beat plain decoding's rate?
                 costs, draft_s = self.costs_now, self.draft_s if steady else record.draft_s
-                paid = (1 + accepted) / (draft_s + self.verify_time(costs, step.drafted, s.others)) >= self.plain_rate(costs, s.others)
+                paid = (1 + accepted) / (draft_s + self.verify_time(costs, step.drafted, s.others)) >= self.plain_rate(
+                    costs, s.others
+                )
                 self.backoff[self.chosen] = 1 if paid else min(MAX_BACKOFF, 2 * self.backoff[self.chosen])
             elif step.accepted:
                 self.backoff[self.chosen] = 1
@@ -205,4 +230,6 @@ def merge(first: Proposal, *more: Proposal) -> Proposal:
     the first path) and the others' paths as further deterministic guesses. At most one may carry a window."""
     windows = [p.rows for p in (first, *more) if p.rows]
     assert len(windows) <= 1, "one forward holds one lookahead window"
-    return replace(first, paths=[*first.paths, *(path for p in more for path in p.paths)], rows=windows[0] if windows else [])
+    return replace(
+        first, paths=[*first.paths, *(path for p in more for path in p.paths)], rows=windows[0] if windows else []
+    )

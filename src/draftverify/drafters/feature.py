@@ -100,17 +100,34 @@ def acceptance(head: FeatureDraft, s: Session) -> Acceptance:
 class FeatureHead(Drafter):
     needs_hidden = True
 
-    def __init__(self, head: FeatureDraft, target: Runner, depth: int = 6, width: int = 8, nodes: int = 0, max_nodes: int = 48, vocab: int = DRAFT_VOCAB):
+    def __init__(
+        self,
+        head: FeatureDraft,
+        target: Runner,
+        depth: int = 6,
+        width: int = 8,
+        nodes: int = 0,
+        max_nodes: int = 48,
+        vocab: int = DRAFT_VOCAB,
+    ):
         self.head, self.depth, self.width, self.nodes, self.max_nodes = head.pack(), depth, width, nodes, max_nodes
-        n = vocab or head.vocab.numel()  # FR-Spec: the head's vocabulary is most frequent first, so a prefix is a smaller head (0: all)
+        n = (
+            vocab or head.vocab.numel()
+        )  # FR-Spec: the head's vocabulary is most frequent first, so a prefix is a smaller head (0: all)
         self.vocab = head.vocab[:n]
         self.expand_s = 0.0  # seconds one expansion step takes (a running mean)
         self.costs = curve(target, widths=TREE_WIDTHS)
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
         self.cache: HeadCache | None = None
-        self.pending: list[tuple[torch.Tensor, list[int], int]] = []  # rounds not fed yet: features, next tokens, first position
-        self.valued: dict[tuple[int, ...], list[tuple[int, float]]] = {}  # this round's nodes: parent's path -> (token, head's probability)
-        self.expected = 0.0  # this round's tree: the tokens the target is expected to accept (its nodes' values, summed)
+        self.pending: list[
+            tuple[torch.Tensor, list[int], int]
+        ] = []  # rounds not fed yet: features, next tokens, first position
+        self.valued: dict[
+            tuple[int, ...], list[tuple[int, float]]
+        ] = {}  # this round's nodes: parent's path -> (token, head's probability)
+        self.expected = (
+            0.0  # this round's tree: the tokens the target is expected to accept (its nodes' values, summed)
+        )
         self.calibration: Acceptance | None = None
 
     def start(self, s: Session, seq: list[int], hidden: torch.Tensor | None = None) -> None:
@@ -174,7 +191,9 @@ class FeatureHead(Drafter):
             chosen = sorted(level, key=lambda i: -values[i])[:k]
             best = chosen[0]  # its best child's worth, guessed: its own value times its own calibrated chance
             guess = values[best] * self.calibration(local[best])
-            ahead = min(sum(v >= guess for v in values), len(times) - 2)  # the nodes kept before that child: it is row ahead + 2
+            ahead = min(
+                sum(v >= guess for v in values), len(times) - 2
+            )  # the nodes kept before that child: it is row ahead + 2
             if guess * step < self.expand_s + times[ahead + 1] - times[ahead]:
                 break  # even that child would not pay for the head forward that grows it and its verification
             t0 = time.perf_counter()

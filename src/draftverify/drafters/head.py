@@ -115,7 +115,9 @@ def save_head(path: str | Path, head: AcceptanceHead, draft_identity: dict, targ
     return Path(path)
 
 
-def load_head(path: str | Path, draft_identity: dict | None = None, target_identity: dict | None = None) -> AcceptanceHead:
+def load_head(
+    path: str | Path, draft_identity: dict | None = None, target_identity: dict | None = None
+) -> AcceptanceHead:
     """Read a head file; refuse a corrupt file or one trained for another draft/target pair."""
     from safetensors import safe_open
 

@@ -34,12 +34,23 @@ DECAY = 0.7  # the weight of the older rounds in the suffixes' running mean (as 
 
 
 class Lengthened(Drafter):
-    def __init__(self, inner: Drafter, pool: PhrasePool, K: int, refinement: bool = True, context: bool = False, costs=None):
-        self.inner, self.pool, self.K, self.refinement, self.context, self.costs = inner, pool, K, refinement, context, costs
+    def __init__(
+        self, inner: Drafter, pool: PhrasePool, K: int, refinement: bool = True, context: bool = False, costs=None
+    ):
+        self.inner, self.pool, self.K, self.refinement, self.context, self.costs = (
+            inner,
+            pool,
+            K,
+            refinement,
+            context,
+            costs,
+        )
         self.inner_proposal: Proposal = Proposal()  # the inner drafter's own proposal this round
         self.suffixes: list[list[int]] = []  # the suffixes verified this round
         self.gain = 1.0  # the tokens a round's suffixes add, a running mean (optimistic at first: they are tried)
-        self.offered: list[tuple[int, list[int], list[list[int]]]] = []  # suffixes not scored yet: position, draft, suffixes
+        self.offered: list[
+            tuple[int, list[int], list[list[int]]]
+        ] = []  # suffixes not scored yet: position, draft, suffixes
 
     @property
     def needs_hidden(self) -> bool:
@@ -79,7 +90,9 @@ class Lengthened(Drafter):
                 self.gain = DECAY * self.gain
                 continue
             after = known[len(draft) :]
-            matched = [next((i for i, (a, b) in enumerate(zip(c, after)) if a != b), min(len(c), len(after))) for c in suffixes]
+            matched = [
+                next((i for i, (a, b) in enumerate(zip(c, after)) if a != b), min(len(c), len(after))) for c in suffixes
+            ]
             if len(known) >= len(draft) and all(m < len(after) or m == len(c) for m, c in zip(matched, suffixes)):
                 self.gain = DECAY * self.gain + (1 - DECAY) * max(matched)
             else:

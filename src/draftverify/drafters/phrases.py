@@ -54,7 +54,12 @@ class Phrases(Drafter):
             left = room - len(draft) - 1  # candidate tokens that could still be used
             guesses = [g[:left] for g in self.pool.get(context[-1], c.G)] if c.phrase_drafting and left > 0 else []
             rows = self.window.for_root(context[-1]) if self.window is not None and left > c.W + c.N else []
-            step = verify_step(runner, s, context[-1], Proposal(guesses, rows=rows, lead=context[runner.length : -1], hidden=policy.needs_hidden))
+            step = verify_step(
+                runner,
+                s,
+                context[-1],
+                Proposal(guesses, rows=rows, lead=context[runner.length : -1], hidden=policy.needs_hidden),
+            )
             grams = self.window.advance(context[-1], step.window_out) if step.window_out is not None else []
             s.stats.draft_forwards += 1
             add(s.stats.extra, window_ngrams=self.pool.insert_all(grams), phrase_tokens=step.accepted)
@@ -74,7 +79,9 @@ class Phrases(Drafter):
         c, draft = self.c, proposal.chain
         accepted = step.accepted_of(draft)  # of the sentence draft (the rest came from suffixes)
         if c.inspiration and accepted < len(draft):
-            predicted = step.node_logits[: len(draft) + 1].argmax(-1).tolist()  # the target's token after root, d_1..d_g
+            predicted = (
+                step.node_logits[: len(draft) + 1].argmax(-1).tolist()
+            )  # the target's token after root, d_1..d_g
             add(s.stats.extra, inspired=self.pool.insert_all(inspirations(draft, predicted, accepted, c.N)))
         add(s.stats.extra, draft_tokens=len(draft), draft_accepted=accepted, suffix_accepted=step.accepted - accepted)
         self.policy.observe(len(draft), accepted)

@@ -127,22 +127,35 @@ class PhrasePool:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise DraftVerifyError(f"pool file {path} is unreadable or corrupt ({type(exc).__name__}): {fix}") from exc
-        require(isinstance(data, dict) and data.get("format") == FORMAT, f"{path} is not a draftverify phrase pool: {fix}")
-        require(data.get("version") == VERSION, f"pool file {path} has version {data.get('version')!r}, expected {VERSION}: {fix}")
+        require(
+            isinstance(data, dict) and data.get("format") == FORMAT, f"{path} is not a draftverify phrase pool: {fix}"
+        )
+        require(
+            data.get("version") == VERSION,
+            f"pool file {path} has version {data.get('version')!r}, expected {VERSION}: {fix}",
+        )
         require(
             data.get("tokenizer") == tokenizer,
             f"pool file {path} was made with another tokenizer: {fix} (pools only fit the model family they were built with)",
         )
-        require(data.get("n") == n, f"pool file {path} holds phrases of N={data.get('n')} tokens but the method uses N={n}: {fix} or set N={data.get('n')}")
+        require(
+            data.get("n") == n,
+            f"pool file {path} holds phrases of N={data.get('n')} tokens but the method uses N={n}: {fix} or set N={data.get('n')}",
+        )
         pool = cls(n, cap)
         phrases = data.get("phrases")
         require(isinstance(phrases, dict), f"pool file {path} is corrupt (no phrase table): {fix}")
         for key, entries in phrases.items():
-            require(key.lstrip("-").isdigit() and isinstance(entries, list), f"pool file {path} is corrupt (bad entry {key!r}): {fix}")
+            require(
+                key.lstrip("-").isdigit() and isinstance(entries, list),
+                f"pool file {path} is corrupt (bad entry {key!r}): {fix}",
+            )
             for rest in entries:
                 phrase = [int(key)] + (rest if isinstance(rest, list) else [])
-                valid = len(phrase) == n and all(isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size) for t in phrase)
-                require(valid, f"pool file {path} is corrupt (bad phrase {phrase[:n + 1]!r} under token {key}): {fix}")
+                valid = len(phrase) == n and all(
+                    isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size) for t in phrase
+                )
+                require(valid, f"pool file {path} is corrupt (bad phrase {phrase[: n + 1]!r} under token {key}): {fix}")
                 pool.insert(phrase)
         return pool
 

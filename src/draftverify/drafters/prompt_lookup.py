@@ -25,10 +25,15 @@ class PromptLookupConfig:
 
     def __post_init__(self):
         require(1 <= self.k <= 64, f"k={self.k} must lie in 1..64")
-        require(1 <= self.min_ngram <= self.max_ngram <= 16, f"need 1 <= min_ngram={self.min_ngram} <= max_ngram={self.max_ngram} <= 16")
+        require(
+            1 <= self.min_ngram <= self.max_ngram <= 16,
+            f"need 1 <= min_ngram={self.min_ngram} <= max_ngram={self.max_ngram} <= 16",
+        )
 
 
-@standalone("prompt-lookup", PromptLookupConfig, presets={"k4": {"k": 4}, "hf": {"k": 10, "max_ngram": 2}})  # hf: transformers' defaults
+@standalone(
+    "prompt-lookup", PromptLookupConfig, presets={"k4": {"k": 4}, "hf": {"k": 10, "max_ngram": 2}}
+)  # hf: transformers' defaults
 class PromptLookup(Drafter):
     free = True
 

@@ -49,7 +49,9 @@ class SkipSet:
     def __post_init__(self):
         for kind in ("attention", "mlp"):
             value = tuple(sorted(set(operator.index(i) for i in getattr(self, kind))))  # ints only (no 3.0)
-            require(all(i >= 0 for i in value), f"skip set has a negative {kind} layer index: use 0-based layer indices")
+            require(
+                all(i >= 0 for i in value), f"skip set has a negative {kind} layer index: use 0-based layer indices"
+            )
             object.__setattr__(self, kind, value)
 
     @property
@@ -109,11 +111,19 @@ class SkipSet:
             step = (hi - lo) / n
             return tuple(lo + int(j * step) for j in range(n))
 
-        return cls(spread(n_layers // 4, round(0.6 * n_layers * scale)), spread(n_layers // 2, round(0.3 * n_layers * scale)))
+        return cls(
+            spread(n_layers // 4, round(0.6 * n_layers * scale)), spread(n_layers // 2, round(0.3 * n_layers * scale))
+        )
 
 
-def make_skip_set(strategy: str, model: torch.nn.Module, searched: SkipSet | None, n_attention: int | None = None,
-                  n_mlp: int | None = None, seed: int = 0) -> SkipSet:
+def make_skip_set(
+    strategy: str,
+    model: torch.nn.Module,
+    searched: SkipSet | None,
+    n_attention: int | None = None,
+    n_mlp: int | None = None,
+    seed: int = 0,
+) -> SkipSet:
     """The skip set of a strategy for `model`. The simple strategies skip as many sub-layers as the
     searched set (or the heuristic one when there is none) unless `n_attention` / `n_mlp` say otherwise."""
     require(strategy in STRATEGIES, f"unknown skip strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
@@ -132,7 +142,10 @@ def make_skip_set(strategy: str, model: torch.nn.Module, searched: SkipSet | Non
     like = searched if searched is not None else SkipSet.heuristic(n_layers)
     n_attention = len(like.attention) if n_attention is None else n_attention
     n_mlp = len(like.mlp) if n_mlp is None else n_mlp
-    require(0 <= n_attention <= n_layers and 0 <= n_mlp <= n_layers, f"cannot skip {n_attention} attention / {n_mlp} MLP sub-layers of a {n_layers}-layer model")
+    require(
+        0 <= n_attention <= n_layers and 0 <= n_mlp <= n_layers,
+        f"cannot skip {n_attention} attention / {n_mlp} MLP sub-layers of a {n_layers}-layer model",
+    )
     if strategy == "random":
         return SkipSet.random(n_layers, n_attention, n_mlp, seed)
     return getattr(SkipSet, strategy)(n_layers, n_attention, n_mlp)
@@ -143,7 +156,13 @@ def make_skip_set(strategy: str, model: torch.nn.Module, searched: SkipSet | Non
 
 def save_skip_set(path: str | Path, skip: SkipSet, identity: dict, search: dict | None = None) -> Path:
     """Write a skip set with the identity of its model (and how it was found) as JSON, atomically."""
-    doc = {"format": SKIP_FORMAT, "version": SKIP_VERSION, "model": identity, "attention": list(skip.attention), "mlp": list(skip.mlp)}
+    doc = {
+        "format": SKIP_FORMAT,
+        "version": SKIP_VERSION,
+        "model": identity,
+        "attention": list(skip.attention),
+        "mlp": list(skip.mlp),
+    }
     if search is not None:
         doc["search"] = search
     return atomic_write(path, json.dumps(doc, indent=1) + "\n")
@@ -156,8 +175,13 @@ def load_skip_set(path: str | Path, identity: dict | None = None) -> SkipSet:
     require(path.is_file(), f"skip file {path} does not exist: {fix}")
     try:
         doc = json.loads(path.read_text())
-        require(isinstance(doc, dict) and doc.get("format") == SKIP_FORMAT, f"{path} is not a draftverify skip set: {fix}")
-        require(doc.get("version") == SKIP_VERSION, f"skip file {path} has version {doc.get('version')}, this draftverify reads {SKIP_VERSION}: {fix}")
+        require(
+            isinstance(doc, dict) and doc.get("format") == SKIP_FORMAT, f"{path} is not a draftverify skip set: {fix}"
+        )
+        require(
+            doc.get("version") == SKIP_VERSION,
+            f"skip file {path} has version {doc.get('version')}, this draftverify reads {SKIP_VERSION}: {fix}",
+        )
         skip = SkipSet(tuple(doc["attention"]), tuple(doc["mlp"]))
         made_for = dict(doc["model"])
     except DraftVerifyError:
@@ -209,7 +233,9 @@ def sublayer_names(layer: torch.nn.Module) -> tuple[str, str]:
         for name in names:
             child = getattr(layer, name, None)
             if isinstance(child, (SkippedAttention, SkippedMLP)):
-                raise DraftVerifyError("layer skipping is already active on this model: leave the outer `skip_layers` block first")
+                raise DraftVerifyError(
+                    "layer skipping is already active on this model: leave the outer `skip_layers` block first"
+                )
             if isinstance(child, torch.nn.Module):
                 return name
         raise DraftVerifyError(

@@ -71,27 +71,47 @@ def cpu():
         return None
     from draftverify.util import cache_root
 
-    wide, vnni = has_avx512(), has_vnni()  # 16-lane AVX-512 and int8 dot products where the CPU has them (a per-CPU build)
+    wide, vnni = (
+        has_avx512(),
+        has_vnni(),
+    )  # 16-lane AVX-512 and int8 dot products where the CPU has them (a per-CPU build)
     tag = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:12]
     name = f"draftverify_cpu_{tag}_{'avx512vnni' if vnni else 'avx512' if wide else 'avx2'}"
     folder = cache_root() / "kernels" / name
     fresh = not any(folder.glob("*.so"))
     started = time.monotonic()
     if fresh:
-        print("draftverify: compiling the CPU kernels (quantized and one-row matmuls, attention, RMSNorm) once (about 30 s)...", file=sys.stderr, flush=True)
+        print(
+            "draftverify: compiling the CPU kernels (quantized and one-row matmuls, attention, RMSNorm) once (about 30 s)...",
+            file=sys.stderr,
+            flush=True,
+        )
     folder.mkdir(parents=True, exist_ok=True)
     # -fopenmp: at::parallel_for (cpu.cpp) is OpenMP in torch's CPU build; compiled without it, the
     # pragma is dropped and every product runs on one core. The runtime is torch's own libgomp
     # (same soname, already loaded), so there is one thread pool.
     try:
-        module = load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
-                      extra_cflags=["-O3", "-fopenmp", "-mavx2", "-mfma", *(["-mavx512f"] if wide else []),
-                                    *(["-mavx512bw", "-mavx512vnni"] if vnni else [])],
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        module = load(
+            name=name,
+            sources=[str(SOURCE)],
+            build_directory=str(folder),
+            extra_cflags=[
+                "-O3",
+                "-fopenmp",
+                "-mavx2",
+                "-mfma",
+                *(["-mavx512f"] if wide else []),
+                *(["-mavx512bw", "-mavx512vnni"] if vnni else []),
+            ],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
     except Exception as exc:  # a compiler error, a missing header: run without the kernel
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         _why_not = f"the CPU kernels did not build ({first[:160]})"
         return None
     if fresh:
-        print(f"draftverify: compiled the CPU kernels in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"draftverify: compiled the CPU kernels in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True
+        )
     return module

@@ -76,11 +76,17 @@ class AutoConfig:
 
     def __post_init__(self):
         unknown = next((c for c in self.names() if c not in CANDIDATES), None)
-        require(unknown is None, f"unknown auto candidate {unknown!r}: use some of {', '.join(CANDIDATES)} joined by '+', e.g. use=head+context")
+        require(
+            unknown is None,
+            f"unknown auto candidate {unknown!r}: use some of {', '.join(CANDIDATES)} joined by '+', e.g. use=head+context",
+        )
         require(self.probe >= 1, f"probe={self.probe} must be at least 1")
         require(0 <= self.decay < 1, f"decay={self.decay} must lie in [0, 1)")
         require(0 <= self.margin < 1, f"margin={self.margin} must lie in [0, 1)")
-        require(1 <= self.depth <= 64 and 1 <= self.width <= 64, f"depth={self.depth} and width={self.width} must lie in 1..64")
+        require(
+            1 <= self.depth <= 64 and 1 <= self.width <= 64,
+            f"depth={self.depth} and width={self.width} must lie in 1..64",
+        )
 
     def names(self) -> list[str]:
         return [c.strip() for c in self.use.split("+") if c.strip()]
@@ -116,5 +122,13 @@ class Auto(Method):
         return out
 
     def drafter(self, s: Session) -> Drafter:
-        return AutoDrafter(self.candidates(s), curve(self.target, widths=TREE_WIDTHS), self.records, self.scale,
-                           self.config.probe, self.config.decay, self.config.merge, self.config.margin)
+        return AutoDrafter(
+            self.candidates(s),
+            curve(self.target, widths=TREE_WIDTHS),
+            self.records,
+            self.scale,
+            self.config.probe,
+            self.config.decay,
+            self.config.merge,
+            self.config.margin,
+        )

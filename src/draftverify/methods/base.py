@@ -70,11 +70,17 @@ class Method(ABC):
         """Build the config from a named preset plus explicit overrides (None values are ignored)."""
         values = {}
         if preset is not None:
-            require(preset in cls.presets, f"unknown preset {preset!r} for {cls.name}: use one of {', '.join(cls.presets) or 'none'}")
+            require(
+                preset in cls.presets,
+                f"unknown preset {preset!r} for {cls.name}: use one of {', '.join(cls.presets) or 'none'}",
+            )
             values.update(cls.presets[preset])
         fields = {f.name for f in dataclasses.fields(cls.Config)}
         for key, value in overrides.items():
-            require(key in fields, f"unknown option {key!r} for method {cls.name}: it takes {', '.join(sorted(fields)) or 'no options'}")
+            require(
+                key in fields,
+                f"unknown option {key!r} for method {cls.name}: it takes {', '.join(sorted(fields)) or 'no options'}",
+            )
             if value is not None:
                 values[key] = value
         return cls.Config(**values)
@@ -85,8 +91,11 @@ class Method(ABC):
 
     def draft_model(self) -> Runner:
         """The draft model's runner, refusing a feature head (for methods that draft with a model of their own)."""
-        require(isinstance(self.draft, Runner), f"method {self.name!r} needs a draft model, not a feature head: pass --draft "
-                "with a model folder (e.g. --draft self:layers=8), or use speculative / ouroboros")
+        require(
+            isinstance(self.draft, Runner),
+            f"method {self.name!r} needs a draft model, not a feature head: pass --draft "
+            "with a model folder (e.g. --draft self:layers=8), or use speculative / ouroboros",
+        )
         return self.draft
 
     def drafter(self, s: Session) -> Drafter | None:
@@ -110,4 +119,8 @@ def standalone_method(name: str, drafter: type[Drafter], config: type, presets: 
         return drafter(self.config)
 
     doc = f"Drafting with `{drafter.__module__}.{drafter.__name__}`."
-    return type(drafter.__name__ + "Method", (Method,), {"name": name, "Config": config, "presets": presets, "drafter": make, "__doc__": doc})
+    return type(
+        drafter.__name__ + "Method",
+        (Method,),
+        {"name": name, "Config": config, "presets": presets, "drafter": make, "__doc__": doc},
+    )

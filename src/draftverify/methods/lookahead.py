@@ -24,10 +24,10 @@ from pathlib import Path
 
 from draftverify.drafters.base import Drafter
 from draftverify.drafters.lookahead import Lookahead as LookaheadDrafter
+from draftverify.drafters.pool import PhrasePool
 from draftverify.errors import require
 from draftverify.methods.base import Method, register
 from draftverify.models import tokenizer_fingerprint
-from draftverify.drafters.pool import PhrasePool
 from draftverify.round import Rounds, rounds
 from draftverify.session import Session
 
@@ -51,7 +51,9 @@ class PoolMethod(Method):
         self.first = first
 
     def rounds(self, s: Session) -> Rounds:
-        owner = (self.first or self) if self.config.reuse else self  # with reuse, every slot of a batch drafts from one pool
+        owner = (
+            (self.first or self) if self.config.reuse else self
+        )  # with reuse, every slot of a batch drafts from one pool
         if owner.pool is None or not self.config.reuse:
             owner.pool = owner._starting_pool(s)
         pool = owner.pool
@@ -70,14 +72,18 @@ class PoolMethod(Method):
         """Write the pool to `path` (default: the `pool_file` option) atomically."""
         path = path or self.config.pool_file
         require(path is not None, "no pool file to save to: pass pool_file=PATH")
-        require(self.pool is not None and self._fingerprint is not None, "there is no pool yet: generate something first")
+        require(
+            self.pool is not None and self._fingerprint is not None, "there is no pool yet: generate something first"
+        )
         self.pool.save(path, self._fingerprint)
 
     def _starting_pool(self, s: Session) -> PhrasePool:
         cfg = self.config
         if not cfg.pool_file:
             return PhrasePool(cfg.N, cfg.G)
-        require(s.tokenizer is not None, "pool_file needs the tokenizer to check the pool against: generate through Engine")
+        require(
+            s.tokenizer is not None, "pool_file needs the tokenizer to check the pool against: generate through Engine"
+        )
         self._fingerprint = tokenizer_fingerprint(s.tokenizer)
         if not Path(cfg.pool_file).exists():
             return PhrasePool(cfg.N, cfg.G)

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftverify.drafters.layer_skip import LayerSkip
-from draftverify.errors import require
 from draftverify.drafters.skipsets import STRATEGIES, SkipSet, load_skip_set, make_skip_set, shipped_skip_set
+from draftverify.errors import require
 from draftverify.methods.base import Method, register
 from draftverify.models import Runner, model_identity
 from draftverify.policies import POLICIES, AdaptiveThreshold, DraftPolicy, make_policy
@@ -66,7 +66,9 @@ class SelfSpeculativeConfig:
     beta2: float = 0.9
 
     def __post_init__(self):
-        require(self.strategy in STRATEGIES, f"unknown skip strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
+        require(
+            self.strategy in STRATEGIES, f"unknown skip strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}"
+        )
         require(self.policy in POLICIES, f"unknown draft policy {self.policy!r}: use one of {', '.join(POLICIES)}")
         require(1 <= self.k <= 64, f"k={self.k} must lie in 1..64")
         AdaptiveThreshold(self.gamma, self.alpha, self.epsilon, self.beta1, self.beta2, self.k)  # validates the rest
@@ -99,7 +101,11 @@ class SelfSpeculative(Method):
         if c.skip is not None:
             self.skip = c.skip
         else:
-            searched = load_skip_set(c.skip_file, model_identity(target.model)) if c.skip_file else shipped_skip_set(target.model)
+            searched = (
+                load_skip_set(c.skip_file, model_identity(target.model))
+                if c.skip_file
+                else shipped_skip_set(target.model)
+            )
             self.skip = make_skip_set(c.strategy, target.model, searched, c.n_attention, c.n_mlp, c.layer_seed)
 
     def make_policy(self) -> DraftPolicy:

@@ -75,7 +75,10 @@ def parse_options(pairs: list[str]) -> dict:
 def read_spec(text: str) -> MethodSpec:
     """One spec by the grammar alone: no check of the name or the options."""
     match = SPEC.match(text.strip())
-    require(match is not None, f"bad method spec {text!r}: write name, name:preset, name[key=value,...] or name:preset[key=value]")
+    require(
+        match is not None,
+        f"bad method spec {text!r}: write name, name:preset, name[key=value,...] or name:preset[key=value]",
+    )
     options = []
     for pair in (match["options"] or "").split(","):
         if not pair.strip():

@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftverify.errors import require
-from draftverify.drafters.head import DEFAULT_CAP, DEFAULT_H, AcceptanceHead, AcceptanceHeadPolicy, load_head
 from draftverify.drafters.draft_model import DraftModel
+from draftverify.drafters.head import DEFAULT_CAP, DEFAULT_H, AcceptanceHead, AcceptanceHeadPolicy, load_head
+from draftverify.errors import require
 from draftverify.methods.base import Method, register
 from draftverify.methods.ouroboros import Ouroboros, OuroborosConfig
 from draftverify.models import model_identity

@@ -39,7 +39,9 @@ class SpeculativeConfig:
     width: int = 8  # feature head: children per expanded node and nodes expanded per level (1 = a chain; not `top_k`,
     # which is the sampling setting)
     nodes: int = 0  # feature head: draft tree size (0 = the most expected tokens/s under the cost curve)
-    vocab: int = DRAFT_VOCAB  # feature head: draft only its `vocab` most frequent tokens (FR-Spec; 0 = all it was trained on)
+    vocab: int = (
+        DRAFT_VOCAB  # feature head: draft only its `vocab` most frequent tokens (FR-Spec; 0 = all it was trained on)
+    )
 
     def __post_init__(self):
         require(self.policy in POLICIES, f"unknown draft policy {self.policy!r}: use one of {', '.join(POLICIES)}")
@@ -70,5 +72,12 @@ class Speculative(Method):
 
     def drafter(self, s: Session) -> Drafter:
         if isinstance(self.draft, FeatureDraft):
-            return FeatureHead(self.draft, self.target, depth=self.config.k, width=self.config.width, nodes=self.config.nodes, vocab=self.config.vocab)
+            return FeatureHead(
+                self.draft,
+                self.target,
+                depth=self.config.k,
+                width=self.config.width,
+                nodes=self.config.nodes,
+                vocab=self.config.vocab,
+            )
         return DraftModel(self.draft, self.make_policy())

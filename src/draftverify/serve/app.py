@@ -28,7 +28,18 @@ from draftverify.errors import DraftVerifyError, require
 from draftverify.methods import METHODS
 from draftverify.methods.spec import MethodSpec, parse_specs
 from draftverify.serve.metrics import Metrics
-from draftverify.serve.protocol import FINISH_REASONS, ApiError, ChatRequest, CompletionRequest, Reply, TextStream, parse_request, sse, stats_object, usage
+from draftverify.serve.protocol import (
+    FINISH_REASONS,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Reply,
+    TextStream,
+    parse_request,
+    sse,
+    stats_object,
+    usage,
+)
 from draftverify.serve.scheduler import Chunk, Job, Outcome, Scheduler, Ticket, timeout_error
 
 log = logging.getLogger("draftverify.serve")
@@ -53,9 +64,14 @@ def with_pool_file(specs: tuple[MethodSpec, ...], path: Path) -> tuple[MethodSpe
     request, saved after each and loaded at start."""
     pooled = [s for s in specs if "pool_file" in {f.name for f in dataclasses.fields(METHODS[s.name].Config)}]
     names = ", ".join(s.label for s in specs)
-    require(len(pooled) == 1, f"--pool-file needs exactly one loaded method with a pool (ouroboros, lookahead), found {len(pooled)} among {names}")
+    require(
+        len(pooled) == 1,
+        f"--pool-file needs exactly one loaded method with a pool (ouroboros, lookahead), found {len(pooled)} among {names}",
+    )
     spec = pooled[0]
-    require("pool_file" not in dict(spec.options), f"{spec.label} names a pool_file and so does --pool-file: give it once")
+    require(
+        "pool_file" not in dict(spec.options), f"{spec.label} names a pool_file and so does --pool-file: give it once"
+    )
     options = {"reuse": True, **dict(spec.options), "pool_file": str(path)}
     return tuple(dataclasses.replace(s, options=tuple(options.items())) if s is spec else s for s in specs)
 
@@ -70,7 +86,9 @@ class ServeConfig:
     shutdown_grace_s: float = 30.0  # on shutdown, how long the running generation may go on
     default_max_tokens: int = 256  # when a request gives no max_tokens
     max_body_bytes: int = 4 << 20
-    pool_file: Path | None = None  # the pool of the one loaded pool method (ouroboros, lookahead): loaded at start, saved
+    pool_file: Path | None = (
+        None  # the pool of the one loaded pool method (ouroboros, lookahead): loaded at start, saved
+    )
 
     def __post_init__(self):
         require(self.methods, "no method given: pass e.g. --methods speculative")
@@ -90,12 +108,16 @@ class Service:
         self.created = int(time.time())
         specs = with_pool_file(config.methods, config.pool_file) if config.pool_file else config.methods
         self.methods = {spec.label: spec for spec in specs}  # as clients name them -> what runs
-        instances = [engine.method(s.name, s.preset, **dict(s.options)) for s in specs]  # built once, reused per request
+        instances = [
+            engine.method(s.name, s.preset, **dict(s.options)) for s in specs
+        ]  # built once, reused per request
         self.pooled = []  # methods whose phrase pool lives in a file
         for spec, method in zip(specs, instances):
             # a short warm-up: a pool file is loaded now (a bad one is refused before serving), and what a method
             # measures once (the cost curve) is measured before the first client waits for it
-            engine.generate([0], method=spec.name, preset=spec.preset, max_new_tokens=2, temperature=0.0, **dict(spec.options))
+            engine.generate(
+                [0], method=spec.name, preset=spec.preset, max_new_tokens=2, temperature=0.0, **dict(spec.options)
+            )
             if getattr(method.config, "pool_file", None):
                 log.info("pool %s: %d phrases", method.config.pool_file, len(method.pool))
                 self.pooled.append(method)
@@ -121,7 +143,12 @@ class Service:
     def job(self, req: CompletionRequest | ChatRequest, kind: str) -> Job:
         """Check the request against the model and the loaded methods; tokenise its prompt."""
         if req.model is not None and req.model != self.model_name:
-            raise ApiError(404, f"model {req.model!r} is not served here: use {self.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"model {req.model!r} is not served here: use {self.model_name!r} (see GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
         spec = self._method(req.method)
         field = "messages" if kind == "chat" else "prompt"
         try:
@@ -134,14 +161,33 @@ class Service:
                 ids = self.engine.encode(req.prompt)
         except DraftVerifyError as exc:
             raise ApiError(400, str(exc), param=field, code="invalid_prompt") from exc
-        asked_field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        asked_field = (
+            "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        )
         asked = getattr(req, asked_field)
         context = self.engine.target_runner.max_length
         room = context - len(ids) if context else None
         if asked is not None and room is not None and asked > room:
-            raise ApiError(400, f"{asked_field}={asked} is too large: the prompt has {len(ids)} tokens and the context {context}, so at most {room} new tokens fit", param=asked_field, code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"{asked_field}={asked} is too large: the prompt has {len(ids)} tokens and the context {context}, so at most {room} new tokens fit",
+                param=asked_field,
+                code="context_length_exceeded",
+            )
         max_tokens = asked or min(self.config.default_max_tokens, room or self.config.default_max_tokens)
-        return Job(ids, spec.label, spec.name, spec.preset, dict(spec.options), max_tokens, req.temperature, req.top_p, req.top_k, req.seed, tuple(req.stop))
+        return Job(
+            ids,
+            spec.label,
+            spec.name,
+            spec.preset,
+            dict(spec.options),
+            max_tokens,
+            req.temperature,
+            req.top_p,
+            req.top_k,
+            req.seed,
+            tuple(req.stop),
+        )
 
     def _method(self, asked: str | None) -> MethodSpec:
         """The loaded method a request asks for: by its label, by its name if only one has it, else the first."""
@@ -149,7 +195,12 @@ class Service:
         by_name = [s for s in specs if s.name == asked]
         if asked is None or asked in self.methods or len(by_name) == 1:
             return specs[0] if asked is None else self.methods.get(asked) or by_name[0]
-        raise ApiError(400, f"unknown method {asked!r}: this server runs {', '.join(self.methods)}", param="method", code="method_not_found")
+        raise ApiError(
+            400,
+            f"unknown method {asked!r}: this server runs {', '.join(self.methods)}",
+            param="method",
+            code="method_not_found",
+        )
 
     async def follow(self, ticket: Ticket, request: Request | None = None):
         """The ticket's events as they come, ending with its Outcome; nothing more if `request`'s
@@ -188,7 +239,9 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         finally:
             await asyncio.to_thread(service.close)
 
-    app = FastAPI(title="draftverify", summary="Lossless draft-then-verify decoding behind the OpenAI API", lifespan=lifespan)
+    app = FastAPI(
+        title="draftverify", summary="Lossless draft-then-verify decoding behind the OpenAI API", lifespan=lifespan
+    )
     app.state.service = service
     app.add_middleware(CountRequests, metrics=service.metrics)
 
@@ -199,7 +252,12 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         message = f"{exc.detail}: {request.method} {request.url.path}"
-        return await api_error(request, ApiError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None, headers=exc.headers))
+        return await api_error(
+            request,
+            ApiError(
+                exc.status_code, message, code="not_found" if exc.status_code == 404 else None, headers=exc.headers
+            ),
+        )
 
     async def generate(request: Request, kind: str):
         req = parse_request(await read_body(request, service.config.max_body_bytes), kind)
@@ -219,7 +277,14 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
             raise outcome.error
         result = outcome.result
         stats = stats_object(result.stats, job.method, ticket.started - ticket.submitted)
-        return JSONResponse(reply.whole(result.text, FINISH_REASONS[result.stats.finish_reason], usage(len(result.prompt_tokens), len(result.tokens)), stats))
+        return JSONResponse(
+            reply.whole(
+                result.text,
+                FINISH_REASONS[result.stats.finish_reason],
+                usage(len(result.prompt_tokens), len(result.tokens)),
+                stats,
+            )
+        )
 
     async def stream(reply: Reply, ticket: Ticket, include_usage: bool):
         text = TextStream(engine.target.tokenizer, list(ticket.job.stop))
@@ -256,14 +321,33 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         methods = list(service.methods)
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": service.created, "owned_by": "draftverify", "methods": methods, "default_method": methods[0]}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": service.model_name,
+                    "object": "model",
+                    "created": service.created,
+                    "owned_by": "draftverify",
+                    "methods": methods,
+                    "default_method": methods[0],
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health():
         closing = service.scheduler.closing
-        body = {"status": "shutting_down" if closing else "ok", "model": service.model_name, "methods": list(service.methods),
-                "queue_depth": service.scheduler.depth, "queue_capacity": service.config.max_queue, "busy": service.scheduler.busy,
-                "running": service.scheduler.running, "max_batch": service.config.max_batch}
+        body = {
+            "status": "shutting_down" if closing else "ok",
+            "model": service.model_name,
+            "methods": list(service.methods),
+            "queue_depth": service.scheduler.depth,
+            "queue_capacity": service.config.max_queue,
+            "busy": service.scheduler.busy,
+            "running": service.scheduler.running,
+            "max_batch": service.config.max_batch,
+        }
         return JSONResponse(body, status_code=503 if closing else 200)
 
     @app.get("/metrics")
@@ -279,7 +363,9 @@ class TicketStream(StreamingResponse):
     (even if the client left before the first event was sent)."""
 
     def __init__(self, events, ticket: Ticket, scheduler: Scheduler):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.ticket, self.scheduler = ticket, scheduler
 
     async def __call__(self, scope, receive, send) -> None:

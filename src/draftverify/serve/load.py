@@ -71,15 +71,30 @@ class Run:
 def check_loopback(url: str) -> str:
     """The base URL (…/v1) if it points at this machine; a one-line error otherwise."""
     parsed = urlparse(url)
-    require(parsed.scheme in ("http", "https") and parsed.hostname is not None, f"--url {url!r} is not an http URL: give e.g. http://127.0.0.1:8000/v1")
-    require(parsed.hostname in LOOPBACK, f"--url {url!r} is not on loopback: the load tool only sends traffic to 127.0.0.1 / localhost")
+    require(
+        parsed.scheme in ("http", "https") and parsed.hostname is not None,
+        f"--url {url!r} is not an http URL: give e.g. http://127.0.0.1:8000/v1",
+    )
+    require(
+        parsed.hostname in LOOPBACK,
+        f"--url {url!r} is not on loopback: the load tool only sends traffic to 127.0.0.1 / localhost",
+    )
     return url.rstrip("/")
 
 
-async def one_call(client, base: str, model: str, method: str, index: int, prompt: str, max_tokens: int, timeout_s: float) -> Call:
+async def one_call(
+    client, base: str, model: str, method: str, index: int, prompt: str, max_tokens: int, timeout_s: float
+) -> Call:
     """Send one streamed greedy chat request; time the first text and the whole reply."""
-    body = {"model": model, "method": method, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "method": method,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     call = Call(index, ok=False)
     try:
@@ -91,7 +106,7 @@ async def one_call(client, base: str, model: str, method: str, index: int, promp
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                event = json.loads(line[len("data: "):])
+                event = json.loads(line[len("data: ") :])
                 if "error" in event:
                     call.error = str(event["error"].get("message", event["error"]))[:200]
                     return call
@@ -111,8 +126,17 @@ async def one_call(client, base: str, model: str, method: str, index: int, promp
     return call
 
 
-async def run_load(base: str, model: str, method: str, prompts: list[str], concurrency: int, requests: int,
-                   max_tokens: int, timeout_s: float, deadline: float) -> Run:
+async def run_load(
+    base: str,
+    model: str,
+    method: str,
+    prompts: list[str],
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+    timeout_s: float,
+    deadline: float,
+) -> Run:
     """`requests` requests (prompts in turn) from `concurrency` clients; none starts after `deadline` (monotonic)."""
     import httpx
 
@@ -124,16 +148,25 @@ async def run_load(base: str, model: str, method: str, prompts: list[str], concu
         async def client_loop() -> None:
             while order and time.monotonic() < deadline:
                 i = order.pop(0)
-                calls.append(await one_call(client, base, model, method, i % len(prompts), prompts[i % len(prompts)], max_tokens, timeout_s))
+                calls.append(
+                    await one_call(
+                        client, base, model, method, i % len(prompts), prompts[i % len(prompts)], max_tokens, timeout_s
+                    )
+                )
 
         start = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         wall = time.perf_counter() - start
     good = [c for c in calls if c.ok]
     return Run(
-        method=method, concurrency=concurrency, requests=len(calls), errors=len(calls) - len(good), wall_s=wall,
+        method=method,
+        concurrency=concurrency,
+        requests=len(calls),
+        errors=len(calls) - len(good),
+        wall_s=wall,
         tokens_per_s=sum(c.tokens for c in good) / wall if wall > 0 else 0.0,
-        latency_p50_s=percentile([c.latency_s for c in good], 50), latency_p99_s=percentile([c.latency_s for c in good], 99),
+        latency_p50_s=percentile([c.latency_s for c in good], 50),
+        latency_p99_s=percentile([c.latency_s for c in good], 99),
         ttft_p50_s=percentile([c.ttft_s for c in good if c.ttft_s is not None], 50),
         ttft_p99_s=percentile([c.ttft_s for c in good if c.ttft_s is not None], 99),
         calls=sorted(calls, key=lambda c: c.prompt),
@@ -158,8 +191,22 @@ def count_mismatches(runs: list[Run]) -> None:
 @contextmanager
 def spawned_server(methods: str, target: str | None, draft: str | None, log_path: Path):
     """`draftverify serve` on a free loopback port for the duration of the block; yields its base URL."""
-    args = [sys.executable, "-m", "draftverify.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--methods", methods,
-            "--log-level", "warning", "--max-queue", "64"]
+    args = [
+        sys.executable,
+        "-m",
+        "draftverify.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--methods",
+        methods,
+        "--log-level",
+        "warning",
+        "--max-queue",
+        "64",
+    ]
     if target:
         args += ["--target", target]
     if draft:
@@ -167,14 +214,21 @@ def spawned_server(methods: str, target: str | None, draft: str | None, log_path
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         # unbuffered bytes: what select() reports ready is all there is, nothing hides in a reader's buffer
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, bufsize=0, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=log, bufsize=0, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+        )
         try:
             base, until = None, time.monotonic() + SPAWN_WAIT_S
             while base is None:
-                ready, _, _ = select.select([proc.stdout], [], [], max(0.0, until - time.monotonic()))  # never block past the bound
+                ready, _, _ = select.select(
+                    [proc.stdout], [], [], max(0.0, until - time.monotonic())
+                )  # never block past the bound
                 require(ready, f"the spawned server did not listen within {SPAWN_WAIT_S:.0f} s: see {log_path}")
                 line = proc.stdout.readline()
-                require(line or proc.poll() is None, f"the spawned server exited (code {proc.poll()}) before listening: see {log_path}")
+                require(
+                    line or proc.poll() is None,
+                    f"the spawned server exited (code {proc.poll()}) before listening: see {log_path}",
+                )
                 found = re.search(r"on (http://127\.0\.0\.1:\d+/v1)", line.decode(errors="replace"))
                 base = found.group(1) if found else None
             yield base
@@ -197,15 +251,23 @@ def served_model(base: str) -> str:
 
 
 def report(results: dict) -> str:
-    lines = ["# draftverify load", "", "```", results["command"] or "(not run from a shell)", "```", "",
-             f"- server: {results['server']}; model `{results['model']}`",
-             f"- {results['settings']['requests']} requests per run, {results['settings']['max_tokens']} new tokens at most, greedy, streamed; "
-             f"prompts: {results['settings']['prompts']}",
-             "- tokens/s = all completion tokens of a run / its wall time (aggregate over clients); latency and TTFT per request.",
-             "- mismatches: greedy outputs that differ from the same prompt's output at the lowest concurrency of the same method "
-             "(for that run: the first method's).", "",
-             "| method | concurrency | requests | errors | tokens/s | vs 1 client | latency p50 / p99 (s) | TTFT p50 / p99 (s) | mismatches |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# draftverify load",
+        "",
+        "```",
+        results["command"] or "(not run from a shell)",
+        "```",
+        "",
+        f"- server: {results['server']}; model `{results['model']}`",
+        f"- {results['settings']['requests']} requests per run, {results['settings']['max_tokens']} new tokens at most, greedy, streamed; "
+        f"prompts: {results['settings']['prompts']}",
+        "- tokens/s = all completion tokens of a run / its wall time (aggregate over clients); latency and TTFT per request.",
+        "- mismatches: greedy outputs that differ from the same prompt's output at the lowest concurrency of the same method "
+        "(for that run: the first method's).",
+        "",
+        "| method | concurrency | requests | errors | tokens/s | vs 1 client | latency p50 / p99 (s) | TTFT p50 / p99 (s) | mismatches |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def sec(x):
         return "-" if x is None else f"{x:.2f}"
@@ -214,8 +276,10 @@ def report(results: dict) -> str:
     for run in results["runs"]:
         base.setdefault(run["method"], run["tokens_per_s"])
         ratio = run["tokens_per_s"] / base[run["method"]] if base[run["method"]] else 0.0
-        lines.append(f"| `{run['method']}` | {run['concurrency']} | {run['requests']} | {run['errors']} | {run['tokens_per_s']:.1f} | {ratio:.2f}x | "
-                     f"{sec(run['latency_p50_s'])} / {sec(run['latency_p99_s'])} | {sec(run['ttft_p50_s'])} / {sec(run['ttft_p99_s'])} | {run['mismatches']} |")
+        lines.append(
+            f"| `{run['method']}` | {run['concurrency']} | {run['requests']} | {run['errors']} | {run['tokens_per_s']:.1f} | {ratio:.2f}x | "
+            f"{sec(run['latency_p50_s'])} / {sec(run['latency_p99_s'])} | {sec(run['ttft_p50_s'])} / {sec(run['ttft_p99_s'])} | {run['mismatches']} |"
+        )
     return "\n".join(lines + ["", "![tokens/s against concurrency](tokens_per_s.png)", ""])
 
 
@@ -240,8 +304,20 @@ def write(out: Path, results: dict) -> None:
     atomic_write(out / "tokens_per_s.png", plot(results))
 
 
-def load(base: str, methods: list[str], concurrency: list[int], prompts: list[str], requests: int, max_tokens: int,
-         timeout_s: float, time_limit_s: float, server: str, command: str, prompt_source: str, log=print) -> dict:
+def load(
+    base: str,
+    methods: list[str],
+    concurrency: list[int],
+    prompts: list[str],
+    requests: int,
+    max_tokens: int,
+    timeout_s: float,
+    time_limit_s: float,
+    server: str,
+    command: str,
+    prompt_source: str,
+    log=print,
+) -> dict:
     """Every (method, concurrency) run, in order; returns the results object (see the module docstring)."""
     model = served_model(base)
     runs = []
@@ -250,12 +326,24 @@ def load(base: str, methods: list[str], concurrency: list[int], prompts: list[st
         for c in concurrency:
             run = asyncio.run(run_load(base, model, method, prompts, c, requests, max_tokens, timeout_s, deadline))
             runs.append(run)
-            log(f"{method} x{c}: {run.requests} requests, {run.errors} errors, {run.tokens_per_s:.1f} tokens/s, "
-                f"latency p50 {run.latency_p50_s or 0:.2f} s")
+            log(
+                f"{method} x{c}: {run.requests} requests, {run.errors} errors, {run.tokens_per_s:.1f} tokens/s, "
+                f"latency p50 {run.latency_p50_s or 0:.2f} s"
+            )
     count_mismatches(runs)
-    return {"command": command, "server": server, "model": model,
-            "settings": {"requests": requests, "max_tokens": max_tokens, "concurrency": concurrency, "methods": methods, "prompts": prompt_source},
-            "runs": [asdict(r) for r in runs]}
+    return {
+        "command": command,
+        "server": server,
+        "model": model,
+        "settings": {
+            "requests": requests,
+            "max_tokens": max_tokens,
+            "concurrency": concurrency,
+            "methods": methods,
+            "prompts": prompt_source,
+        },
+        "runs": [asdict(r) for r in runs],
+    }
 
 
 def load_prompt_texts(datasets: list[str], data_dir: str | None, count: int) -> list[str]:
@@ -269,15 +357,29 @@ def load_prompt_texts(datasets: list[str], data_dir: str | None, count: int) -> 
 
 
 def load_command(
-    url: Optional[str] = typer.Option(None, help="The server's base URL on this machine, e.g. http://127.0.0.1:8000/v1 (or --spawn)."),
-    spawn: bool = typer.Option(False, help="Start `draftverify serve` with --methods on a free loopback port, and stop it after."),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help="--spawn: the target model (default: SmolLM2-135M-Instruct)."),
-    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="--spawn: the draft (see `draftverify generate --help`)."),
-    methods: str = typer.Option("autoregressive,auto", help="Methods to load, comma-separated method specs; each request names one (the server must have it)."),
+    url: Optional[str] = typer.Option(
+        None, help="The server's base URL on this machine, e.g. http://127.0.0.1:8000/v1 (or --spawn)."
+    ),
+    spawn: bool = typer.Option(
+        False, help="Start `draftverify serve` with --methods on a free loopback port, and stop it after."
+    ),
+    target: Optional[str] = typer.Option(
+        None, "--target", "-t", help="--spawn: the target model (default: SmolLM2-135M-Instruct)."
+    ),
+    draft: Optional[str] = typer.Option(
+        None, "--draft", "-d", help="--spawn: the draft (see `draftverify generate --help`)."
+    ),
+    methods: str = typer.Option(
+        "autoregressive,auto",
+        help="Methods to load, comma-separated method specs; each request names one (the server must have it).",
+    ),
     concurrency: str = typer.Option("1,8", help="Concurrent clients per run, comma-separated, e.g. 1,4,8."),
     requests: int = typer.Option(24, help="Requests per run (method x concurrency)."),
     max_tokens: int = typer.Option(64, help="New tokens per request at most."),
-    datasets: str = typer.Option("mt_bench,humaneval,gsm8k,cnn_dailymail", help="Shared prompt sets the prompts come from (first turns, taken in turn)."),
+    datasets: str = typer.Option(
+        "mt_bench,humaneval,gsm8k,cnn_dailymail",
+        help="Shared prompt sets the prompts come from (first turns, taken in turn).",
+    ),
     data_dir: Optional[str] = typer.Option(None, help="The folder holding the prompt sets (default: ../shared/data)."),
     timeout: float = typer.Option(300.0, help="Seconds one request may take before it counts as an error."),
     time_limit: float = typer.Option(1800.0, help="No request starts after this many seconds of the whole load run."),
@@ -291,15 +393,34 @@ def load_command(
 
     require(spawn != (url is not None), "give either --url (a running server on this machine) or --spawn")
     require(requests >= 1 and max_tokens >= 1, "--requests and --max-tokens must be at least 1")
-    levels = [int(x) for x in concurrency.split(",") if x.strip()] if re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", concurrency) else []
-    require(levels and all(c >= 1 for c in levels), f"--concurrency {concurrency!r}: give positive whole numbers, e.g. 1,4,8")
+    levels = (
+        [int(x) for x in concurrency.split(",") if x.strip()]
+        if re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", concurrency)
+        else []
+    )
+    require(
+        levels and all(c >= 1 for c in levels),
+        f"--concurrency {concurrency!r}: give positive whole numbers, e.g. 1,4,8",
+    )
     labels = [s.label for s in parse_specs(methods)] if spawn else split_specs(methods)
     prompts = load_prompt_texts([d for d in datasets.split(",") if d], data_dir, requests)
     command = "draftverify " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["load"] else ""
 
     def go(base: str, server: str) -> dict:
-        return load(base, labels, levels, prompts, requests, max_tokens, timeout, time_limit, server, command, datasets,
-                    log=lambda m: typer.echo(m, err=True))
+        return load(
+            base,
+            labels,
+            levels,
+            prompts,
+            requests,
+            max_tokens,
+            timeout,
+            time_limit,
+            server,
+            command,
+            datasets,
+            log=lambda m: typer.echo(m, err=True),
+        )
 
     if spawn:
         typer.echo("starting draftverify serve on loopback (loading the model)...", err=True)

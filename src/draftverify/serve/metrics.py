@@ -56,22 +56,56 @@ class Metrics:
                     text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
                     lines.append(f"draftverify_{name}{{{text}}} {value:g}" if text else f"draftverify_{name} {value:g}")
 
-            family("requests_total", "counter", "HTTP requests answered, by route and status code.",
-                   [({"route": r, "status": s}, n) for (r, s), n in sorted(self.requests.items())])
+            family(
+                "requests_total",
+                "counter",
+                "HTTP requests answered, by route and status code.",
+                [({"route": r, "status": s}, n) for (r, s), n in sorted(self.requests.items())],
+            )
             family("queue_depth", "gauge", "Requests waiting for the model.", [({}, queue_depth)])
             family("queue_capacity", "gauge", "The most requests that may wait (--max-queue).", [({}, queue_capacity)])
             family("busy", "gauge", "1 while a generation runs.", [({}, int(busy))])
-            family("generations_total", "counter", "Generations run, by method and finish reason (eos, stop, length, cancelled, error).",
-                   [({"method": m, "finish_reason": f}, n) for (m, f), n in sorted(self.generations.items())])
+            family(
+                "generations_total",
+                "counter",
+                "Generations run, by method and finish reason (eos, stop, length, cancelled, error).",
+                [({"method": m, "finish_reason": f}, n) for (m, f), n in sorted(self.generations.items())],
+            )
             per_method = sorted(self.per_method.items())
             for name, (help_, _) in PER_METHOD.items():
                 family(name, "counter", help_, [({"method": m}, c[name]) for m, c in per_method])
-            family("generation_seconds_total", "counter", "Seconds spent generating.", [({"method": m}, c["generation_seconds_total"]) for m, c in per_method])
-            family("queue_wait_seconds_total", "counter", "Seconds requests waited in line before generating.", [({"method": m}, c["queue_wait_seconds_total"]) for m, c in per_method])
-            family("acceptance_rate", "gauge", "accepted / drafted tokens since start.",
-                   [({"method": m}, c["accepted_tokens_total"] / c["drafted_tokens_total"]) for m, c in per_method if c["drafted_tokens_total"]])
-            family("tokens_per_target_forward", "gauge", "generated tokens / target forwards since start.",
-                   [({"method": m}, c["generated_tokens_total"] / c["target_forwards_total"]) for m, c in per_method if c["target_forwards_total"]])
+            family(
+                "generation_seconds_total",
+                "counter",
+                "Seconds spent generating.",
+                [({"method": m}, c["generation_seconds_total"]) for m, c in per_method],
+            )
+            family(
+                "queue_wait_seconds_total",
+                "counter",
+                "Seconds requests waited in line before generating.",
+                [({"method": m}, c["queue_wait_seconds_total"]) for m, c in per_method],
+            )
+            family(
+                "acceptance_rate",
+                "gauge",
+                "accepted / drafted tokens since start.",
+                [
+                    ({"method": m}, c["accepted_tokens_total"] / c["drafted_tokens_total"])
+                    for m, c in per_method
+                    if c["drafted_tokens_total"]
+                ],
+            )
+            family(
+                "tokens_per_target_forward",
+                "gauge",
+                "generated tokens / target forwards since start.",
+                [
+                    ({"method": m}, c["generated_tokens_total"] / c["target_forwards_total"])
+                    for m, c in per_method
+                    if c["target_forwards_total"]
+                ],
+            )
             return "\n".join(lines) + "\n"
 
 

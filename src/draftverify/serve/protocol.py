@@ -45,16 +45,32 @@ NEUTRAL = {
 class ApiError(Exception):
     """An answer in the OpenAI error format: `{"error": {"message", "type", "param", "code"}}`."""
 
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-             429: "rate_limit_error", 500: "server_error", 503: "service_unavailable", 504: "timeout"}
+    TYPES = {
+        400: "invalid_request_error",
+        404: "invalid_request_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+        500: "server_error",
+        503: "service_unavailable",
+        504: "timeout",
+    }
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"), "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class _Strict(BaseModel):
@@ -77,7 +93,12 @@ class Message(_Strict):
         if isinstance(content, list):
             texts = []
             for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) and len(part) == 2):
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                    and len(part) == 2
+                ):
                     raise ValueError('only text parts are supported: send {"type": "text", "text": "..."}')
                 texts.append(part["text"])
             return "".join(texts)
@@ -101,7 +122,9 @@ class _Common(_Strict):
     @classmethod
     def _not_tiny(cls, t: float) -> float:
         if 0 < t < MIN_TEMPERATURE:
-            raise ValueError(f"{t} is too small to sample with: use 0 for greedy decoding or at least {MIN_TEMPERATURE}")
+            raise ValueError(
+                f"{t} is too small to sample with: use 0 for greedy decoding or at least {MIN_TEMPERATURE}"
+            )
         return t
 
     @field_validator("stop", mode="before")
@@ -146,7 +169,12 @@ def parse_request(raw: bytes, kind: str) -> CompletionRequest | ChatRequest:
         if field in data:
             value = data.pop(field)
             if not any(value == a and type(value) is type(a) for a in allowed):
-                raise ApiError(400, f"{field}={json.dumps(value)} is not supported by this server: remove the field", param=field, code="unsupported_parameter")
+                raise ApiError(
+                    400,
+                    f"{field}={json.dumps(value)} is not supported by this server: remove the field",
+                    param=field,
+                    code="unsupported_parameter",
+                )
     model = ChatRequest if kind == "chat" else CompletionRequest
     try:
         request = model.model_validate(data)
@@ -160,7 +188,12 @@ def parse_request(raw: bytes, kind: str) -> CompletionRequest | ChatRequest:
 def _field_error(error: dict, model: type[BaseModel]) -> ApiError:
     param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"]).lstrip(".")
     if error["type"] == "extra_forbidden":
-        return ApiError(400, f"unknown field {param!r}: remove it (fields: {', '.join(sorted(model.model_fields))})", param=param, code="unknown_field")
+        return ApiError(
+            400,
+            f"unknown field {param!r}: remove it (fields: {', '.join(sorted(model.model_fields))})",
+            param=param,
+            code="unknown_field",
+        )
     message = error["msg"].removeprefix("Value error, ")
     return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
 
@@ -178,11 +211,21 @@ class Reply:
 
     def _head(self, chunk: bool) -> dict:
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return {"id": self.id, "object": obj + (".chunk" if chunk and self.kind == "chat" else ""), "created": self.created, "model": self.model}
+        return {
+            "id": self.id,
+            "object": obj + (".chunk" if chunk and self.kind == "chat" else ""),
+            "created": self.created,
+            "model": self.model,
+        }
 
     def whole(self, text: str, finish: str, usage: dict, stats: dict) -> dict:
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         return {**self._head(False), "choices": [choice], "usage": usage, "draftverify": stats}
@@ -205,7 +248,11 @@ def sse(payload: dict | str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def stats_object(stats: Stats, method: str, queue_s: float) -> dict:

@@ -136,7 +136,12 @@ class Scheduler:
                 raise ApiError(503, "the server is shutting down: retry on another replica", code="shutting_down")
             if len(self._line) >= self.max_queue:
                 wait = max(1, math.ceil(self._mean_s * (len(self._line) + 1) / self.max_batch))
-                raise ApiError(429, f"the queue is full ({self.max_queue} requests waiting): retry in {wait}s", code="queue_full", headers={"Retry-After": str(wait)})
+                raise ApiError(
+                    429,
+                    f"the queue is full ({self.max_queue} requests waiting): retry in {wait}s",
+                    code="queue_full",
+                    headers={"Retry-After": str(wait)},
+                )
             self._line.append(ticket)
             self._cond.notify()
 
@@ -155,7 +160,11 @@ class Scheduler:
             waiting, self._line = list(self._line), deque()
             self._cond.notify_all()
         for ticket in waiting:
-            ticket.post(Outcome(error=ApiError(503, "the server is shutting down: retry on another replica", code="shutting_down")))
+            ticket.post(
+                Outcome(
+                    error=ApiError(503, "the server is shutting down: retry on another replica", code="shutting_down")
+                )
+            )
 
     def stop(self, timeout_s: float) -> bool:
         """Drain at once and wait for the worker to finish. False if it is still running."""
@@ -210,8 +219,18 @@ class Scheduler:
         ticket.slot = self._free_slot()
         try:
             method, session = self.engine.request(
-                job.prompt, method=job.name, preset=job.preset, max_new_tokens=job.max_tokens, temperature=job.temperature,
-                top_p=job.top_p, top_k=job.top_k, seed=job.seed, stop=list(job.stop), on_tokens=on_tokens, slot=ticket.slot, **job.options,
+                job.prompt,
+                method=job.name,
+                preset=job.preset,
+                max_new_tokens=job.max_tokens,
+                temperature=job.temperature,
+                top_p=job.top_p,
+                top_k=job.top_k,
+                seed=job.seed,
+                stop=list(job.stop),
+                on_tokens=on_tokens,
+                slot=ticket.slot,
+                **job.options,
             )
         except Exception as exc:  # this request's error; keep serving
             return ticket.post(Outcome(error=failure(exc)))
@@ -233,7 +252,13 @@ class Scheduler:
         if ticket.cut == "timeout":
             return ticket.post(Outcome(error=timeout_error(ticket)))
         if ticket.cut == "shutdown":
-            return ticket.post(Outcome(error=ApiError(503, "the server shut down during this request: retry on another replica", code="shutting_down")))
+            return ticket.post(
+                Outcome(
+                    error=ApiError(
+                        503, "the server shut down during this request: retry on another replica", code="shutting_down"
+                    )
+                )
+            )
         ticket.post(Outcome(result=self.engine.result(session)))
 
     def _cut_reason(self, ticket: Ticket) -> str | None:
@@ -253,8 +278,14 @@ def failure(exc: BaseException) -> ApiError:
     if isinstance(exc, DraftVerifyError):
         return ApiError(400, str(exc), code="invalid_request")
     log.error("generation failed", exc_info=exc)
-    return ApiError(500, f"generation failed: {type(exc).__name__}: {str(exc).partition(chr(10))[0]}", code="generation_failed")
+    return ApiError(
+        500, f"generation failed: {type(exc).__name__}: {str(exc).partition(chr(10))[0]}", code="generation_failed"
+    )
 
 
 def timeout_error(ticket: Ticket) -> ApiError:
-    return ApiError(504, f"the request took longer than the server's timeout of {ticket.timeout_s:g}s: ask for fewer tokens or retry later", code="timeout")
+    return ApiError(
+        504,
+        f"the request took longer than the server's timeout of {ticket.timeout_s:g}s: ask for fewer tokens or retry later",
+        code="timeout",
+    )

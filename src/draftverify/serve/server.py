@@ -18,7 +18,9 @@ class Server(uvicorn.Server):
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", announce=None):
         self.service = app.state.service
         grace = self.service.config.shutdown_grace_s
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(grace + DRAIN_MARGIN_S) + 1)
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(grace + DRAIN_MARGIN_S) + 1
+        )
         super().__init__(config)
         self.announce = announce  # called with the bound port once the server listens
 

@@ -38,14 +38,16 @@ def pareto_tables(results: dict) -> dict[str, list[dict]]:
             s = summary.get(m["label"])
             if m["label"] == baseline or s is None or any(s[k]["median"] is None for k in RATES):
                 continue
-            rows.append({
-                "label": m["label"],
-                "series": series_of(m["label"]),
-                "verification_rate": s["target_forwards_per_token"]["median"],
-                "discard_rate": s["discarded_per_token"]["median"],
-                "tokens_per_s": s["tokens_per_s"]["median"],
-                "speedup": s["speedup"]["median"],
-            })
+            rows.append(
+                {
+                    "label": m["label"],
+                    "series": series_of(m["label"]),
+                    "verification_rate": s["target_forwards_per_token"]["median"],
+                    "discard_rate": s["discarded_per_token"]["median"],
+                    "tokens_per_s": s["tokens_per_s"]["median"],
+                    "speedup": s["speedup"]["median"],
+                }
+            )
         on_front = frontier([(r["verification_rate"], r["discard_rate"]) for r in rows])
         for row, front in zip(rows, on_front):
             row["frontier"] = front
@@ -90,7 +92,13 @@ def to_markdown(tables: dict[str, list[dict]], source: str) -> str:
         "![pareto](pareto.png)",
     ]
     for name, rows in tables.items():
-        out += ["", f"## {name}", "", "| method | verification rate | discard rate | tokens/s | speedup | frontier |", "|---|---|---|---|---|---|"]
+        out += [
+            "",
+            f"## {name}",
+            "",
+            "| method | verification rate | discard rate | tokens/s | speedup | frontier |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in sorted(rows, key=lambda r: r["verification_rate"]):
             out.append(
                 f"| `{r['label']}` | {r['verification_rate']:.3f} | {r['discard_rate']:.3f} | {fmt(r['tokens_per_s'], '.1f')} | "
@@ -125,18 +133,22 @@ def pareto_plot(tables: dict[str, list[dict]]) -> bytes:
 
 def pareto_command(
     results: Path = typer.Argument(..., help="A results.json written by `draftverify bench`."),
-    out: Optional[Path] = typer.Option(None, help="Output folder for pareto.md and pareto.png. Default: the results' folder."),
+    out: Optional[Path] = typer.Option(
+        None, help="Output folder for pareto.md and pareto.png. Default: the results' folder."
+    ),
 ):
     """Draw the SpecDec++ paper's Pareto view of a bench run: verification rate vs discard rate per method."""
-    from draftverify.util import atomic_write
     from draftverify.errors import DraftVerifyError, require
+    from draftverify.util import atomic_write
 
     require(results.is_file(), f"{results} does not exist: pass the results.json of a `draftverify bench` run")
     try:
         data = json.loads(results.read_text())
         tables = pareto_tables(data)
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise DraftVerifyError(f"{results} is not a bench results.json ({type(exc).__name__}: {exc}): rerun `draftverify bench`") from None
+        raise DraftVerifyError(
+            f"{results} is not a bench results.json ({type(exc).__name__}: {exc}): rerun `draftverify bench`"
+        ) from None
     require(any(tables.values()), f"{results} has no method with drafts to compare: bench some draft methods first")
     out = out or results.parent
     out.mkdir(parents=True, exist_ok=True)

@@ -24,8 +24,8 @@ from typing import Optional
 
 import typer
 
-from draftverify.errors import DraftVerifyError, require
 from draftverify.drafters.skipsets import SkipSet, save_skip_set
+from draftverify.errors import DraftVerifyError, require
 from draftverify.models import Loaded, decoder_layers
 from draftverify.util import same_weights
 
@@ -46,7 +46,9 @@ class Measured:
     cut_short: bool = False  # stopped after some prompts because it was hopeless
 
 
-def measure(engine, prompts: list[list[int]], max_new_tokens: int, clock: str, give_up_ms: float | None = None, **method) -> Measured:
+def measure(
+    engine, prompts: list[list[int]], max_new_tokens: int, clock: str, give_up_ms: float | None = None, **method
+) -> Measured:
     """Time per generated token (prefill included) of `method` over `prompts` (greedy)."""
     now = CLOCKS[clock]
     seconds = tokens = drafted = accepted = steps = emitted = 0
@@ -69,7 +71,10 @@ def measure(engine, prompts: list[list[int]], max_new_tokens: int, clock: str, g
 
 def skip_params(skip: SkipSet, n_layers: int) -> dict:
     """A skip set as the study's parameters: one boolean per sub-layer."""
-    return {**{f"attention.{i}": i in skip.attention for i in range(n_layers)}, **{f"mlp.{i}": i in skip.mlp for i in range(n_layers)}}
+    return {
+        **{f"attention.{i}": i in skip.attention for i in range(n_layers)},
+        **{f"mlp.{i}": i in skip.mlp for i in range(n_layers)},
+    }
 
 
 def params_skip(params: dict) -> SkipSet:
@@ -121,7 +126,10 @@ def search_layers(
     require(trials is None or trials >= 1, f"--trials {trials} must be at least 1")
     require(prompts, "no development prompts: pass --prompts FILE with at least one prompt")
     method = dict(method or {})
-    require("skip" not in method and "strategy" not in method and "skip_file" not in method, "the search chooses the skip set: drop skip, strategy and skip_file from the method options")
+    require(
+        "skip" not in method and "strategy" not in method and "skip_file" not in method,
+        "the search chooses the skip set: drop skip, strategy and skip_file from the method options",
+    )
     n_layers = len(decoder_layers(target.model))
     identity = target.identity
     settings = {
@@ -139,14 +147,21 @@ def search_layers(
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(storage_path)))
     done_before = sum(s.n_trials for s in optuna.get_all_study_summaries(storage) if s.study_name == STUDY_NAME)
-    sampler = optuna.samplers.TPESampler(seed=seed + done_before, multivariate=True, n_startup_trials=len(WARM_START_SCALES) + 4)
-    study = optuna.create_study(storage=storage, study_name=STUDY_NAME, sampler=sampler, direction="minimize", load_if_exists=True)
+    sampler = optuna.samplers.TPESampler(
+        seed=seed + done_before, multivariate=True, n_startup_trials=len(WARM_START_SCALES) + 4
+    )
+    study = optuna.create_study(
+        storage=storage, study_name=STUDY_NAME, sampler=sampler, direction="minimize", load_if_exists=True
+    )
     if not study.user_attrs:
         study.set_user_attr("model", identity)
         study.set_user_attr("settings", settings)
         for scale in WARM_START_SCALES:
             study.enqueue_trial(skip_params(SkipSet.heuristic(n_layers, scale), n_layers))
-    require(same_weights(study.user_attrs["model"], identity), f"the study at {storage_path} was made for another model: use another --out")
+    require(
+        same_weights(study.user_attrs["model"], identity),
+        f"the study at {storage_path} was made for another model: use another --out",
+    )
     require(
         study.user_attrs["settings"] == settings,
         f"the study at {storage_path} measured other prompts or settings ({study.user_attrs['settings']}): "
@@ -156,12 +171,20 @@ def search_layers(
     engine = Engine(target)
     engine.generate(prompts[0], method="autoregressive", max_new_tokens=4)  # warm-up
     autoregressive = measure(engine, prompts, max_new_tokens, clock, method="autoregressive").ms_per_token
-    finished = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and not t.user_attrs["cut_short"]]
+    finished = [
+        t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and not t.user_attrs["cut_short"]
+    ]
     best = min(finished, key=lambda t: t.value, default=None)
 
     def objective(trial: optuna.Trial) -> float:
-        skip = params_skip({name: trial.suggest_categorical(name, [False, True]) for name in skip_params(SkipSet(), n_layers)})
-        limit = None if give_up is None else give_up * min(autoregressive, best.value if best is not None else autoregressive)
+        skip = params_skip(
+            {name: trial.suggest_categorical(name, [False, True]) for name in skip_params(SkipSet(), n_layers)}
+        )
+        limit = (
+            None
+            if give_up is None
+            else give_up * min(autoregressive, best.value if best is not None else autoregressive)
+        )
         m = measure(engine, prompts, max_new_tokens, clock, limit, method="self-speculative", skip=skip, **method)
         for key, value in asdict(m).items():
             trial.set_user_attr(key, value)
@@ -202,36 +225,70 @@ def study_path(out: Path) -> Path:
 
 def write_result(out: Path, result: SearchResult, identity: dict, seed: int, clock: str) -> None:
     m = result.measured
-    save_skip_set(out, result.skip, identity, search={
-        "objective": f"ms per generated token ({clock} clock), greedy, on the development prompts",
-        "ms_per_token": round(m.ms_per_token, 3),
-        "autoregressive_ms_per_token": round(result.autoregressive_ms_per_token, 3),
-        "speedup": round(result.speedup, 4),
-        "acceptance": None if m.acceptance is None else round(m.acceptance, 4),
-        "tokens_per_step": None if m.tokens_per_step is None else round(m.tokens_per_step, 4),
-        "trials": result.trials,
-        "seed": seed,
-    })
+    save_skip_set(
+        out,
+        result.skip,
+        identity,
+        search={
+            "objective": f"ms per generated token ({clock} clock), greedy, on the development prompts",
+            "ms_per_token": round(m.ms_per_token, 3),
+            "autoregressive_ms_per_token": round(result.autoregressive_ms_per_token, 3),
+            "speedup": round(result.speedup, 4),
+            "acceptance": None if m.acceptance is None else round(m.acceptance, 4),
+            "tokens_per_step": None if m.tokens_per_step is None else round(m.tokens_per_step, 4),
+            "trials": result.trials,
+            "seed": seed,
+        },
+    )
 
 
 # -- the command ---------------------------------------------------------------------------
 
 
 def search_layers_command(
-    out: Path = typer.Option(..., "--out", help="Where to write the skip set (JSON); the study is kept next to it in OUT.study.journal."),
-    model: Optional[str] = typer.Option(None, "--model", "--target", "-t", help="The model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct."),
-    prompts: Path = typer.Option(DEV_PROMPTS, "--prompts", "-p", help="Development prompts: .jsonl with a prompt field (and optional chat: bool) or .txt, one per line. Keep them disjoint from your benchmark prompts."),
-    budget: float = typer.Option(10.0, "--budget", "-b", help="Time budget in minutes; the running trial finishes after it."),
-    trials: Optional[int] = typer.Option(None, "--trials", help="Stop after this many trials in this session (default: only the budget)."),
+    out: Path = typer.Option(
+        ..., "--out", help="Where to write the skip set (JSON); the study is kept next to it in OUT.study.journal."
+    ),
+    model: Optional[str] = typer.Option(
+        None,
+        "--model",
+        "--target",
+        "-t",
+        help="The model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct.",
+    ),
+    prompts: Path = typer.Option(
+        DEV_PROMPTS,
+        "--prompts",
+        "-p",
+        help="Development prompts: .jsonl with a prompt field (and optional chat: bool) or .txt, one per line. Keep them disjoint from your benchmark prompts.",
+    ),
+    budget: float = typer.Option(
+        10.0, "--budget", "-b", help="Time budget in minutes; the running trial finishes after it."
+    ),
+    trials: Optional[int] = typer.Option(
+        None, "--trials", help="Stop after this many trials in this session (default: only the budget)."
+    ),
     seed: int = typer.Option(0, help="Seed of the TPE sampler."),
     resume: bool = typer.Option(False, help="Continue the study kept next to OUT (same model, prompts and settings)."),
     limit: Optional[int] = typer.Option(None, help="Use only the first N prompts (each trial decodes them all)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="New tokens per prompt and trial."),
     chat: bool = typer.Option(True, help="Wrap prompts in the chat template unless their JSONL row says otherwise."),
-    clock: str = typer.Option("wall", help="wall: elapsed time; cpu: this process's CPU time (steadier on a busy machine, CPU only)."),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads while searching (1 with --clock cpu on a shared machine)."),
-    give_up: float = typer.Option(GIVE_UP, help="Stop measuring a trial once it runs this many times slower than the best so far (0 = measure every trial in full)."),
-    option: list[str] = typer.Option([], "--option", "-o", help="A self-speculative option as key=value for every trial, e.g. -o policy=constant -o k=4. Repeatable."),
+    clock: str = typer.Option(
+        "wall", help="wall: elapsed time; cpu: this process's CPU time (steadier on a busy machine, CPU only)."
+    ),
+    threads: Optional[int] = typer.Option(
+        None, help="torch CPU threads while searching (1 with --clock cpu on a shared machine)."
+    ),
+    give_up: float = typer.Option(
+        GIVE_UP,
+        help="Stop measuring a trial once it runs this many times slower than the best so far (0 = measure every trial in full).",
+    ),
+    option: list[str] = typer.Option(
+        [],
+        "--option",
+        "-o",
+        help="A self-speculative option as key=value for every trial, e.g. -o policy=constant -o k=4. Repeatable.",
+    ),
     dtype: str = typer.Option("auto", help="Weights dtype: auto, fp32, bf16 or fp16."),
     device: str = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N."),
 ):
@@ -254,10 +311,23 @@ def search_layers_command(
     encode = Engine(target).encode
     ids = [encode(text, chat=as_chat) for text, as_chat in rows]
     try:
-        result = search_layers(target, ids, out, budget * 60, trials, seed, resume, max_new_tokens, clock, parse_options(option),
-                               give_up=give_up or None)
+        result = search_layers(
+            target,
+            ids,
+            out,
+            budget * 60,
+            trials,
+            seed,
+            resume,
+            max_new_tokens,
+            clock,
+            parse_options(option),
+            give_up=give_up or None,
+        )
     except KeyboardInterrupt:
-        raise DraftVerifyError(f"interrupted: the best skip set so far is in {out}; continue with the same command and --resume") from None
+        raise DraftVerifyError(
+            f"interrupted: the best skip set so far is in {out}; continue with the same command and --resume"
+        ) from None
     m = result.measured
     typer.echo(
         f"best of {result.trials} trials: skip {result.skip.describe()} ({result.skip.size} of {2 * len(decoder_layers(target.model))} sub-layers)\n"

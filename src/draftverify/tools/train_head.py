@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 import typer
 
-from draftverify.errors import require
 from draftverify.drafters.head import AcceptanceHead, save_head
+from draftverify.errors import require
 from draftverify.models import Loaded, Runner
 from draftverify.sampling import Sampling
 from draftverify.util import atomic_path, atomic_write, cache_root
@@ -47,8 +47,12 @@ class TrainSettings:
     seed: int = 0
 
     def __post_init__(self):
-        require(0 <= self.r < 1, f"mixing fraction r={self.r} must lie in [0, 1): some positions must hold draft tokens")
-        require(self.w_acc > 0 and self.w_rej > 0, f"loss weights w_acc={self.w_acc}, w_rej={self.w_rej} must be positive")
+        require(
+            0 <= self.r < 1, f"mixing fraction r={self.r} must lie in [0, 1): some positions must hold draft tokens"
+        )
+        require(
+            self.w_acc > 0 and self.w_rej > 0, f"loss weights w_acc={self.w_acc}, w_rej={self.w_rej} must be positive"
+        )
         require(self.epochs >= 1, f"epochs={self.epochs} must be at least 1")
         require(self.lr > 0 and self.batch_size >= 1, "learning rate and batch size must be positive")
         require(0 <= self.holdout < 1, f"holdout={self.holdout} must lie in [0, 1)")
@@ -69,7 +73,9 @@ class Examples:
 def read_prompts(path: str | Path, chat: bool = True) -> list[tuple[str, bool]]:
     """Prompts from a .jsonl file ({"prompt": ..., optional "chat": bool}) or a text file (one per line)."""
     path = Path(path)
-    require(path.is_file(), f"prompt file {path} does not exist: pass --prompts FILE (.jsonl with a prompt field, or .txt)")
+    require(
+        path.is_file(), f"prompt file {path} does not exist: pass --prompts FILE (.jsonl with a prompt field, or .txt)"
+    )
     prompts = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -79,7 +85,10 @@ def read_prompts(path: str | Path, chat: bool = True) -> list[tuple[str, bool]]:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 row = None
-            require(isinstance(row, dict) and isinstance(row.get("prompt"), str), f"{path}:{number} is not a JSON object with a prompt field")
+            require(
+                isinstance(row, dict) and isinstance(row.get("prompt"), str),
+                f"{path}:{number} is not a JSON object with a prompt field",
+            )
             prompts.append((row["prompt"], bool(row.get("chat", chat))))
         else:
             prompts.append((line.replace("\\n", "\n"), chat))
@@ -102,7 +111,9 @@ def target_answers(
     require(max_new_tokens >= 1, f"max_new_tokens={max_new_tokens} must be at least 1")
     engine = Engine(target)
     ids = [engine.encode(text, chat=chat) for text, chat in prompts]
-    return ids, answer_prompts(target, ids, max_new_tokens, sampling, engine.eos_ids(), answer_batch, cache_dir, progress)
+    return ids, answer_prompts(
+        target, ids, max_new_tokens, sampling, engine.eos_ids(), answer_batch, cache_dir, progress
+    )
 
 
 def answer_prompts(
@@ -137,17 +148,35 @@ def answer_prompts(
     done = {int(i): a for i, a in partial["done"].items()} if partial["batch_size"] == batch_size else {}
     sample_kwargs = {"do_sample": False}
     if not sampling.greedy:
-        sample_kwargs = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or None, "top_p": sampling.top_p}
+        sample_kwargs = {
+            "do_sample": True,
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k or None,
+            "top_p": sampling.top_p,
+        }
     todo = [rows for rows in batches if not all(i in done for i in rows)]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed((sampling.seed or 0) + len(batches) - len(todo))  # `generate` samples from the global generator
-        for rows in tqdm(todo, desc="target answers", unit="batch", disable=not progress, initial=len(batches) - len(todo), total=len(batches)):
+        torch.manual_seed(
+            (sampling.seed or 0) + len(batches) - len(todo)
+        )  # `generate` samples from the global generator
+        for rows in tqdm(
+            todo,
+            desc="target answers",
+            unit="batch",
+            disable=not progress,
+            initial=len(batches) - len(todo),
+            total=len(batches),
+        ):
             width = max(len(prompts[i]) for i in rows)
             ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in rows], device=device)
             mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows], device=device)
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
-                eos_token_id=list(eos_ids) or None, **sample_kwargs,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad,
+                eos_token_id=list(eos_ids) or None,
+                **sample_kwargs,
             )
             for row, i in enumerate(rows):
                 done[i] = _cut_after_eos(out[row, width:].tolist(), eos_ids)
@@ -211,7 +240,9 @@ def label_responses(
 
     generator = torch.Generator(device=draft.device).manual_seed(seed)
     features, labels, response = [], [], []
-    for index, (prompt, answer) in enumerate(tqdm(list(zip(prompts, answers)), desc="labelling", unit="answer", disable=not progress)):
+    for index, (prompt, answer) in enumerate(
+        tqdm(list(zip(prompts, answers)), desc="labelling", unit="answer", disable=not progress)
+    ):
         n = len(answer)
         if n == 0:
             continue
@@ -299,7 +330,9 @@ def fit_head(examples: Examples, settings: TrainSettings, progress: bool = True)
     is_held = torch.isin(examples.response, held)
     train = Examples(examples.features[~is_held], examples.labels[~is_held], examples.response[~is_held])
     test = Examples(examples.features[is_held], examples.labels[is_held], examples.response[is_held])
-    require(len(train.labels) > 0, "no training positions left after the held-out split: lower --holdout or add prompts")
+    require(
+        len(train.labels) > 0, "no training positions left after the held-out split: lower --holdout or add prompts"
+    )
     base_rate = min(max(train.labels.mean().item(), 1e-4), 1 - 1e-4)
 
     with torch.random.fork_rng():
@@ -323,7 +356,9 @@ def fit_head(examples: Examples, settings: TrainSettings, progress: bool = True)
         head.eval()
         row = {"epoch": epoch + 1, "train_weighted_bce": total / len(order)}
         if len(test.labels):
-            row["heldout_weighted_bce"] = evaluate(head, test, settings.w_acc, settings.w_rej, base_rate)["weighted_bce"]
+            row["heldout_weighted_bce"] = evaluate(head, test, settings.w_acc, settings.w_rej, base_rate)[
+                "weighted_bce"
+            ]
         history.append(row)
     report = {
         "train_positions": len(train.labels),
@@ -352,10 +387,22 @@ def train_head(
 ) -> AcceptanceHead:
     """Steps 1-4; returns the head with `settings` (training settings and report) filled in."""
     ids, answers = target_answers(target, prompts, sampling, max_new_tokens, answer_batch, cache_dir, progress)
-    key = _key("examples", target.identity, draft.identity, ids, answers, _describe(sampling), settings.r, settings.seed)
+    key = _key(
+        "examples", target.identity, draft.identity, ids, answers, _describe(sampling), settings.r, settings.seed
+    )
     examples = _read_examples(cache_dir, f"examples-{key}.safetensors")
     if examples is None:
-        examples = label_responses(Runner(target.model), Runner(draft.model), ids, answers, sampling, settings.r, settings.seed, progress, greedy_answers=sampling.greedy)
+        examples = label_responses(
+            Runner(target.model),
+            Runner(draft.model),
+            ids,
+            answers,
+            sampling,
+            settings.r,
+            settings.seed,
+            progress,
+            greedy_answers=sampling.greedy,
+        )
         _write_examples(cache_dir, f"examples-{key}.safetensors", examples)
     head, report = fit_head(examples, settings, progress=progress)
     head.settings = {
@@ -385,7 +432,9 @@ def report_markdown(head: AcceptanceHead, path: Path) -> str:
         "|---|---|---|",
     ]
     for row in report["history"]:
-        lines.append(f"| {row['epoch']} | {row['train_weighted_bce']:.4f} | {row.get('heldout_weighted_bce', float('nan')):.4f} |")
+        lines.append(
+            f"| {row['epoch']} | {row['train_weighted_bce']:.4f} | {row.get('heldout_weighted_bce', float('nan')):.4f} |"
+        )
     held = report["heldout"]
     if held:
         lines += [
@@ -398,7 +447,9 @@ def report_markdown(head: AcceptanceHead, path: Path) -> str:
             "|---|---|---|---|",
         ]
         for b in held["reliability"]:
-            lines.append(f"| {b['bin'][0]:.1f}-{b['bin'][1]:.1f} | {b['count']} | {b['mean_predicted']:.3f} | {b['mean_label']:.3f} |")
+            lines.append(
+                f"| {b['bin'][0]:.1f}-{b['bin'][1]:.1f} | {b['count']} | {b['mean_predicted']:.3f} | {b['mean_label']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -454,26 +505,62 @@ def _write_examples(cache_dir: Path | None, name: str, examples: Examples) -> No
 
 
 def train_head_command(
-    out: Path = typer.Option(..., "--out", "-o", help="Where to write the head (.safetensors); a training report (.md) is written next to it."),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help="Target model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct."),
-    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft model the head is for: a HF folder, a .gguf file or self:layers=N. Default: the target's default draft."),
-    prompts: Path = typer.Option(SHIPPED_PROMPTS, "--prompts", "-p", help="Training prompts: .jsonl with a prompt field (and optional chat: bool) or .txt, one per line. Keep them disjoint from your benchmark prompts."),
+    out: Path = typer.Option(
+        ...,
+        "--out",
+        "-o",
+        help="Where to write the head (.safetensors); a training report (.md) is written next to it.",
+    ),
+    target: Optional[str] = typer.Option(
+        None, "--target", "-t", help="Target model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct."
+    ),
+    draft: Optional[str] = typer.Option(
+        None,
+        "--draft",
+        "-d",
+        help="Draft model the head is for: a HF folder, a .gguf file or self:layers=N. Default: the target's default draft.",
+    ),
+    prompts: Path = typer.Option(
+        SHIPPED_PROMPTS,
+        "--prompts",
+        "-p",
+        help="Training prompts: .jsonl with a prompt field (and optional chat: bool) or .txt, one per line. Keep them disjoint from your benchmark prompts.",
+    ),
     chat: bool = typer.Option(True, help="Wrap prompts in the chat template unless their JSONL row says otherwise."),
-    depth: int = typer.Option(1, "--depth", "-D", help="D: residual SiLU blocks before the output layer (0 = a linear head)."),
-    r: float = typer.Option(0.15, "--mix", "-r", help="r: fraction of response positions that keep the target's token; the rest hold draft samples and carry the loss."),
+    depth: int = typer.Option(
+        1, "--depth", "-D", help="D: residual SiLU blocks before the output layer (0 = a linear head)."
+    ),
+    r: float = typer.Option(
+        0.15,
+        "--mix",
+        "-r",
+        help="r: fraction of response positions that keep the target's token; the rest hold draft samples and carry the loss.",
+    ),
     w_acc: float = typer.Option(1.0, help="Loss weight of the accept side of the binary cross-entropy."),
-    w_rej: float = typer.Option(6.0, help="Loss weight of the reject side (the paper tries 1, 3, 6, 12; larger stops drafting earlier)."),
-    epochs: int = typer.Option(7, help="Passes over the training positions (the default pair over-fitted after 7: watch the held-out column of the report)."),
+    w_rej: float = typer.Option(
+        6.0, help="Loss weight of the reject side (the paper tries 1, 3, 6, 12; larger stops drafting earlier)."
+    ),
+    epochs: int = typer.Option(
+        7,
+        help="Passes over the training positions (the default pair over-fitted after 7: watch the held-out column of the report).",
+    ),
     lr: float = typer.Option(1e-3, help="AdamW learning rate."),
     batch_size: int = typer.Option(256, help="Training positions per optimiser step."),
     holdout: float = typer.Option(0.1, help="Fraction of responses held out for the loss and calibration report."),
     seed: int = typer.Option(0, help="Seed for draft samples, mixing, the split and the initial weights."),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", help="Length cap of the target's answers."),
-    temperature: float = typer.Option(0.0, help="Sampling settings the head is for: 0 = greedy labels (argmax match); > 0 labels min(1, p/q) at this temperature."),
+    temperature: float = typer.Option(
+        0.0,
+        help="Sampling settings the head is for: 0 = greedy labels (argmax match); > 0 labels min(1, p/q) at this temperature.",
+    ),
     top_k: int = typer.Option(0, help="Top-k of the sampling settings the head is for (0 = off)."),
     top_p: float = typer.Option(1.0, help="Top-p of the sampling settings the head is for (1 = off)."),
-    answer_batch: int = typer.Option(48, help="Prompts per batched `generate` call while the target answers (larger is faster per token on CPU)."),
-    cache: bool = typer.Option(True, help="Cache the target's answers and the labelled positions under ~/.cache/draftverify/specdec."),
+    answer_batch: int = typer.Option(
+        48, help="Prompts per batched `generate` call while the target answers (larger is faster per token on CPU)."
+    ),
+    cache: bool = typer.Option(
+        True, help="Cache the target's answers and the labelled positions under ~/.cache/draftverify/specdec."
+    ),
     dtype: str = typer.Option("auto", help="Weights dtype: auto, fp32, bf16 or fp16."),
     device: str = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N."),
 ):
@@ -486,7 +573,10 @@ def train_head_command(
     rows = read_prompts(prompts, chat)
     target_model = load_model(target, dtype=dtype, device=device)
     draft_model = load_draft(draft, target_model, dtype=dtype, device=device)
-    require(draft_model is not None, "train-head needs a draft model: pass --draft (a folder, a .gguf file or self:layers=N)")
+    require(
+        draft_model is not None,
+        "train-head needs a draft model: pass --draft (a folder, a .gguf file or self:layers=N)",
+    )
     cache_dir = cache_root() / "specdec" if cache else None
     head = train_head(target_model, draft_model, rows, settings, sampling, max_new_tokens, answer_batch, cache_dir)
     save_head(out, head, draft_model.identity, target_model.identity)

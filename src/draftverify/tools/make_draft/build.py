@@ -22,10 +22,18 @@ from pathlib import Path
 import torch
 
 from draftverify.errors import require
+from draftverify.models import DRAFT_META_FILE, Loaded, Runner, tokenizer_fingerprint
 from draftverify.tools.make_draft.data import DataCache, DataPlan, load_checked
 from draftverify.tools.make_draft.prompts import TEXT_LICENSE
-from draftverify.tools.make_draft.train import batches, choose_layers, collate, distill_loss, evaluate, init_draft, trainable
-from draftverify.models import DRAFT_META_FILE, Loaded, Runner, tokenizer_fingerprint
+from draftverify.tools.make_draft.train import (
+    batches,
+    choose_layers,
+    collate,
+    distill_loss,
+    evaluate,
+    init_draft,
+    trainable,
+)
 from draftverify.util import atomic_path
 
 DATA_SOURCES = {"chat": 0, "text": 1, "chat+text": 2}  # -> text_every: every n-th new shard is stdlib text
@@ -55,12 +63,18 @@ class DraftConfig:
 
     def __post_init__(self):
         require(self.layers >= 1, f"--layers {self.layers} must be at least 1")
-        require(self.layer_ids is None or len(self.layer_ids) == self.layers, "--layer-ids must name exactly --layers layers")
+        require(
+            self.layer_ids is None or len(self.layer_ids) == self.layers,
+            "--layer-ids must name exactly --layers layers",
+        )
         require(self.budget_minutes > 0, f"--budget-minutes {self.budget_minutes} must be positive")
         require(0 <= self.data_share < 1, f"data_share={self.data_share} must lie in [0, 1)")
         require(self.steps is None or self.steps >= 0, f"--steps {self.steps} must be >= 0")
         require(self.data in DATA_SOURCES, f"--data {self.data!r} is unknown: use one of {', '.join(DATA_SOURCES)}")
-        require(self.topk >= 1 and self.gen_batch >= 1 and self.max_new_tokens >= 1, "topk, gen_batch and max_new_tokens must be >= 1")
+        require(
+            self.topk >= 1 and self.gen_batch >= 1 and self.max_new_tokens >= 1,
+            "topk, gen_batch and max_new_tokens must be >= 1",
+        )
         require(self.heldout_prompts >= 1, "heldout_prompts must be >= 1")
         require(self.batch_tokens >= 16 and self.max_len >= 16, "batch_tokens and max_len must be >= 16")
         require(self.lr > 0, f"--lr {self.lr} must be positive")
@@ -91,24 +105,43 @@ def build_draft(
     plan = DataPlan(target.identity, config.seed, config.topk)
     cache = DataCache(work, plan)
     if config.data_share > 0 or not cache.shards():
-        cache.fill(target, start + config.budget_minutes * 60 * config.data_share, config.heldout_prompts, config.gen_batch,
-                   config.max_new_tokens, DATA_SOURCES[config.data], config.max_shards, log)
+        cache.fill(
+            target,
+            start + config.budget_minutes * 60 * config.data_share,
+            config.heldout_prompts,
+            config.gen_batch,
+            config.max_new_tokens,
+            DATA_SOURCES[config.data],
+            config.max_shards,
+            log,
+        )
     records, data_summary = cache.records()
     heldout = cache.heldout()
-    require(records, f"no training data was made within the budget: raise --budget-minutes (data cache: {cache.folder})")
+    require(
+        records, f"no training data was made within the budget: raise --budget-minutes (data cache: {cache.folder})"
+    )
 
     state = load_checked(checkpoint_path, "checkpoint") if checkpoint_path.exists() else None
     if state is not None:
-        require(state.get("plan") == asdict(plan) and state.get("layers") == config.layers,
-                f"checkpoint {checkpoint_path} belongs to another target or settings: delete {work} or use another --work")
+        require(
+            state.get("plan") == asdict(plan) and state.get("layers") == config.layers,
+            f"checkpoint {checkpoint_path} belongs to another target or settings: delete {work} or use another --work",
+        )
         layer_ids, layer_scores = tuple(state["layer_ids"]), state["layer_scores"]
     elif config.layer_ids is not None:
         layer_ids, layer_scores = tuple(config.layer_ids), {}
     else:
-        layer_ids, layer_scores = choose_layers(target, config.layers, heldout[: config.eval_sequences], config.batch_tokens, config.max_len)
-        log("layer choice (held-out KL before training): " + ", ".join(f"{k} {v['layers']} {v['kl']:.3f}" for k, v in layer_scores.items()))
+        layer_ids, layer_scores = choose_layers(
+            target, config.layers, heldout[: config.eval_sequences], config.batch_tokens, config.max_len
+        )
+        log(
+            "layer choice (held-out KL before training): "
+            + ", ".join(f"{k} {v['layers']} {v['kl']:.3f}" for k, v in layer_scores.items())
+        )
     model = init_draft(target, layer_ids)
-    state = train(model, records, heldout, config, layer_ids, layer_scores, plan, checkpoint_path, state, deadline, log, progress)
+    state = train(
+        model, records, heldout, config, layer_ids, layer_scores, plan, checkpoint_path, state, deadline, log, progress
+    )
 
     final = evaluate(model, heldout, config.batch_tokens, config.max_len)
     model.eval().requires_grad_(False)
@@ -120,7 +153,9 @@ def build_draft(
         "layer_choice": layer_scores,
         "steps": state["step"],
         "train_seconds": round(state["train_seconds"]),
-        "device": str(target.device) if target.device.type != "cpu" else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "device": str(target.device)
+        if target.device.type != "cpu"
+        else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
         "data": data_summary,
         "heldout": {"sequences": len(heldout), **final},
         "history": state["history"],
@@ -129,7 +164,9 @@ def build_draft(
         "command": command,
     }
     write_folder(model, target, out, facts, share_embeddings, save_dtype)
-    log(f"draft written to {out}: held-out greedy agreement {final['agreement']:.3f}, forward cost {cost['ratio']:.2f}x the target's")
+    log(
+        f"draft written to {out}: held-out greedy agreement {final['agreement']:.3f}, forward cost {cost['ratio']:.2f}x the target's"
+    )
     return facts
 
 
@@ -140,7 +177,9 @@ def learning_rate(config: DraftConfig, step: int, progress: float) -> float:
     return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def train(model, records, heldout, config, layer_ids, layer_scores, plan, checkpoint_path, state, deadline, log, progress) -> dict:
+def train(
+    model, records, heldout, config, layer_ids, layer_scores, plan, checkpoint_path, state, deadline, log, progress
+) -> dict:
     """Distil until `config.steps` or `deadline`; checkpoints every few minutes and at the end."""
     from tqdm import tqdm
 
@@ -151,7 +190,11 @@ def train(model, records, heldout, config, layer_ids, layer_scores, plan, checkp
         model.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
     else:
-        state = {"step": 0, "train_seconds": 0.0, "history": [{"step": 0, **evaluate(model, probe, config.batch_tokens, config.max_len)}]}
+        state = {
+            "step": 0,
+            "train_seconds": 0.0,
+            "history": [{"step": 0, **evaluate(model, probe, config.batch_tokens, config.max_len)}],
+        }
     state.update(plan=asdict(plan), layers=config.layers, layer_ids=list(layer_ids), layer_scores=layer_scores)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
 
@@ -160,8 +203,12 @@ def train(model, records, heldout, config, layer_ids, layer_scores, plan, checkp
         with atomic_path(checkpoint_path) as tmp:
             torch.save({**state, "model": params_state, "optimizer": optimizer.state_dict(), "names": names}, tmp)
 
-    budget = max(1e-9, deadline - time.monotonic() + state["train_seconds"])  # training seconds this build may spend in all
-    autocast = torch.autocast("cuda", torch.bfloat16) if model.device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    budget = max(
+        1e-9, deadline - time.monotonic() + state["train_seconds"]
+    )  # training seconds this build may spend in all
+    autocast = (
+        torch.autocast("cuda", torch.bfloat16) if model.device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    )
     schedule = _schedule(records, config)
     for _ in range(state["step"]):
         next(schedule)
@@ -186,7 +233,11 @@ def train(model, records, heldout, config, layer_ids, layer_scores, plan, checkp
             latest = {"step": state["step"], **evaluate(model, probe, config.batch_tokens, config.max_len)}
             state["history"].append(latest)
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agreed.float().mean().item():.2f}", heldout_agree=f"{latest['agreement']:.3f}")
+        bar.set_postfix(
+            loss=f"{loss.item():.3f}",
+            agree=f"{agreed.float().mean().item():.2f}",
+            heldout_agree=f"{latest['agreement']:.3f}",
+        )
         if time.monotonic() - last_save > config.checkpoint_minutes * 60:
             save()
             last_save = time.monotonic()
@@ -219,7 +270,12 @@ def relative_cost(draft: torch.nn.Module, target: torch.nn.Module, reps: int = 3
             times[name].append(time.perf_counter() - t0)
             runner.crop(prefix)
     medians = {name: statistics.median(t) for name, t in times.items()}
-    return {"draft_s": medians["draft"], "target_s": medians["target"], "ratio": medians["draft"] / medians["target"], "reps": reps}
+    return {
+        "draft_s": medians["draft"],
+        "target_s": medians["target"],
+        "ratio": medians["draft"] / medians["target"],
+        "reps": reps,
+    }
 
 
 def write_folder(model, target: Loaded, out: Path, facts: dict, share_embeddings: bool, save_dtype: str) -> None:
@@ -231,12 +287,20 @@ def write_folder(model, target: Loaded, out: Path, facts: dict, share_embeddings
     require(save_dtype in DTYPES, f"--save-dtype {save_dtype!r} is unknown: use one of {', '.join(DTYPES)}")
     out.mkdir(parents=True, exist_ok=True)
     in_key, out_key = (_weight_name(model, m) for m in (model.get_input_embeddings(), model.get_output_embeddings()))
-    skip = ({in_key, out_key} if share_embeddings else set()) | ({out_key} if model.config.tie_word_embeddings else set())
-    state = {n: t.detach().to("cpu", DTYPES[save_dtype]).contiguous() for n, t in model.state_dict().items() if n not in skip}
+    skip = ({in_key, out_key} if share_embeddings else set()) | (
+        {out_key} if model.config.tie_word_embeddings else set()
+    )
+    state = {
+        n: t.detach().to("cpu", DTYPES[save_dtype]).contiguous() for n, t in model.state_dict().items() if n not in skip
+    }
     embeddings = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
-    facts = {**facts, "share_embeddings": share_embeddings, "save_dtype": save_dtype,
-             "parameters": sum(p.numel() for p in model.parameters()),
-             "own_parameters": sum(p.numel() for p in model.parameters() if id(p) not in embeddings)}
+    facts = {
+        **facts,
+        "share_embeddings": share_embeddings,
+        "save_dtype": save_dtype,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "own_parameters": sum(p.numel() for p in model.parameters() if id(p) not in embeddings),
+    }
     with atomic_path(out, folder=True) as tmp:
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         facts["file_mb"] = round((tmp / "model.safetensors").stat().st_size / 2**20, 1)
@@ -245,8 +309,13 @@ def write_folder(model, target: Loaded, out: Path, facts: dict, share_embeddings
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         target.tokenizer.save_pretrained(tmp)
-        meta = {"made_by": "draftverify make-draft", "target": target.identity, "shared_embeddings": share_embeddings,
-                "tokenizer": tokenizer_fingerprint(target.tokenizer), "facts": facts}
+        meta = {
+            "made_by": "draftverify make-draft",
+            "target": target.identity,
+            "shared_embeddings": share_embeddings,
+            "tokenizer": tokenizer_fingerprint(target.tokenizer),
+            "facts": facts,
+        }
         (tmp / DRAFT_META_FILE).write_text(json.dumps(meta, indent=1))
         (tmp / "README.md").write_text(model_card(facts))
 
@@ -259,27 +328,36 @@ def model_card(f: dict) -> str:
     """README.md of the draft folder; every number comes from `facts`."""
     h = f["heldout"]
     c = f["relative_forward_cost"]
-    data_rows = "\n".join(f"| {kind} | {row['shards']} | {row['sequences']} | {row['positions']} |" for kind, row in sorted(f["data"].items()))
-    choice = "\n".join(f"| {name} | {v['layers']} | {v['kl']:.3f} | {v['agreement']:.3f} |" for name, v in f["layer_choice"].items()) or "| (given with --layer-ids) | | | |"
+    data_rows = "\n".join(
+        f"| {kind} | {row['shards']} | {row['sequences']} | {row['positions']} |"
+        for kind, row in sorted(f["data"].items())
+    )
+    choice = (
+        "\n".join(
+            f"| {name} | {v['layers']} | {v['kl']:.3f} | {v['agreement']:.3f} |"
+            for name, v in f["layer_choice"].items()
+        )
+        or "| (given with --layer-ids) | | | |"
+    )
     history = ", ".join(f"step {e['step']}: {e['agreement']:.3f}" for e in f["history"])
     load = (
         "The embedding and head weights are **not stored**: they are the target's, restored at load time by "
         "`draftverify.models.load_draft(PATH, target)` (or `--draft PATH`), which refuses any other target."
-        if f["share_embeddings"] else
-        "This is a complete transformers folder: `AutoModelForCausalLM.from_pretrained(PATH)` loads it."
+        if f["share_embeddings"]
+        else "This is a complete transformers folder: `AutoModelForCausalLM.from_pretrained(PATH)` loads it."
     )
-    return f"""# Draft model for {f['target']}
+    return f"""# Draft model for {f["target"]}
 
 A small causal LM that proposes tokens for lossless draft-then-verify decoding of
-**{f['target']}** with draftverify (speculative decoding,
+**{f["target"]}** with draftverify (speculative decoding,
 Ouroboros, SpecDec++...). It shares the target's tokenizer. Made by `draftverify make-draft`;
 every number below was written by that tool.
 
 {load}
 
 ## How it was made
-- Architecture: the target's ({f['target_identity']['model_type']}) with {len(f['layers'])} of its
-  {f['target_identity']['num_hidden_layers']} decoder layers: target layers {f['layers']}, plus its
+- Architecture: the target's ({f["target_identity"]["model_type"]}) with {len(f["layers"])} of its
+  {f["target_identity"]["num_hidden_layers"]} decoder layers: target layers {f["layers"]}, plus its
   embeddings, final norm and head (frozen during training).
 - Layer choice: candidate layer sets scored by held-out KL before training; the lowest was kept.
 
@@ -288,9 +366,9 @@ every number below was written by that tool.
 {choice}
 
 - Training: distillation, loss KL(p || q) with p = the target's next-token distribution over its
-  top-{f['config']['topk']} tokens (renormalised) and q = the draft's; AdamW, lr {f['config']['lr']},
-  {f['steps']} steps of about {f['config']['batch_tokens']} tokens, {f['train_seconds']} s on {f['device']}.
-- Command: `{f['command']}`
+  top-{f["config"]["topk"]} tokens (renormalised) and q = the draft's; AdamW, lr {f["config"]["lr"]},
+  {f["steps"]} steps of about {f["config"]["batch_tokens"]} tokens, {f["train_seconds"]} s on {f["device"]}.
+- Command: `{f["command"]}`
 
 ## Data and licenses
 | source | shards | sequences | target positions |
@@ -301,18 +379,18 @@ every number below was written by that tool.
   chat prompts written from the project's templates (explain, write, tips, compare, questions,
   code tasks, code completion, code review, summarise, translate, math, reasoning, role play,
   extraction, documentation QA, chit-chat). No benchmark prompt was used. Outputs of
-  {f['target']} are subject to that model's license (Apache-2.0 for SmolLM2).
+  {f["target"]} are subject to that model's license (Apache-2.0 for SmolLM2).
 - `text`: conversations whose assistant turn is text of the Python standard library
   (`pydoc_data/topics.py` and stdlib function sources), under the {TEXT_LICENSE}; the same
   text fills the templates' passages, signatures and docstrings.
 
 ## Size
-{f['parameters']:,} parameters, {f['own_parameters']:,} of them outside the (target's) embeddings and head; weights file {f['file_mb']} MB ({f['save_dtype']}).
+{f["parameters"]:,} parameters, {f["own_parameters"]:,} of them outside the (target's) embeddings and head; weights file {f["file_mb"]} MB ({f["save_dtype"]}).
 
 ## Quality and cost
-- Held-out greedy agreement with the target (teacher-forced, {h['positions']} positions of the
-  target's greedy replies to {h['sequences']} held-out prompts): **{h['agreement']:.3f}**; held-out KL {h['kl']:.3f}.
-- During training (first {f['config']['eval_sequences']} held-out replies): {history}.
-- Forward cost of one token against a 64-token cache: draft {c['draft_s'] * 1000:.1f} ms, target
-  {c['target_s'] * 1000:.1f} ms, **{c['ratio']:.2f}x** the target's (median of {c['reps']}, same machine).
+- Held-out greedy agreement with the target (teacher-forced, {h["positions"]} positions of the
+  target's greedy replies to {h["sequences"]} held-out prompts): **{h["agreement"]:.3f}**; held-out KL {h["kl"]:.3f}.
+- During training (first {f["config"]["eval_sequences"]} held-out replies): {history}.
+- Forward cost of one token against a 64-token cache: draft {c["draft_s"] * 1000:.1f} ms, target
+  {c["target_s"] * 1000:.1f} ms, **{c["ratio"]:.2f}x** the target's (median of {c["reps"]}, same machine).
 """

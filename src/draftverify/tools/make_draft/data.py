@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from draftverify.errors import DraftVerifyError, require
-from draftverify.tools.make_draft.prompts import Stdlib, make_documents, make_prompts
 from draftverify.models import Loaded
+from draftverify.tools.make_draft.prompts import Stdlib, make_documents, make_prompts
 from draftverify.util import atomic_path, atomic_write, eos_ids
 
 MAX_PROMPT_TOKENS = 256  # longer template prompts are skipped: padding them costs more than they teach
@@ -65,7 +65,9 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True)
+    out = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+    )
     return list(out["input_ids"])
 
 
@@ -84,7 +86,9 @@ def left_padded(target: Loaded, prompts: list[list[int]]) -> tuple[torch.Tensor,
 
 
 @torch.inference_mode()
-def generated_records(target: Loaded, prompts: list[list[int]], max_new_tokens: int, k: int, sample: bool) -> list[Record]:
+def generated_records(
+    target: Loaded, prompts: list[list[int]], max_new_tokens: int, k: int, sample: bool
+) -> list[Record]:
     """The target's continuations of `prompts` (one batched generate), with top-k targets per new token."""
     from transformers import GenerationConfig
 
@@ -102,7 +106,9 @@ def generated_records(target: Loaded, prompts: list[list[int]], max_new_tokens: 
         return_dict_in_generate=True,
     )
     device = target.device
-    out = target.model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device), generation_config=config)
+    out = target.model.generate(
+        input_ids=input_ids.to(device), attention_mask=mask.to(device), generation_config=config
+    )
     new = out.sequences[:, width:].cpu()  # [B, G]
     logits = torch.stack(out.logits, dim=1)  # [B, G, V] raw logits of every step
     records = []
@@ -148,8 +154,10 @@ def keep_plan(folder: Path, plan, what: str) -> None:
     except json.JSONDecodeError as exc:
         raise DraftVerifyError(f"{path} is corrupt: delete {folder} and run again") from exc
     defaults = {f.name: f.default for f in fields(plan) if f.default is not MISSING}  # settings added since it was made
-    require({**json.loads(json.dumps(defaults)), **stored} == json.loads(json.dumps(asdict(plan))),
-            f"{what} in {folder} was made for another target or settings: use another --work folder or delete it")
+    require(
+        {**json.loads(json.dumps(defaults)), **stored} == json.loads(json.dumps(asdict(plan))),
+        f"{what} in {folder} was made for another target or settings: use another --work folder or delete it",
+    )
 
 
 class ShardFolder:
@@ -172,7 +180,10 @@ class ShardFolder:
     def read(self, path: Path) -> dict:
         """A shard as written, refusing a corrupt or foreign file with a one-line error."""
         data = load_checked(path, "data shard")
-        require(isinstance(data, dict) and self.key in data, f"{path} is not a shard of {self.what}: delete it and run again")
+        require(
+            isinstance(data, dict) and self.key in data,
+            f"{path} is not a shard of {self.what}: delete it and run again",
+        )
         return data
 
     def load(self, path: Path) -> list:
@@ -218,7 +229,9 @@ class DataCache(ShardFolder):
         """
         plan, tok = self.plan, target.tokenizer
         lib = Stdlib.load()
-        require(lib.functions and lib.topics, "the Python standard library sources are not installed: cannot build prompts")
+        require(
+            lib.functions and lib.topics, "the Python standard library sources are not installed: cannot build prompts"
+        )
 
         def encode(texts: list[str]) -> list[list[int]]:
             ids = [chat_ids(tok, [{"role": "user", "content": t}], True) for t in texts]
@@ -236,7 +249,9 @@ class DataCache(ShardFolder):
             t0 = time.monotonic()
             if text_every and i % text_every == text_every - 1:
                 docs = make_documents(max(1, gen_batch // 2), plan.seed * 7919 + i, lib)
-                longest = min(2 * MAX_PROMPT_TOKENS, getattr(target.model.config, "max_position_embeddings", None) or 10**9)
+                longest = min(
+                    2 * MAX_PROMPT_TOKENS, getattr(target.model.config, "max_position_embeddings", None) or 10**9
+                )
                 seqs = [chat_ids(tok, d, False)[:longest] for d in docs]
                 records, kind = forced_records(target, seqs, plan.topk), "text"
             else:

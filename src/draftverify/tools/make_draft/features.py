@@ -61,7 +61,9 @@ class FeaturePlan:
 
 def read_prompts(path: Path) -> list[str]:
     """The "prompt" fields of a JSON-lines file, refusing a malformed one with a one-line error."""
-    require(path.is_file(), f"prompt file {path} does not exist: pass --prompts FILE (JSON lines with a 'prompt' field)")
+    require(
+        path.is_file(), f"prompt file {path} does not exist: pass --prompts FILE (JSON lines with a 'prompt' field)"
+    )
     prompts = []
     for n, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
@@ -69,7 +71,9 @@ def read_prompts(path: Path) -> list[str]:
         try:
             prompt = json.loads(line)["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DraftVerifyError(f"{path} line {n} is not a JSON object with a 'prompt' field: fix or remove it") from exc
+            raise DraftVerifyError(
+                f"{path} line {n} is not a JSON object with a 'prompt' field: fix or remove it"
+            ) from exc
         require(isinstance(prompt, str) and prompt.strip(), f"{path} line {n}: 'prompt' must be a non-empty string")
         prompts.append(prompt)
     require(len(prompts) >= 2, f"{path} holds {len(prompts)} prompts: a head needs hundreds")
@@ -92,8 +96,13 @@ class Recorder(Drafter):
         self.rows.append(step.hidden)
 
 
-def generate(target: Loaded, prompts: list[list[int]], max_new_tokens: int, seeds: list[int | None] | None = None,
-             runners: list[Runner] | None = None) -> list[Sequence]:
+def generate(
+    target: Loaded,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    seeds: list[int | None] | None = None,
+    runners: list[Runner] | None = None,
+) -> list[Sequence]:
     """The target's replies to `prompts`, each cut after its first EOS, with the final hidden states the decoding
     computed on the way: greedy, or sampled (`SAMPLED`) with `seeds[i]` for prompt i where that is not None.
 
@@ -113,12 +122,16 @@ def generate(target: Loaded, prompts: list[list[int]], max_new_tokens: int, seed
         recorders.append(Recorder())
         members.append((session, runner, rounds(session, runner, recorders[-1])))
     run_batch(members)
-    return [Sequence(torch.tensor(s.prompt + s.output, dtype=torch.int32), len(s.prompt), torch.cat(r.rows).half().cpu())
-            for (s, _, _), r in zip(members, recorders)]
+    return [
+        Sequence(torch.tensor(s.prompt + s.output, dtype=torch.int32), len(s.prompt), torch.cat(r.rows).half().cpu())
+        for (s, _, _), r in zip(members, recorders)
+    ]
 
 
 @torch.inference_mode()
-def _generated(target: Loaded, prompts: list[list[int]], max_new_tokens: int, seeds: list[int | None]) -> list[Sequence]:
+def _generated(
+    target: Loaded, prompts: list[list[int]], max_new_tokens: int, seeds: list[int | None]
+) -> list[Sequence]:
     """`generate` by one batched `model.generate`."""
     from transformers import GenerationConfig
 
@@ -128,10 +141,20 @@ def _generated(target: Loaded, prompts: list[list[int]], max_new_tokens: int, se
         torch.manual_seed(seeds[0])
     ids, mask, pad, eos = left_padded(target, prompts)  # [B, P]
     width = ids.shape[1]
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, temperature=SAMPLED["temperature"] if sample else None,
-                              top_p=SAMPLED["top_p"] if sample else None, top_k=None,
-                              pad_token_id=pad, eos_token_id=eos, output_hidden_states=True, return_dict_in_generate=True)
-    out = target.model.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device), generation_config=config)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        temperature=SAMPLED["temperature"] if sample else None,
+        top_p=SAMPLED["top_p"] if sample else None,
+        top_k=None,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        output_hidden_states=True,
+        return_dict_in_generate=True,
+    )
+    out = target.model.generate(
+        input_ids=ids.to(target.device), attention_mask=mask.to(target.device), generation_config=config
+    )
     # per step, every layer's states; the last entry is after the final norm (what the LM head reads)
     states = torch.cat([step[-1] for step in out.hidden_states], dim=1).half().cpu()  # [B, P + G - 1, H]
     new = out.sequences[:, width:].tolist()
@@ -188,10 +211,29 @@ class FeatureCache(ShardFolder):
         for i in range(done, len(batches)):
             if i > done and time.monotonic() > deadline:
                 break
-            self._write(self.folder / f"shard-{i:05d}.pt", target, batches[i], width, runners, log, f"data shard {i + 1}/{len(batches)}", index=i)
+            self._write(
+                self.folder / f"shard-{i:05d}.pt",
+                target,
+                batches[i],
+                width,
+                runners,
+                log,
+                f"data shard {i + 1}/{len(batches)}",
+                index=i,
+            )
 
-    def _write(self, path: Path, target: Loaded, prompts: list[list[int]], group: int, runners: list[Runner] | None, log, what: str,
-               sampled: int | None = None, index: int = 0) -> None:
+    def _write(
+        self,
+        path: Path,
+        target: Loaded,
+        prompts: list[list[int]],
+        group: int,
+        runners: list[Runner] | None,
+        log,
+        what: str,
+        sampled: int | None = None,
+        index: int = 0,
+    ) -> None:
         """One shard: the greedy replies to `prompts` (`group` decoded together, on `runners` when given) and
         `sampled` (default: the plan's) sampled replies each, seeded by (plan seed, shard `index`, reply)."""
         t0 = time.monotonic()
@@ -200,10 +242,14 @@ class FeatureCache(ShardFolder):
         for k in range(1 + (self.plan.sampled if sampled is None else sampled)):
             for i in range(0, len(prompts), group):
                 chunk = prompts[i : i + group]
-                seeds = [None] * len(chunk) if k == 0 else [base + (k * len(prompts) + i + j) for j in range(len(chunk))]
+                seeds = (
+                    [None] * len(chunk) if k == 0 else [base + (k * len(prompts) + i + j) for j in range(len(chunk))]
+                )
                 sequences += generate(target, chunk, self.plan.max_new_tokens, seeds, runners)
         with atomic_path(path) as tmp:
             torch.save({"sequences": [asdict(s) for s in sequences]}, tmp)
         made = sum(len(s.ids) - s.start for s in sequences)
         took = time.monotonic() - t0
-        log(f"{what}: {len(sequences)} replies, {made} new tokens in {took:.0f}s ({made / max(took, 1e-9):.0f} tokens/s)")
+        log(
+            f"{what}: {len(sequences)} replies, {made} new tokens in {took:.0f}s ({made / max(took, 1e-9):.0f} tokens/s)"
+        )

@@ -51,28 +51,46 @@ class HeadTraining:
     max_new_tokens: int = 96
     max_prompt_tokens: int = 256
     sampled: int = 0  # replies per prompt sampled besides the greedy one (features.SAMPLED)
-    templates: int = 0  # more prompts written from the project's stdlib templates (code, summaries, ...), answered greedily
+    templates: int = (
+        0  # more prompts written from the project's stdlib templates (code, summaries, ...), answered greedily
+    )
     heldout: int = 64
     checkpoint_minutes: float = 3.0
     steps: int | None = None  # stop after this many optimiser steps (the schedule still spans the epochs)
-    train_dtype: str = "auto"  # the training forward's matmuls: fp32, bf16 (autocast; weights, optimiser, norms fp32) or auto
+    train_dtype: str = (
+        "auto"  # the training forward's matmuls: fp32, bf16 (autocast; weights, optimiser, norms fp32) or auto
+    )
 
     def __post_init__(self):
         require(self.vocab >= 16, f"--vocab {self.vocab} must be at least 16")
         require(1 <= self.rollout <= 8, f"rollout={self.rollout} must lie in 1..8")
-        require(self.epochs > 0 and self.lr > 0 and self.budget_minutes > 0, "epochs, lr and the budget must be positive")
+        require(
+            self.epochs > 0 and self.lr > 0 and self.budget_minutes > 0, "epochs, lr and the budget must be positive"
+        )
         require(0 <= self.data_share < 1, f"data_share={self.data_share} must lie in [0, 1)")
         require(self.batch_tokens >= self.max_len >= 16, "batch_tokens must be >= max_len >= 16")
         require(self.sampled >= 0, f"--sampled {self.sampled} must be 0 or more")
         require(self.templates >= 0, f"--templates {self.templates} must be 0 or more")
-        require(self.train_dtype in ("auto", "fp32", "bf16"), f"--train-dtype {self.train_dtype!r} is unknown: use auto, fp32 or bf16")
+        require(
+            self.train_dtype in ("auto", "fp32", "bf16"),
+            f"--train-dtype {self.train_dtype!r} is unknown: use auto, fp32 or bf16",
+        )
 
     def autocast_bf16(self) -> bool:
         """Whether the training forward runs its matmuls in bf16: `auto` does where the CPU multiplies bf16 natively."""
         return self.train_dtype == "bf16" or (self.train_dtype == "auto" and native_bf16())
 
 
-TRAINING_KEYS = ("vocab", "rollout", "batch_tokens", "max_len", "lr", "warmup", "feature_weight", "seed")  # what a resumed build must keep
+TRAINING_KEYS = (
+    "vocab",
+    "rollout",
+    "batch_tokens",
+    "max_len",
+    "lr",
+    "warmup",
+    "feature_weight",
+    "seed",
+)  # what a resumed build must keep
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -206,9 +224,19 @@ def template_prompts(config: HeadTraining) -> list[str]:
     return make_prompts(config.templates, config.seed + 1, Stdlib.load())  # another stream than a draft model's prompts
 
 
-def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = HeadTraining(), work: Path | None = None,
-               resume: bool = False, command: str = "", log=print, progress: bool = True, save_dtype: str = "fp32",
-               init: Path | None = None) -> dict:
+def build_head(
+    target: Loaded,
+    out: Path,
+    prompts: Path,
+    config: HeadTraining = HeadTraining(),
+    work: Path | None = None,
+    resume: bool = False,
+    command: str = "",
+    log=print,
+    progress: bool = True,
+    save_dtype: str = "fp32",
+    init: Path | None = None,
+) -> dict:
     """Make data (the target's replies to `prompts`, and to template prompts if asked), train the head, write it to
     `out` with a model card. `init`: start from that head's weights and vocabulary (more training, e.g. on new data)
     instead of the target's last layer."""
@@ -218,18 +246,29 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
     t_start = time.monotonic()
     work = Path(work) if work is not None else Path(out) / ".make-draft"
     ckpt_path = work / "head-checkpoint.pt"
-    require(resume or not ckpt_path.exists(), f"{ckpt_path} exists from an earlier build: pass --resume to continue it, or delete {work}")
+    require(
+        resume or not ckpt_path.exists(),
+        f"{ckpt_path} exists from an earlier build: pass --resume to continue it, or delete {work}",
+    )
     texts = read_prompts(Path(prompts))
-    plan = FeaturePlan(target=target.identity, prompts=f"{Path(prompts).name}:{len(texts)}", seed=config.seed,
-                       heldout=config.heldout, max_prompt_tokens=config.max_prompt_tokens, max_new_tokens=config.max_new_tokens,
-                       sampled=config.sampled)
+    plan = FeaturePlan(
+        target=target.identity,
+        prompts=f"{Path(prompts).name}:{len(texts)}",
+        seed=config.seed,
+        heldout=config.heldout,
+        max_prompt_tokens=config.max_prompt_tokens,
+        max_new_tokens=config.max_new_tokens,
+        sampled=config.sampled,
+    )
     cache, extra = FeatureCache(work, plan), template_cache(work, plan, config)
     caches = [cache] + ([extra] if extra else [])
     resumed = any(c.shards() for c in caches) or ckpt_path.exists()  # some of the build was made by an earlier run
     state = load_checked(ckpt_path, "checkpoint") if ckpt_path.exists() else None
     # `init`'s head, refused here if it is another target's (before any data is made)
     start = FeatureDraft.load(Path(init)).bind(target) if init is not None and not state else None
-    origin = state.get("init") if state else str(init) if init is not None else None  # what the build's weights started from
+    origin = (
+        state.get("init") if state else str(init) if init is not None else None
+    )  # what the build's weights started from
     deadline = t_start + config.budget_minutes * 60
     if config.data_share > 0:
         data_deadline = t_start + config.data_share * config.budget_minutes * 60
@@ -240,16 +279,26 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
     train, heldout = [s for part in parts for s in part], cache.heldout()
     require(train, f"no training data in {cache.folder}: raise --budget-minutes or --data-share")
     made = sum(len(s.ids) for s in train)
-    log(f"training data: {len(train)} sequences, {made} tokens ({sum(len(s.ids) - s.start for s in train)} reply tokens)")
+    log(
+        f"training data: {len(train)} sequences, {made} tokens ({sum(len(s.ids) - s.start for s in train)} reply tokens)"
+    )
 
-    vocab = state["vocab"] if state else list(start.config.vocab) if start else frequent_vocab(train, config.vocab, tuple(eos_ids(target)))
+    vocab = (
+        state["vocab"]
+        if state
+        else list(start.config.vocab)
+        if start
+        else frequent_vocab(train, config.vocab, tuple(eos_ids(target)))
+    )
     head = FeatureDraft(HeadConfig.for_target(target, vocab))
     head.bind(target)
     head.float()
     if state:
         same = {k: v for k, v in asdict(config).items() if k in TRAINING_KEYS}
-        require(same == {k: state["config"].get(k) for k in TRAINING_KEYS},
-                f"{ckpt_path} was made with other training settings: delete it or use them again")
+        require(
+            same == {k: state["config"].get(k) for k in TRAINING_KEYS},
+            f"{ckpt_path} was made with other training settings: delete it or use them again",
+        )
         head.load_state_dict(state["weights"])
     elif start is not None:
         head.load_state_dict(start.state_dict())
@@ -265,13 +314,25 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
     per_epoch = len(batches(train, config, 0))
     total = max(1, int(config.epochs * per_epoch))  # the learning-rate schedule's length
     stop = total if config.steps is None else min(total, config.steps)
-    covered = sum(int(t in set(vocab)) for s in heldout for t in s.ids[s.start :].tolist()) / max(1, sum(len(s.ids) - s.start for s in heldout))
+    covered = sum(int(t in set(vocab)) for s in heldout for t in s.ids[s.start :].tolist()) / max(
+        1, sum(len(s.ids) - s.start for s in heldout)
+    )
     log(f"vocabulary: {len(vocab)} tokens cover {covered:.1%} of the held-out reply tokens; {total} steps")
 
     def save() -> None:
         with atomic_path(ckpt_path) as tmp:
-            torch.save({"weights": head.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
-                        "vocab": vocab, "config": asdict(config), "init": origin}, tmp)
+            torch.save(
+                {
+                    "weights": head.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "step": step,
+                    "history": history,
+                    "vocab": vocab,
+                    "config": asdict(config),
+                    "init": origin,
+                },
+                tmp,
+            )
 
     bf16 = config.autocast_bf16()
     log(f"training in {'bf16 (autocast)' if bf16 else 'fp32'}")
@@ -300,7 +361,10 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
             head.train()
             history.append({"step": step, "loss": seen[0] / seen[1], "heldout_top1": acc})
             seen = [0.0, 0]
-            log(f"step {step}/{total}: loss {history[-1]['loss']:.3f}, held-out top-1 by depth " + " ".join(f"{a:.2f}" for a in acc))
+            log(
+                f"step {step}/{total}: loss {history[-1]['loss']:.3f}, held-out top-1 by depth "
+                + " ".join(f"{a:.2f}" for a in acc)
+            )
         if time.monotonic() - last_save > config.checkpoint_minutes * 60:
             save()
             last_save = time.monotonic()
@@ -310,42 +374,75 @@ def build_head(target: Loaded, out: Path, prompts: Path, config: HeadTraining = 
     acc = acceptance(head, heldout, config)
     expected = sum(math.prod(acc[:d]) for d in range(1, len(acc) + 1))
     facts = {
-        "command": command, "target": target.name, "identity": target.identity, "prompts": str(prompts), "sequences": len(train),
-        "prompt_sequences": len(parts[0]), "templates": config.templates,
-        "template_heldout_top1": acceptance(head, extra.heldout(), config) if extra else None, "init": origin,
-        "tokens": made, "vocab": len(vocab), "vocab_coverage": covered, "steps": step, "of_steps": total,
-        "minutes": (time.monotonic() - t_start) / 60, "heldout_top1": acc, "expected_chain": expected,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "training": asdict(config), "bf16": bf16, "resumed": resumed,
+        "command": command,
+        "target": target.name,
+        "identity": target.identity,
+        "prompts": str(prompts),
+        "sequences": len(train),
+        "prompt_sequences": len(parts[0]),
+        "templates": config.templates,
+        "template_heldout_top1": acceptance(head, extra.heldout(), config) if extra else None,
+        "init": origin,
+        "tokens": made,
+        "vocab": len(vocab),
+        "vocab_coverage": covered,
+        "steps": step,
+        "of_steps": total,
+        "minutes": (time.monotonic() - t_start) / 60,
+        "heldout_top1": acc,
+        "expected_chain": expected,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "training": asdict(config),
+        "bf16": bf16,
+        "resumed": resumed,
     }
     head.save(out, SAVE_DTYPES[save_dtype])
     atomic_write(Path(out) / "README.md", model_card(facts))
-    log(f"wrote {out}: held-out top-1 by depth " + " ".join(f"{a:.2f}" for a in acc) + f"; expected chain {expected:.2f} tokens"
-        + (" (template prompts: " + " ".join(f"{a:.2f}" for a in facts["template_heldout_top1"]) + ")" if extra else ""))
+    log(
+        f"wrote {out}: held-out top-1 by depth "
+        + " ".join(f"{a:.2f}" for a in acc)
+        + f"; expected chain {expected:.2f} tokens"
+        + (" (template prompts: " + " ".join(f"{a:.2f}" for a in facts["template_heldout_top1"]) + ")" if extra else "")
+    )
     return facts
 
 
 def model_card(f: dict) -> str:
     acc = " / ".join(f"{a:.3f}" for a in f["heldout_top1"])
     sampled = f["training"].get("sampled", 0)
-    replies = "greedy" if not sampled else f"a greedy one and {sampled} sampled at T={SAMPLED['temperature']}, top-p {SAMPLED['top_p']} each"
-    templates = f", and its greedy replies to {f['templates']} prompts written from the project's stdlib templates" if f.get("templates") else ""
+    replies = (
+        "greedy"
+        if not sampled
+        else f"a greedy one and {sampled} sampled at T={SAMPLED['temperature']}, top-p {SAMPLED['top_p']} each"
+    )
+    templates = (
+        f", and its greedy replies to {f['templates']} prompts written from the project's stdlib templates"
+        if f.get("templates")
+        else ""
+    )
     init = f"\n- Started from the head in `{f['init']}` (its weights and vocabulary)" if f.get("init") else ""
-    template_acc = ("\n- The same on held-out template prompts: " + " / ".join(f"{a:.3f}" for a in f["template_heldout_top1"])
-                    if f.get("template_heldout_top1") else "")
-    when = (f"resumed over several runs on {f['machine']} (each run logs its shards' and steps' times)" if f.get("resumed")
-            else f"whole build {f['minutes']:.0f} minutes on {f['machine']}")
-    return f"""# Feature draft head for {f['target']}
+    template_acc = (
+        "\n- The same on held-out template prompts: " + " / ".join(f"{a:.3f}" for a in f["template_heldout_top1"])
+        if f.get("template_heldout_top1")
+        else ""
+    )
+    when = (
+        f"resumed over several runs on {f['machine']} (each run logs its shards' and steps' times)"
+        if f.get("resumed")
+        else f"whole build {f['minutes']:.0f} minutes on {f['machine']}"
+    )
+    return f"""# Feature draft head for {f["target"]}
 
 An EAGLE-style draft head (one decoder layer over the target's final hidden state and the next
-token's embedding) with a frequency-ranked vocabulary of {f['vocab']} tokens (FR-Spec), for
+token's embedding) with a frequency-ranked vocabulary of {f["vocab"]} tokens (FR-Spec), for
 draftverify. It uses the target's own embeddings and LM head and is refused on any other model.
 
-- Built with: `{f['command']}`
-- Data: the target's own replies to {f.get('prompt_sequences', f['sequences']) // (1 + sampled)} prompts of `{f['prompts']}` ({replies}){templates}; {f['tokens']} tokens with features;
+- Built with: `{f["command"]}`
+- Data: the target's own replies to {f.get("prompt_sequences", f["sequences"]) // (1 + sampled)} prompts of `{f["prompts"]}` ({replies}){templates}; {f["tokens"]} tokens with features;
   the benchmark sets were never used.{init}
-- Vocabulary coverage of held-out reply tokens: {f['vocab_coverage']:.1%}
-- Training: {f['steps']} of {f['of_steps']} steps ({'matmuls in bf16' if f.get('bf16') else 'fp32'}{"; a resumed build's steps may mix" if f.get('resumed') else ''}); {when}
+- Vocabulary coverage of held-out reply tokens: {f["vocab_coverage"]:.1%}
+- Training: {f["steps"]} of {f["of_steps"]} steps ({"matmuls in bf16" if f.get("bf16") else "fp32"}{"; a resumed build's steps may mix" if f.get("resumed") else ""}); {when}
 - Held-out top-1 agreement with the target at draft depth 1 / 2 / ...: {acc}
-  (expected accepted chain, greedy: {f['expected_chain']:.2f} tokens per round before the bonus token){template_acc}
-- Settings: `{f['training']}`
+  (expected accepted chain, greedy: {f["expected_chain"]:.2f} tokens per round before the bonus token){template_acc}
+- Settings: `{f["training"]}`
 """

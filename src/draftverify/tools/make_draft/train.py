@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from draftverify.errors import require
-from draftverify.tools.make_draft.data import Record
 from draftverify.models import Loaded, _layer_prefix
+from draftverify.tools.make_draft.data import Record
 
 
 def candidate_layer_sets(total: int, n: int) -> dict[str, tuple[int, ...]]:
@@ -62,7 +62,9 @@ def init_draft(target: Loaded, layer_ids: tuple[int, ...]) -> torch.nn.Module:
             name = f"{prefix}{layer_ids.index(int(index))}.{rest}"
         state[name] = tensor.detach().to("cpu", torch.float32, copy=True)
     model.load_state_dict(state, strict=False, assign=True)
-    for name, buf in list(model.named_buffers()):  # non-persistent buffers (rotary frequencies) are not in the state dict
+    for name, buf in list(
+        model.named_buffers()
+    ):  # non-persistent buffers (rotary frequencies) are not in the state dict
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner) if owner else model
         module._buffers[leaf] = dict(target.model.named_buffers())[name].detach().to("cpu", copy=True)
@@ -119,8 +121,14 @@ def collate(records: list[Record], max_len: int, device) -> Batch:
         cols.append(torch.arange(r.start, r.start + n))
         logp.append(r.logp[:n])
         idx.append(r.idx[:n])
-    return Batch(ids.to(device), mask.to(device), torch.cat(rows).to(device), torch.cat(cols).to(device),
-                 torch.cat(logp).to(device), torch.cat(idx).to(device).long())
+    return Batch(
+        ids.to(device),
+        mask.to(device),
+        torch.cat(rows).to(device),
+        torch.cat(cols).to(device),
+        torch.cat(logp).to(device),
+        torch.cat(idx).to(device).long(),
+    )
 
 
 def batches(records: list[Record], token_budget: int, max_len: int, seed: int, epoch: int) -> list[list[int]]:
@@ -165,7 +173,9 @@ def evaluate(model: torch.nn.Module, records: list[Record], token_budget: int, m
     return {"kl": total_kl / max(n, 1), "agreement": agree / max(n, 1), "positions": n}
 
 
-def choose_layers(target: Loaded, n: int, heldout: list[Record], token_budget: int, max_len: int) -> tuple[tuple[int, ...], dict]:
+def choose_layers(
+    target: Loaded, n: int, heldout: list[Record], token_budget: int, max_len: int
+) -> tuple[tuple[int, ...], dict]:
     """The candidate layer set with the lowest held-out KL before training, and every candidate's score."""
     scores = {}
     for name, ids in candidate_layer_sets(target.model.config.num_hidden_layers, n).items():
@@ -174,4 +184,3 @@ def choose_layers(target: Loaded, n: int, heldout: list[Record], token_budget: i
         del model
     best = min(scores, key=lambda name: scores[name]["kl"])
     return tuple(scores[best]["layers"]), scores
-
