@@ -12,9 +12,11 @@ from draftverify.bench import metrics
 from draftverify.bench.datasets import DATASETS, load_prompts, resolve_data_dir, select
 from draftverify.bench.oracle import ceiling_times, chain_factor, oracle_rounds, oracle_times
 from draftverify.bench.runner import RecordLog, schedule
-from draftverify.bench.specs import AssistedConfig, parse_specs
+from draftverify.bench.specs import PEERS, AssistedConfig, HfPromptLookupConfig, entry, names, parse_specs
 from draftverify.costs import forward_time
+from draftverify.drafters.prompt_lookup import PromptLookupConfig
 from draftverify.errors import DraftVerifyError
+from draftverify.methods import METHODS
 from draftverify.methods.spec import split_specs
 from draftverify.methods.speculative import SpeculativeConfig
 
@@ -193,9 +195,11 @@ def test_ceiling_table_bounds_every_drafter_and_names_the_acceptance_needed():
     needed = table["needed"][0.0]
     assert needed[1.2] is not None and table["grid"][0.0][1.0] < 2.0 and needed[2.0] is None  # beyond reach
     a = needed[1.2]  # the least acceptance (to 0.01) that reaches 1.2x
-    speed = lambda acc: math.sqrt(
-        math.prod(10 / ceiling_times(10, t, 10.0, chain_factor({1: 1.0, 2: 1.0, 4: 1.0}, acc, 0.0)) for t in (2.0, 8.0))
-    )
+
+    def speed(acc):
+        factor = chain_factor({1: 1.0, 2: 1.0, 4: 1.0}, acc, 0.0)
+        return math.sqrt(math.prod(10 / ceiling_times(10, t, 10.0, factor) for t in (2.0, 8.0)))
+
     assert speed(a) >= 1.2 > speed(a - 0.01)
     assert metrics.ceiling_table(records, "AR", {}) is None  # no measured curve, no ceiling
 
@@ -248,6 +252,20 @@ def test_method_specs():
     assert peers[3].config.num_pred_tokens == 4 and not any(s.needs_draft for s in peers)
     with pytest.raises(DraftVerifyError, match="num_pred_tokens=0 must be an integer >= 1"):
         parse_specs("llamacpp-prompt-lookup[num_pred_tokens=0]")
+    llama = parse_specs("llamacpp,llamacpp-f32,llamacpp-prompt-lookup")[1:]
+    assert [s.gguf for s in llama] == ["file", "f32", "file"]  # the user's own file, and the F32 re-export
+
+
+def test_one_registry_for_methods_drafters_and_peers():
+    """Peers go through the methods' own config path; every name resolves in one place."""
+    assert {"autoregressive", "prompt-lookup", "hf-assisted", "llamacpp-f32"} <= set(names())
+    assert entry("prompt-lookup") is METHODS["prompt-lookup"]  # a standalone drafter, as a method
+    assert entry("hf-assisted") is PEERS["hf-assisted"]
+    # a peer preset plus an override, and None overrides ignored, exactly as Method.make_config does
+    config = entry("hf-assisted").make_config("heuristic", num_assistant_tokens=3, assistant_confidence_threshold=None)
+    assert config == AssistedConfig(num_assistant_tokens=3, num_assistant_tokens_schedule="heuristic")
+    assert parse_specs("prompt-lookup:k4")[1].config == PromptLookupConfig(k=4)
+    assert HfPromptLookupConfig is not PromptLookupConfig and HfPromptLookupConfig.__name__ != "PromptLookupConfig"
 
 
 @pytest.mark.parametrize(
@@ -260,7 +278,8 @@ def test_method_specs():
         ("speculative[bogus=1]", "unknown option 'bogus'"),
         ("speculative:nope", "unknown preset 'nope'"),
         ("speculative[k=0]", "k=0 must lie"),
-        ("hf-assisted[foo=1]", "unknown option 'foo' for hf-assisted"),
+        ("hf-assisted[foo=1]", "unknown option 'foo' for method hf-assisted"),
+        ("hf-assisted:nope", "unknown preset 'nope' for hf-assisted: use one of heuristic"),
         ("hf-prompt-lookup[prompt_lookup_num_tokens=0]", "must be an integer >= 1"),
         ("speculative,speculative", "listed twice"),
         ("speculative[warm=maybe]", "must be true or false"),

@@ -9,9 +9,15 @@ A bench spec is any method spec (`name`, `name:preset`, `name[key=value,...]`, .
 - `hf-prompt-lookup`: prompt lookup decoding, `generate(prompt_lookup_num_tokens=...)`;
   options `prompt_lookup_num_tokens` (default 10) and `max_matching_ngram_size`;
 - `hf-autoregressive`: plain `generate()` (the stock model, transformers' own decoding loop);
-- `llamacpp`: llama.cpp's plain decoding of an F32 GGUF of the target's weights, and
-  `llamacpp-prompt-lookup`: its prompt-lookup speculative decoding, option `num_pred_tokens`
-  (default 10); both need the optional llama-cpp-python (bench/llamacpp.py).
+- `llamacpp`: llama.cpp's plain decoding of the target's own GGUF file (the file a llama.cpp
+  user runs), `llamacpp-f32`: the same on an F32 re-export of the target's weights (the same
+  arithmetic as draftverify's fp32 path), and `llamacpp-prompt-lookup`: its prompt-lookup
+  speculative decoding on the target's own file, option `num_pred_tokens` (default 10); all need
+  the optional llama-cpp-python (bench/llamacpp.py).
+
+Peers are configured exactly as methods are (`Method.make_config`: a preset, then the options,
+validated by the Config), and `entry(name)` is the one view of what a bench spec may name: the
+methods of `draftverify.methods.METHODS` (the standalone drafters included) and the peers.
 
 The bench option `warm=false` (any spec) builds a fresh method instance for every
 generation instead of keeping one across prompts (warm start, e.g. an n-gram pool).
@@ -23,7 +29,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from draftverify.errors import DraftVerifyError, require
-from draftverify.methods import METHODS
+from draftverify.methods import METHODS, Method
 from draftverify.methods.spec import MethodSpec, read_spec, refuse_duplicates, split_specs
 
 BASELINE = "autoregressive"
@@ -52,7 +58,7 @@ class AssistedConfig:
 
 
 @dataclass(frozen=True)
-class PromptLookupConfig:
+class HfPromptLookupConfig:
     prompt_lookup_num_tokens: int = 10
     max_matching_ngram_size: int | None = None  # transformers' default: 2
 
@@ -78,13 +84,25 @@ class LlamaCppLookupConfig:
 
 @dataclass(frozen=True)
 class Peer:
-    """A decoding method another engine implements: transformers' `generate` or llama.cpp."""
+    """A decoding method another engine implements: transformers' `generate` or llama.cpp.
+
+    It answers what the bench asks of a method class (`name`, `Config`, `presets`, `needs_draft`,
+    `loads_draft()`, `takes_head`, `make_config`), so a spec reads the same whichever it names."""
 
     name: str
     Config: type
     needs_draft: bool
     presets: dict = dataclasses.field(default_factory=dict)
     engine: str = "transformers"  # transformers | llama.cpp (other kernels: exactness not expected)
+    gguf: str | None = None  # llama.cpp peers: "file" (the target's own GGUF) or "f32" (its F32 re-export)
+    takes_head = False
+
+    def loads_draft(self) -> bool:
+        return self.needs_draft
+
+    def make_config(self, preset: str | None = None, **overrides):
+        """The Config from a preset plus overrides: the very code that builds a method's config."""
+        return Method.make_config.__func__(self, preset, **overrides)
 
 
 PEERS = {
@@ -94,13 +112,27 @@ PEERS = {
         needs_draft=True,
         presets={"heuristic": {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic"}},
     ),
-    "hf-prompt-lookup": Peer("hf-prompt-lookup", PromptLookupConfig, needs_draft=False),
+    "hf-prompt-lookup": Peer("hf-prompt-lookup", HfPromptLookupConfig, needs_draft=False),
     "hf-autoregressive": Peer("hf-autoregressive", NoOptions, needs_draft=False),
-    "llamacpp": Peer("llamacpp", NoOptions, needs_draft=False, engine="llama.cpp"),
+    "llamacpp": Peer("llamacpp", NoOptions, needs_draft=False, engine="llama.cpp", gguf="file"),
+    "llamacpp-f32": Peer("llamacpp-f32", NoOptions, needs_draft=False, engine="llama.cpp", gguf="f32"),
     "llamacpp-prompt-lookup": Peer(
-        "llamacpp-prompt-lookup", LlamaCppLookupConfig, needs_draft=False, engine="llama.cpp"
+        "llamacpp-prompt-lookup", LlamaCppLookupConfig, needs_draft=False, engine="llama.cpp", gguf="file"
     ),
 }
+
+
+def names() -> list[str]:
+    """Every name a bench spec may use: the methods (standalone drafters included) and the peers."""
+    return sorted([*METHODS, *PEERS])
+
+
+def entry(name: str):
+    """What `name` runs: a method class of `METHODS` or a `Peer`, both answering the same questions."""
+    found = PEERS.get(name) or METHODS.get(name)
+    if found is None:
+        raise DraftVerifyError(f"unknown method {name!r} in --methods: use one of {', '.join(names())}")
+    return found
 
 
 @dataclass(frozen=True)
@@ -120,17 +152,22 @@ class BenchSpec(MethodSpec):
         return PEERS[self.name].engine if self.is_peer else "draftverify"
 
     @property
+    def gguf(self) -> str | None:
+        """Which GGUF a llama.cpp peer runs: "file" (the target's own) or "f32" (its F32 re-export)."""
+        return PEERS[self.name].gguf if self.is_peer else None
+
+    @property
     def needs_draft(self) -> bool:
-        return PEERS[self.name].needs_draft if self.is_peer else METHODS[self.name].needs_draft
+        return entry(self.name).needs_draft
 
     @property
     def loads_draft(self) -> bool:
         """Whether the engine should load the default drafts for it (it needs or may use them)."""
-        return PEERS[self.name].needs_draft if self.is_peer else METHODS[self.name].loads_draft()
+        return entry(self.name).loads_draft()
 
     @property
     def takes_head(self) -> bool:
-        return not self.is_peer and METHODS[self.name].takes_head
+        return entry(self.name).takes_head
 
     @property
     def is_baseline(self) -> bool:
@@ -143,32 +180,8 @@ def parse_spec(text: str) -> BenchSpec:
     settings = dict(spec.options)
     warm = settings.pop("warm", True)
     require(isinstance(warm, bool), f"warm={warm!r} in {text!r} must be true or false")
-    if spec.name in PEERS:
-        config = peer_config(PEERS[spec.name], spec.preset, settings)
-    elif spec.name in METHODS:
-        config = METHODS[spec.name].make_config(spec.preset, **settings)
-    else:
-        raise DraftVerifyError(
-            f"unknown method {spec.name!r} in --methods: use one of {', '.join(sorted([*METHODS, *PEERS]))}"
-        )
+    config = entry(spec.name).make_config(spec.preset, **settings)
     return BenchSpec(spec.label, spec.name, spec.preset, spec.options, config, warm)
-
-
-def peer_config(peer: Peer, preset: str | None, settings: dict):
-    values = {}
-    if preset is not None:
-        require(
-            preset in peer.presets,
-            f"unknown preset {preset!r} for {peer.name}: use one of {', '.join(peer.presets) or 'none'}",
-        )
-        values.update(peer.presets[preset])
-    fields = {f.name for f in dataclasses.fields(peer.Config)}
-    for key in settings:
-        require(
-            key in fields, f"unknown option {key!r} for {peer.name}: it takes {', '.join(sorted(fields))} (and warm)"
-        )
-    values.update(settings)
-    return peer.Config(**values)
 
 
 def parse_specs(text: str) -> list[BenchSpec]:
