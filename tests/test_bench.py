@@ -11,7 +11,7 @@ import pytest
 from draftverify.bench import metrics
 from draftverify.bench.datasets import DATASETS, load_prompts, resolve_data_dir, select
 from draftverify.bench.oracle import ceiling_times, chain_factor, oracle_rounds, oracle_times
-from draftverify.bench.runner import RecordLog, schedule
+from draftverify.bench.records import RecordLog, schedule
 from draftverify.bench.specs import PEERS, AssistedConfig, HfPromptLookupConfig, entry, names, parse_specs
 from draftverify.costs import forward_time
 from draftverify.drafters.prompt_lookup import PromptLookupConfig
@@ -106,6 +106,11 @@ def test_metric_formulas_on_hand_made_records():
     assert m["speedup"]["min"] == pytest.approx(2.0) and m["speedup"]["max"] == pytest.approx(math.sqrt(8))
     # total-time speedup: 4 / 1.5 and 4 / 2.5
     assert (m["total_speedup"]["min"], m["total_speedup"]["max"]) == pytest.approx((4 / 2.5, 4 / 1.5))
+    # decode-only: the time after the first token, AR 2.0 - 0.1 on both prompts; M 1.0 - 0.2 and 0.5 - 0.4
+    # in repeat 0, 2.0 - 0.2 and 0.5 - 0.4 in repeat 1
+    decode = [math.sqrt(1.9 / 1.8 * 1.9 / 0.1), math.sqrt(1.9 / 0.8 * 1.9 / 0.1)]  # min, max
+    assert (m["decode_speedup"]["min"], m["decode_speedup"]["max"]) == pytest.approx(decode)
+    assert m["decode_speedup"]["median"] > m["speedup"]["median"]  # M's prefill is slower than AR's
     assert m["tokens_per_s"]["max"] == pytest.approx(20 / 1.5)
     assert m["tokens_per_target_forward"]["median"] == pytest.approx(20 / 9)  # bonus tokens included
     assert m["acceptance_rate"]["median"] == pytest.approx(11 / 22)
@@ -130,8 +135,9 @@ def test_unknown_fields_stay_unknown():
     records = hand_made()
     for r in records:
         if r["label"] == "M" and r["prompt_id"] == "p2":
-            r.update(drafted=None, draft_s=None, verify_s=None)
+            r.update(drafted=None, draft_s=None, verify_s=None, ttft_s=None)
     m = metrics.summarize(records, "AR")["M"]
+    assert m["decode_speedup"]["median"] is None  # no time to first token, no decode-only time
     assert m["acceptance_rate"]["median"] is None and m["discarded_per_token"]["median"] is None
     assert m["draft_share"]["median"] is None and m["other_share"]["median"] is None
     assert m["speedup"]["median"] is not None and m["tokens_per_target_forward"]["median"] is not None

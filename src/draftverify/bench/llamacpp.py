@@ -1,17 +1,20 @@
 """llama.cpp as a bench peer: what a CPU user runs instead of PyTorch, on the target's own weights.
 
-Two peers, through `llama-cpp-python` (an optional extra, built from source once by
+Three peers, through `llama-cpp-python` (an optional extra, built from source once by
 `scripts/install-llamacpp.sh`):
 
-- `llamacpp`: llama.cpp's plain greedy decoding;
-- `llamacpp-prompt-lookup`: its speculative decoding with prompt-lookup drafts
-  (`LlamaPromptLookupDecoding`, `num_pred_tokens` drafted tokens per step, default 10).
+- `llamacpp`: llama.cpp's plain greedy decoding of the target's own GGUF file, the file a
+  llama.cpp user runs (its weight blocks through llama.cpp's own kernels);
+- `llamacpp-f32`: the same decoding of an F32 re-export of the target's weights, the
+  same-arithmetic comparison (fp32 weights and activations, as draftverify's fp32 path);
+- `llamacpp-prompt-lookup`: speculative decoding with prompt-lookup drafts on the target's own
+  file (`LlamaPromptLookupDecoding`, `num_pred_tokens` drafted tokens per step, default 10).
 
-Both run an F32 GGUF holding exactly the weights the target runs with: a GGUF target (the
-default model is a Q4_1 GGUF) is de-quantised tensor by tensor into an F32 copy, with every
-metadata key kept, once, and cached beside the safetensors conversion (written under a
-temporary name and renamed). Other targets are refused in one line. `cost_curve` measures
-llama.cpp's forward times per new-token count, the same buckets as the target's cost model.
+The F32 re-export holds exactly the weights the target runs with: the GGUF target (the default
+model is a Q4_1 GGUF) is de-quantised tensor by tensor, with every metadata key kept, once,
+and cached beside the safetensors conversion (written under a temporary name and renamed).
+Targets loaded from a folder are refused in one line. `forward_times` measures llama.cpp's
+forward times per new-token count, the same buckets as the target's cost model.
 
 llama.cpp's kernels round differently from PyTorch's, so its greedy output may part from
 `autoregressive` where two tokens nearly tie: the report marks such rows, and the peers are
@@ -30,7 +33,9 @@ from draftverify.costs import time_widths
 from draftverify.errors import require
 from draftverify.util import atomic_path, cache_root
 
-INSTALL_HINT = "llama.cpp peers need llama-cpp-python: run `bash scripts/install-llamacpp.sh` (builds it once, ~10-20 min on 2 cores)"
+INSTALL_HINT = (
+    "llama.cpp peers need llama-cpp-python: run `bash scripts/install-llamacpp.sh` (it compiles llama.cpp once)"
+)
 
 
 def available() -> bool:
@@ -45,13 +50,17 @@ def require_llamacpp() -> None:
     require(available(), INSTALL_HINT)
 
 
+def source_key(source: Path) -> str:
+    """What names a cached derivative of `source`: its resolved path, size and modification time."""
+    stat = source.stat()
+    return hashlib.sha1(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
 def f32_gguf(source: Path) -> Path:
     """An F32 copy of the GGUF file `source` (cached): same metadata, every tensor de-quantised."""
     import gguf
 
-    stat = source.stat()
-    key = hashlib.sha1(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache_root() / "gguf-f32" / f"{source.stem}-{key}.F32.gguf"
+    out = cache_root() / "gguf-f32" / f"{source.stem}-{source_key(source)}.F32.gguf"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -76,26 +85,32 @@ def f32_gguf(source: Path) -> Path:
     return out
 
 
-def gguf_for(source: Path | None, name: str) -> Path:
+GGUF_KINDS = ("file", "f32")  # the target's own GGUF file; its F32 re-export
+COST_KEYS = {"file": "llamacpp", "f32": "llamacpp-f32"}  # the cost model's key of each one's forward times
+
+
+def gguf_for(source: Path | None, name: str, kind: str = "file") -> Path:
+    """The GGUF a llama.cpp peer runs: the target's own file (`kind="file"`) or its F32 re-export ("f32")."""
+    require(kind in GGUF_KINDS, f"unknown GGUF kind {kind!r}: use one of {', '.join(GGUF_KINDS)}")
     require(
         source is not None and source.suffix == ".gguf",
         f"llama.cpp peers need a .gguf target, and {name} was loaded from a folder: pass the model as a .gguf file "
         "(llama.cpp's convert_hf_to_gguf.py writes one) or drop the llamacpp peers",
     )
-    return f32_gguf(source)
+    return source if kind == "file" else f32_gguf(source)
 
 
 def peer(spec, source: Path | None, name: str, n_ctx: int) -> "LlamaCpp":
-    """The llama.cpp instance behind the bench spec `spec` (`llamacpp` or `llamacpp-prompt-lookup`)."""
+    """The llama.cpp instance behind the bench spec `spec` (a llama.cpp peer: `spec.gguf` says which file)."""
     import torch
 
     require_llamacpp()
     lookup = spec.config.num_pred_tokens if spec.name == "llamacpp-prompt-lookup" else None
-    return LlamaCpp(gguf_for(source, name), n_ctx, torch.get_num_threads(), prompt_lookup=lookup)
+    return LlamaCpp(gguf_for(source, name, spec.gguf), n_ctx, torch.get_num_threads(), prompt_lookup=lookup)
 
 
 class LlamaCpp:
-    """One llama.cpp model (F32 GGUF of the target) with the bench's threads and context."""
+    """One llama.cpp model (a GGUF of the target) with the bench's threads and context."""
 
     def __init__(
         self, path: Path, n_ctx: int, threads: int, prompt_lookup: int | None = None, logits_all: bool = False

@@ -6,6 +6,10 @@ Sums run over the records of one method in one repeat (all prompts, or one categ
 - speedup                   = geometric mean over prompts p of T_AR(p, r) / T_m(p, r)
                               (wall times of the same prompt in the same repeat r)
 - total_speedup             = sum_p T_AR(p, r) / sum_p T_m(p, r)
+- decode_speedup            = geometric mean over prompts p of D_AR(p, r) / D_m(p, r), where
+                              D = wall_s - ttft_s, the time after the first token (prefill
+                              and time to first token excluded); unknown when a TTFT is;
+                              prompts with no time after the first token (one token) left out
 - tokens_per_target_forward = sum new_tokens / sum target_forwards (prefill included; the
                               mean accepted tokens per target forward, bonus token included;
                               autoregressive = 1)
@@ -38,6 +42,7 @@ from draftverify.bench.oracle import ceiling_times, chain_factor, oracle_rounds,
 METRICS = (
     "speedup",
     "total_speedup",
+    "decode_speedup",
     "tokens_per_s",
     "tokens_per_target_forward",
     "acceptance_rate",
@@ -79,6 +84,15 @@ def token_gaps(token_times: list[float]) -> list[float]:
     return [b - a for a, b in zip(token_times, token_times[1:])]
 
 
+def decode_speedup(records: list[dict], baseline: dict[str, dict]) -> float | None:
+    """Geometric mean over prompts of the baseline's time after its first token over the method's."""
+    pairs = [(baseline[r["prompt_id"]], r) for r in records if r["prompt_id"] in baseline]
+    if any(r["ttft_s"] is None for pair in pairs for r in pair):
+        return None
+    decode = [(b["wall_s"] - b["ttft_s"], m["wall_s"] - m["ttft_s"]) for b, m in pairs]
+    return geomean([b / m for b, m in decode if b > 0 and m > 0])
+
+
 def repeat_metrics(records: list[dict], baseline: dict[str, dict]) -> dict[str, float | None]:
     """The metrics of one method's records of one repeat; `baseline` maps prompt id ->
     the autoregressive record of the same prompt and repeat."""
@@ -92,6 +106,7 @@ def repeat_metrics(records: list[dict], baseline: dict[str, dict]) -> dict[str, 
     return {
         "speedup": geomean([b / m for b, m in pairs if m > 0]),
         "total_speedup": _div(sum(b for b, _ in pairs), sum(m for _, m in pairs)) if pairs else None,
+        "decode_speedup": decode_speedup(records, baseline),
         "tokens_per_s": _div(tokens, wall),
         "tokens_per_target_forward": _div(tokens, _sum(records, "target_forwards")),
         "acceptance_rate": _div(accepted, drafted),

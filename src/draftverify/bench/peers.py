@@ -24,16 +24,21 @@ from draftverify.sampling import Sampling
 
 
 class PeerState:
-    """What a peer keeps across prompts: the assistant's generation config (transformers'
-    "heuristic" schedule stores the adapted number of assistant tokens there between calls)."""
+    """A transformers peer and what it keeps across prompts: the assistant's generation config
+    (transformers' "heuristic" schedule stores the adapted number of assistant tokens there between calls)."""
 
-    def __init__(self, spec: BenchSpec, draft: torch.nn.Module | None):
+    def __init__(self, spec: BenchSpec, target: torch.nn.Module, draft: torch.nn.Module | None):
+        self.spec, self.target, self.draft = spec, target, draft
         self.assistant_config = None
         if spec.name == "hf-assisted":
             self.assistant_config = copy.deepcopy(draft.generation_config)
             for key, value in dataclasses.asdict(spec.config).items():
                 if value is not None:
                     setattr(self.assistant_config, key, value)
+
+    def generate(self, ids: list[int], sampling: Sampling, max_new_tokens: int, eos: tuple[int, ...]) -> dict:
+        """One generation (the same call as `llamacpp.LlamaCpp.generate`): the record's measured fields."""
+        return run_peer(self.spec, self, self.target, self.draft, ids, sampling, max_new_tokens, eos)
 
 
 def run_peer(

@@ -20,25 +20,25 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from draftverify.bench import llamacpp, metrics
-from draftverify.bench.datasets import Prompt, category_key
+from draftverify.bench import llamacpp
+from draftverify.bench.datasets import Prompt
 from draftverify.bench.measure import environment, peak_memory
 from draftverify.bench.oracle import teacher_forced_disagreements
-from draftverify.bench.peers import PeerState, run_peer
-from draftverify.bench.report import jsonable, write_all
+from draftverify.bench.peers import PeerState
+from draftverify.bench.records import RecordLog, schedule
+from draftverify.bench.report import write_all
+from draftverify.bench.results import assemble
 from draftverify.bench.specs import BenchSpec
 from draftverify.costs import WIDTHS, forward_times
 from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError, require
 from draftverify.sampling import Sampling
-from draftverify.util import atomic_write
 
 FORMATS = ("auto", "chat", "raw")
 WARMUP_PROMPT = "Hello! Say one sentence about the weather."
@@ -62,7 +62,7 @@ STAT_FIELDS = (
 
 @dataclass(frozen=True)
 class Settings:
-    max_new_tokens: int = 128
+    max_new_tokens: int = 256
     repeats: int = 1
     temperature: float = 0.0
     top_k: int = 0
@@ -70,6 +70,7 @@ class Settings:
     seed: int = 0
     prompt_format: str = "auto"  # auto: each set's own (chat for instruct models, raw for HumanEval)
     warmup_tokens: int = 8
+    dtype: str = "auto"  # the target's arithmetic as asked for (`Engine.load(dtype=...)`), named in the report
 
     def __post_init__(self):
         require(self.max_new_tokens >= 1, f"--max-new-tokens {self.max_new_tokens} must be at least 1")
@@ -85,77 +86,6 @@ class Settings:
 
     def sampling(self, seed: int | None) -> Sampling:
         return Sampling(self.temperature, self.top_k, self.top_p, seed)
-
-
-def schedule(prompt_ids: list[str], labels: list[str], repeats: int) -> list[tuple[str, int, str]]:
-    """The order of the generations: prompt by prompt, repeat by repeat, every method in turn."""
-    return [(p, r, label) for p in prompt_ids for r in range(repeats) for label in labels]
-
-
-class RecordLog:
-    """`records.jsonl`: a config line, then one JSON line per finished piece of work.
-
-    Lines are appended and flushed as they come, so an interrupted run loses at most the
-    generation in flight; a torn last line is dropped on resume.
-    """
-
-    def __init__(self, path: Path, config: dict, overwrite: bool = False):
-        self.path = path
-        self.generations: dict[tuple[str, int, str], dict] = {}
-        self.contexts: dict[str, str] = {}
-        self.oracles: dict[str, dict] = {}
-        self.costs: dict | None = None
-        if path.exists() and not overwrite:
-            self._load(config)
-        else:
-            atomic_write(path, json.dumps({"type": "config", "config": config}) + "\n")
-
-    def _load(self, config: dict) -> None:
-        raw = self.path.read_bytes()
-        good = raw[: raw.rfind(b"\n") + 1]  # drop a torn last line
-        lines = good.decode().splitlines()
-        try:
-            header = json.loads(lines[0]) if lines else {}
-        except json.JSONDecodeError:
-            header = {}
-        require(
-            header.get("type") == "config", f"{self.path} is not a bench record file: pass another --out or --overwrite"
-        )
-        old = header["config"]
-        if old != config:
-            key = next(k for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k))
-            raise DraftVerifyError(
-                f"{self.path.parent} holds a run with another config ({key}: {_short(old.get(key))} there, "
-                f"{_short(config.get(key))} now): pass another --out, or --overwrite to start over"
-            )
-        if len(good) != len(raw):
-            with open(self.path, "r+b") as f:
-                f.truncate(len(good))
-        for line in lines[1:]:
-            self._index(json.loads(line))
-
-    def _index(self, record: dict) -> None:
-        kind = record["type"]
-        if kind == "generation":
-            self.generations[(record["prompt_id"], record["repeat"], record["label"])] = record
-        elif kind == "context":
-            self.contexts[record["prompt_id"]] = record["answer"]
-        elif kind == "oracle":
-            self.oracles[record["prompt_id"]] = record
-        elif kind == "cost_model":
-            self.costs = record["costs"]
-
-    def append(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, default=jsonable) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self._index(record)
-
-
-def _short(value) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def messages_for(prompt: Prompt, answers: list[str]) -> list[dict]:
@@ -179,11 +109,14 @@ class Bench:
         for spec in specs:
             require(
                 engine.draft is not None or not spec.needs_draft or (engine.head is not None and spec.takes_head),
-                f"method {spec.label!r} needs a draft model: pass --draft (e.g. self:layers=8) or drop it from --methods",
+                f"method {spec.label!r} needs a draft model: pass --draft (e.g. self:layers=8) "
+                "or drop it from --methods",
             )
-        if any(s.engine == "llama.cpp" for s in specs):
+        self.gguf_kinds = sorted({s.gguf for s in specs if s.engine == "llama.cpp"})  # which GGUFs llama.cpp runs
+        if self.gguf_kinds:
             llamacpp.require_llamacpp()
-            llamacpp.gguf_for(engine.target.source, engine.target.name)  # converted once, cached
+            for kind in self.gguf_kinds:
+                llamacpp.gguf_for(engine.target.source, engine.target.name, kind)  # an F32 export: made once, cached
         self.engine, self.prompts, self.specs, self.settings = engine, prompts, specs, settings
         self.out_dir = Path(out_dir)
         self.device = engine.target.device
@@ -209,6 +142,7 @@ class Bench:
             "draft_identity": draft.identity if draft is not None else None,
             "head": self.engine.head.name if self.engine.head is not None else None,
             "dtype": str(self.engine.target.model.dtype),
+            "arithmetic": self.arithmetic(),
             "backend": self.engine.target_runner.backend,
             "device": str(self.device),
             "prompts": len(self.prompts),
@@ -216,6 +150,14 @@ class Bench:
             "methods": [s.label for s in self.specs],
             **dataclasses.asdict(self.settings),
         }
+
+    def arithmetic(self) -> str:
+        """The target's arithmetic: what the engine says it runs, else the dtype asked for, else its weights' dtype."""
+        said = getattr(self.engine, "arithmetic", None)
+        if isinstance(said, str):
+            return said
+        asked = self.settings.dtype
+        return asked if asked != "auto" else str(self.engine.target.model.dtype).replace("torch.", "")
 
     # -- prompts ----------------------------------------------------------------------------
 
@@ -260,40 +202,42 @@ class Bench:
 
     def generate(self, spec: BenchSpec, ids: list[int], max_new_tokens: int, seed: int | None) -> dict:
         """Run one generation of `spec`; returns the measured fields with `tokens` and memory."""
-        engine, sampling = self.engine, self.settings.sampling(seed)
+        sampling, eos = self.settings.sampling(seed), self.engine.eos_ids()
         with peak_memory(self.device) as memory:
-            if spec.engine == "llama.cpp":
-                state = self.peer_states.get(spec.label)
-                if state is None or not spec.warm:
-                    state = self.peer_states[spec.label] = llamacpp.peer(
-                        spec, engine.target.source, engine.target.name, self.n_ctx()
-                    )
-                fields = state.generate(ids, sampling, max_new_tokens, engine.eos_ids())
-            elif spec.is_peer:
-                draft = engine.draft.model if engine.draft is not None else None
-                state = self.peer_states.get(spec.label)
-                if state is None or not spec.warm:
-                    state = self.peer_states[spec.label] = PeerState(spec, draft)
-                fields = run_peer(
-                    spec, state, engine.target.model, draft, ids, sampling, max_new_tokens, engine.eos_ids()
-                )
+            if spec.is_peer:
+                fields = self.peer_state(spec).generate(ids, sampling, max_new_tokens, eos)
             else:
-                runner = (
-                    engine if spec.warm else Engine(engine.target, engine.draft, engine.backend, head=engine.head)
-                )  # fresh method instance
-                result = runner.generate(
-                    ids,
-                    method=spec.name,
-                    preset=spec.preset,
-                    max_new_tokens=max_new_tokens,
-                    temperature=sampling.temperature,
-                    top_k=sampling.top_k,
-                    top_p=sampling.top_p,
-                    seed=seed,
-                    **{k: v for k, v in spec.options if k != "warm"},
-                )
-                fields = {"tokens": result.tokens, **{k: getattr(result.stats, k) for k in STAT_FIELDS}}
+                fields = self.generate_ours(spec, ids, max_new_tokens, sampling)
         return {**fields, **memory}
+
+    def peer_state(self, spec: BenchSpec):
+        """The peer's instance (kept across prompts unless `warm=false`): llama.cpp, or transformers' `generate`."""
+        engine, state = self.engine, self.peer_states.get(spec.label)
+        if state is None or not spec.warm:
+            if spec.engine == "llama.cpp":
+                state = llamacpp.peer(spec, engine.target.source, engine.target.name, self.n_ctx())
+            else:
+                draft = engine.draft.model if engine.draft is not None else None
+                state = PeerState(spec, engine.target.model, draft)
+            self.peer_states[spec.label] = state
+        return state
+
+    def generate_ours(self, spec: BenchSpec, ids: list[int], max_new_tokens: int, sampling: Sampling) -> dict:
+        """One generation of one of draftverify's methods; a fresh method instance when `warm=false`."""
+        engine = self.engine
+        runner = engine if spec.warm else Engine(engine.target, engine.draft, engine.backend, head=engine.head)
+        result = runner.generate(
+            ids,
+            method=spec.name,
+            preset=spec.preset,
+            max_new_tokens=max_new_tokens,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            **{k: v for k, v in spec.options if k != "warm"},
+        )
+        return {"tokens": result.tokens, **{k: getattr(result.stats, k) for k in STAT_FIELDS}}
 
     def n_ctx(self) -> int:
         """A context long enough for every prompt of the run plus its new tokens (llama.cpp peers)."""
@@ -373,14 +317,10 @@ class Bench:
         }
         if self.engine.draft is not None:
             costs["draft"] = forward_times(self.engine.draft_runner, context, all_logits=False)
-        if any(s.engine == "llama.cpp" for s in self.specs):  # the same buckets, all logits, on llama.cpp
-            model = llamacpp.LlamaCpp(
-                llamacpp.gguf_for(self.engine.target.source, self.engine.target.name),
-                self.n_ctx(),
-                torch.get_num_threads(),
-                logits_all=True,
-            )
-            costs["llamacpp"] = model.forward_times(context, WIDTHS)
+        for kind in self.gguf_kinds:  # the same buckets, all logits, on llama.cpp: per GGUF its peers run
+            path = llamacpp.gguf_for(self.engine.target.source, self.engine.target.name, kind)
+            model = llamacpp.LlamaCpp(path, self.n_ctx(), torch.get_num_threads(), logits_all=True)
+            costs[llamacpp.COST_KEYS[kind]] = model.forward_times(context, WIDTHS)
             del model
         return costs
 
@@ -406,69 +346,8 @@ class Bench:
 
     def results(self, log: RecordLog, command: str) -> dict:
         """Everything in results.json: config, environment, raw records and their summaries."""
-        baseline = self.specs[0].label
-        records = [
-            log.generations[job]
-            for job in schedule(list(self.ids), [s.label for s in self.specs], self.settings.repeats)
-            if job in log.generations
-        ]
+        order = schedule(list(self.ids), [s.label for s in self.specs], self.settings.repeats)
+        records = [log.generations[job] for job in order if job in log.generations]
         oracles = [log.oracles[p] for p in self.ids if p in log.oracles]
-        costs = log.costs or {}
-        groups = {}
-        for r in records:
-            groups.setdefault(category_key(r["dataset"], r["category"]), []).append(r)
-
-        def oracle_for(recs):
-            ids = {r["prompt_id"] for r in recs}
-            return (
-                metrics.oracle_table([o for o in oracles if o["prompt_id"] in ids], recs, baseline, costs)
-                if "draft" in costs and oracles
-                else None
-            )
-
-        return {
-            "command": command,
-            "config": self.config(),
-            "environment": environment(self.device),
-            "baseline": baseline,
-            "greedy": self.settings.greedy,
-            "methods": [
-                {
-                    "label": s.label,
-                    "name": s.name,
-                    "preset": s.preset,
-                    "options": dict(s.options),
-                    "peer": s.is_peer,
-                    "engine": s.engine,
-                    "needs_draft": s.needs_draft,
-                    "warm": s.warm,
-                    "config": dataclasses.asdict(s.config),
-                }
-                for s in self.specs
-            ],
-            "prompts": [
-                {
-                    "id": p.id,
-                    "dataset": p.dataset,
-                    "category": p.category,
-                    "turn": p.turn,
-                    "prompt_tokens": len(self.ids[p.id]),
-                }
-                for p in self.prompts
-                if p.id in self.ids
-            ],
-            "skipped": [{"id": k, "reason": v} for k, v in self.skipped.items()],
-            "cost_model": costs,
-            "summary": {
-                "all": metrics.summarize(records, baseline),
-                "categories": {k: metrics.summarize(v, baseline) for k, v in groups.items()},
-            },
-            "exactness": metrics.exactness(records, baseline) if self.settings.greedy else None,
-            "oracle": {"all": oracle_for(records), "categories": {k: oracle_for(v) for k, v in groups.items()}},
-            "ceiling": {
-                "all": metrics.ceiling_table(records, baseline, costs),
-                "categories": {k: metrics.ceiling_table(v, baseline, costs) for k, v in groups.items()},
-            },
-            "oracles": oracles,
-            "records": records,
-        }
+        head = {"command": command, "config": self.config(), "environment": environment(self.device)}
+        return assemble(self, records, oracles, log.costs or {}, head)
