@@ -88,6 +88,13 @@ def run_peer(
         draft_forwards = 0
     else:
         draft_forwards = draft_calls.calls if draft_calls is not None else None
+    return _record(tokens, wall, clock, target_calls, draft_forwards, eos)
+
+
+def _record(
+    tokens: list[int], wall: float, clock: ChunkClock, target_calls: ForwardCounter, draft_forwards, eos
+) -> dict:
+    """The record's measured fields of one peer generation (the time split is unknown: None)."""
     return {
         "tokens": tokens,
         "new_tokens": len(tokens),
