@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Add the optional llama.cpp bench peers (`llamacpp`, `llamacpp-prompt-lookup`) to .venv.
-# llama-cpp-python ships as source only: the first run compiles it (10-20 minutes on 2 cores)
-# into a wheel kept under ~/.cache/draftverify/wheels, so later installs take seconds.
+# Add the optional llama.cpp bench peers (`llamacpp`, `llamacpp-f32`, `llamacpp-prompt-lookup`) to .venv,
+# then write the default model in the GGUF types people download (Q4_K_M, Q5_K_M, Q6_K, Q8_0) with
+# llama.cpp's own quantizer, cached under ~/.cache/draftverify/gguf-quantized for tests and benchmarks
+# (`python -m draftverify.bench.quantize TYPE` prints the path of one; SKIP_QUANTIZE=1 skips them).
+# llama-cpp-python ships as source only: the first run compiles it into a wheel kept under
+# ~/.cache/draftverify/wheels, so later installs take seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -10,9 +13,13 @@ VERSION=0.3.36
 wheels="${XDG_CACHE_HOME:-$HOME/.cache}/draftverify/wheels"
 mkdir -p "$wheels"
 if ! ls "$wheels"/llama_cpp_python-"$VERSION"-*.whl >/dev/null 2>&1; then
-  echo "building llama-cpp-python $VERSION from source once (10-20 minutes on 2 cores)..." >&2
+  echo "building llama-cpp-python $VERSION from source once (it compiles llama.cpp: minutes)..." >&2
   CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" python -m pip wheel --no-deps "llama-cpp-python==$VERSION" -w "$wheels"
 fi
 python -m pip install -q --no-deps "$wheels"/llama_cpp_python-"$VERSION"-*.whl
 python -m pip install -q "diskcache>=5.6.1" "jinja2>=2.11.3"  # its runtime needs
-python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'ready: add llamacpp,llamacpp-prompt-lookup to draftverify bench --methods')"
+python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'ready: add llamacpp,llamacpp-f32,llamacpp-prompt-lookup to draftverify bench --methods')"
+if [ "${SKIP_QUANTIZE:-0}" != 1 ]; then
+  echo "the default model as Q4_K_M, Q5_K_M, Q6_K and Q8_0 (llama.cpp's quantizer, once):" >&2
+  python -m draftverify.bench.quantize Q4_K_M Q5_K_M Q6_K Q8_0
+fi
