@@ -37,3 +37,25 @@ def test_default_model_quantized_once_per_type():
     with pytest.raises(DraftVerifyError, match="unknown GGUF type 'Q9_X'") as err:
         quantized("Q9_X")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(not llamacpp.available(), reason=llamacpp.INSTALL_HINT)
+def test_llamacpp_peers_on_the_own_file_and_the_f32_export(tmp_path):
+    """`llamacpp` runs the target's own GGUF, `llamacpp-f32` its F32 re-export: both cost curves in the report."""
+    from draftverify import Engine
+    from draftverify.bench.datasets import Prompt
+    from draftverify.bench.runner import Bench, Settings
+    from draftverify.bench.specs import parse_specs
+
+    try:
+        engine = Engine.load(None, "none")
+    except DraftVerifyError as err:
+        pytest.skip(str(err))
+    prompts = [Prompt("p/1", "p", "x", ("Name a colour.",), True)]
+    settings = Settings(max_new_tokens=4, warmup_tokens=2)
+    results = Bench(engine, prompts, parse_specs("llamacpp,llamacpp-f32"), settings, tmp_path).run(progress=False)
+    assert {"llamacpp", "llamacpp-f32"} <= set(results["cost_model"])
+    assert [m["gguf"] for m in results["methods"]] == [None, "file", "f32"]
+    assert all(r["new_tokens"] >= 1 for r in results["records"])
+    report = (tmp_path / "report.md").read_text()
+    assert "llama.cpp forward, the target's own file (ms)" in report and "llama.cpp forward, F32 re-export" in report
