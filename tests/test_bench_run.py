@@ -192,8 +192,9 @@ def test_quick_through_the_cli(tiny, tmp_path):
         str(tmp_path / "out"),
         "--no-progress",
     ]
-    res = CliRunner().invoke(app, args)
+    res = CliRunner().invoke(app, args + ["--spec-bench-jsonl", str(tmp_path / "sb")])
     assert res.exit_code == 0, res.output
+    assert len(list((tmp_path / "sb").glob("m-*.jsonl"))) == 5  # one Spec-Bench answer file per method
     assert "Headline (all prompts)" in res.stdout and "report:" in res.stdout
     report = (tmp_path / "out" / "report.md").read_text()
     assert (
@@ -201,6 +202,8 @@ def test_quick_through_the_cli(tiny, tmp_path):
         and "target t(w) / t(1)" in report
         and "Forward path: target: static" in report
     )
+    assert "| method | speedup | decode-only speedup | total-time speedup |" in report
+    assert "target arithmetic **float32**" in report  # --dtype auto on a CPU: the weights' fp32
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["config"]["max_new_tokens"] == 16 and results["config"]["repeats"] == 1
     assert [p["id"] for p in results["prompts"]] == ["prompts/1", "prompts/2"]  # --quick: 2 prompts
