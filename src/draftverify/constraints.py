@@ -19,6 +19,8 @@ import torch
 from draftverify.errors import DraftVerifyError, require
 
 KINDS = ("json_object", "json_schema", "regex", "lark")
+# Compact JSON (no whitespace between tokens): a model cannot spend its tokens on endless indentation.
+JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,10 @@ class Format:
         from llguidance import LLMatcher
 
         if self.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema({"type": "object"})
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
         if self.kind == "json_schema":
             require(isinstance(self.spec, dict), "json_schema's schema must be a JSON object: give a schema dict")
-            return LLMatcher.grammar_from_json_schema(self.spec)
+            return LLMatcher.grammar_from_json_schema(self.spec, overrides=JSON_OPTIONS)
         require(isinstance(self.spec, str) and self.spec, f"the {self.kind} is empty: give its text")
         return (
             LLMatcher.grammar_from_regex(self.spec) if self.kind == "regex" else LLMatcher.grammar_from_lark(self.spec)
@@ -75,8 +77,30 @@ def ll_tokenizer(tokenizer, eos: tuple[int, ...]):
     key = id(tokenizer)
     if key not in _TOKENIZERS:
         require(getattr(tokenizer, "is_fast", False), "structured output needs a fast tokenizer (tokenizer.json)")
-        _TOKENIZERS[key] = from_tokenizer(tokenizer, eos_token=list(eos) or None)
+        try:
+            _TOKENIZERS[key] = from_tokenizer(tokenizer, eos_token=list(eos) or None)
+        except ValueError:  # a decoder llguidance does not read (e.g. Fuse): give it each token's bytes instead
+            _TOKENIZERS[key] = _by_bytes(tokenizer, eos)
     return _TOKENIZERS[key]
+
+
+def _by_bytes(tokenizer, eos: tuple[int, ...]):
+    """llguidance's tokenizer from each token's own decoded bytes (special tokens: none)."""
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    special = set(tokenizer.all_special_ids)
+    n = len(tokenizer)
+
+    class Tokens:
+        eos_token_id = eos[0] if eos else tokenizer.eos_token_id
+        bos_token_id = tokenizer.bos_token_id
+        tokens = [b"" if i in special else tokenizer.decode([i]).encode() for i in range(n)]
+        special_token_ids = sorted(special)
+
+        def __call__(self, text: str) -> list[int]:
+            return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    return LLTokenizer(TokenizerWrapper(Tokens()), eos_token=list(eos) or None)
 
 
 class Grammar:
@@ -91,6 +115,7 @@ class Grammar:
         if error and not error.startswith("WARNING"):
             raise DraftVerifyError(f"the {fmt.kind} is invalid: {error.splitlines()[0]}")
         self.matcher = LLMatcher(lltok, text, log_level=0)
+        self.known = lltok.vocab_size  # ids at or above it (a model's padded vocabulary) are never allowed
         require(not self.matcher.is_error(), f"the {fmt.kind} is invalid: {self.matcher.get_error()}")
         self.consumed = 0  # how many output tokens the matcher has taken
 
@@ -107,7 +132,8 @@ class Grammar:
         self.follow(output)
         rows = np.ones((len(paths), vocab), dtype=bool)
         for i, path in enumerate(paths):
-            taken = self.matcher.try_consume_tokens(path) if path else 0
+            known = next((j for j, t in enumerate(path) if t >= self.known), len(path))  # an unknown id ends it
+            taken = self.matcher.try_consume_tokens(path[:known]) if known else 0
             if taken == len(path):
                 rows[i] = self._mask(vocab)
             if taken:
