@@ -293,8 +293,8 @@ BAD = [  # (route, body: dict merged into a good one, or raw bytes), status, par
     (C, {"seed": 2**70}, 400, "seed"),
     (C, {"n": 2}, 400, "n"),
     (C, {"n": True}, 400, "n"),
-    (C, {"logprobs": 5}, 400, "logprobs"),
-    (C, {"presence_penalty": 0.5}, 400, "presence_penalty"),
+    (C, {"logprobs": 50}, 400, "logprobs"),  # at most 20
+    (C, {"presence_penalty": 5}, 400, "presence_penalty"),  # in [-2, 2]
     (C, {"stop": ""}, 400, "stop"),
     (C, {"stop": ["a"] * 17}, 400, "stop"),
     (C, {"stop": [1]}, 400, "stop"),

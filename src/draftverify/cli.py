@@ -107,6 +107,9 @@ def generate(
     stop: list[str] = typer.Option(
         [], help="Stop when the output contains this text (repeatable); the text is cut before it."
     ),
+    json_schema: Optional[Path] = typer.Option(
+        None, "--json-schema", help="A JSON schema file: the output is JSON that validates against it (exactly)."
+    ),
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     backend: str = BackendOpt,
@@ -133,6 +136,11 @@ def generate(
     engine = _load_engine(
         target, draft if method_class(spec.name).loads_draft() else "none", dtype, device, backend=backend
     )
+    if json_schema is not None:
+        from draftverify.constraints import load_schema_file
+
+        schema = {"name": json_schema.stem, "schema": load_schema_file(str(json_schema))}
+        options["response_format"] = {"type": "json_schema", "json_schema": schema}
     streamer = None
     if stream and not as_json:
         from transformers import TextStreamer

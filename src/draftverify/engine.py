@@ -15,6 +15,7 @@ import torch
 
 from draftverify.errors import require
 from draftverify.feature_draft import FeatureDraft
+from draftverify.logits import make_processor
 from draftverify.methods import Method
 from draftverify.methods.spec import method_class
 from draftverify.models import Loaded, Runner, default_head, load_draft, load_model
@@ -30,6 +31,7 @@ class Result:
     text: str  # decoded new tokens, cut before a stop string
     stats: Stats
     prompt_tokens: list[int]
+    logprobs: list | None = None  # logits.Logprob per new token, when asked for (`logprobs` / `top_logprobs`)
 
 
 class Engine:
@@ -157,8 +159,9 @@ class Engine:
     def generate(self, prompt: str | list[int] | list[dict], method: str = "auto", **settings) -> Result:
         """Generate from `prompt` with `method`; output is identical (greedy) or identically
         distributed (sampling) to what the target alone produces. `settings` are `request`'s:
-        max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stop, chat, streamer,
-        on_tokens, generation_config, preset, and the method's own options.
+        max_new_tokens, temperature, top_k, top_p, min_p, seed, eos_token_id, stop, chat, streamer,
+        on_tokens, generation_config, preset, `logits.KNOBS` (presence_penalty, frequency_penalty, logit_bias,
+        response_format, logprobs, top_logprobs) and the method's own options.
         """
         m, session = self.request(prompt, method, **settings)
         session.stats.start()
@@ -194,6 +197,7 @@ class Engine:
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
+        min_p: float = 0.0,
         seed: int | None = None,
         eos_token_id: int | list[int] | None = None,
         stop: str | list[str] | None = None,
@@ -220,7 +224,7 @@ class Engine:
             top_k, top_p = (gc.top_k or 0, gc.top_p or 1.0) if gc.do_sample else (0, 1.0)
             eos_token_id = gc.eos_token_id if gc.eos_token_id is not None else eos_token_id
             stop = gc.stop_strings or stop
-        sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         ids = self.encode(prompt, chat=chat)
         if eos_token_id is None:
             eos = self.eos_ids()
@@ -230,10 +234,9 @@ class Engine:
         context = self.target_runner.max_length or 1 << 30
         require(max_new_tokens >= 1, f"max_new_tokens={max_new_tokens} must be at least 1")
         stopping = Stopping(min(max_new_tokens, context - len(ids)), eos, stops)
+        processor = make_processor(options, self.target.tokenizer, eos)  # takes its knobs out of `options`
         m = self.method(method, preset, slot=slot, **options)
-        session = Session(
-            ids, sampling, stopping, tokenizer=self.target.tokenizer, streamer=streamer, on_tokens=on_tokens
-        )
+        session = Session(ids, sampling, stopping, self.target.tokenizer, streamer, on_tokens, processor=processor)
         session.stats.method = method
         session.stats.prompt_tokens = len(ids)
         if self.target_runner.device.type == "cuda":
@@ -252,4 +255,7 @@ class Engine:
     @staticmethod
     def result(session: Session) -> Result:
         """What `generate` returns for an ended request."""
-        return Result(session.output, session.text(), session.stats, session.prompt)
+        logprobs = None
+        if session.processor is not None and session.processor.top_logprobs is not None:
+            logprobs = session.processor.logprobs[: len(session.output)]
+        return Result(session.output, session.text(), session.stats, session.prompt, logprobs)

@@ -80,10 +80,12 @@ def rounds(s: Session, target: Runner, drafter: Drafter | None = None) -> Rounds
             with s.stats.timer("verify"):
                 prepared = prepare_step(target, root, proposal)
                 out = yield prepared.feed
-                step = finish_step(target, s, proposal, prepared, out)
+                step = finish_step(target, s, proposal, prepared, out, process=True)
             s.stats.verified(step.drafted, step.accepted, len(step.tokens))
             if drafter is not None:
                 drafter.observe(s, seq, proposal, step)
+            if s.processor is not None:
+                s.processor.record(step.node_logits[step.producers], step.tokens)
             if not s.emit(step.tokens):
                 return
             seq += step.tokens
@@ -95,6 +97,12 @@ def rounds(s: Session, target: Runner, drafter: Drafter | None = None) -> Rounds
 
 def pick(logits: torch.Tensor, s: Session, device: torch.device) -> int:
     """Next token from logits [V]: argmax when greedy, else a sample after the shared processing."""
+    if s.processor is not None:  # the first token: nothing generated before it
+        logits = s.processor.rows(s.output, [[]], logits[None])[0]
     if s.sampling.greedy:
-        return int(logits.argmax().item())
-    return sample(s.sampling.probs(logits), s.generator(device))
+        token = int(logits.argmax().item())
+    else:
+        token = sample(s.sampling.probs(logits), s.generator(device))
+    if s.processor is not None:
+        s.processor.record(logits[None], [token])
+    return token

@@ -1,12 +1,14 @@
 """Sampling controls shared by draft and target, so that rejection sampling stays exact.
 
-Both models' logits go through the same `Sampling.probs` (temperature, then top-k, then
-top-p, then softmax); the verifier compares the resulting distributions q (draft) and
-p (target). temperature == 0 means greedy decoding: verification compares argmaxes.
+Both models' logits go through the same `Sampling.probs` (temperature, then min-p, then top-k,
+then top-p, then softmax); the verifier compares the resulting distributions q (draft) and
+p (target). temperature == 0 means greedy decoding: verification compares argmaxes. What depends
+on the tokens so far (penalties, logit_bias, a grammar) is applied before, by `logits.Processor`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,7 @@ class Sampling:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off: keep tokens at least min_p times as likely as the likeliest
     seed: int | None = None
 
     def __post_init__(self):
@@ -26,6 +29,7 @@ class Sampling:
             self.temperature >= 0, f"temperature={self.temperature} is negative: use 0 (greedy) or a positive value"
         )
         require(0 < self.top_p <= 1, f"top_p={self.top_p} is outside (0, 1]: use e.g. 0.9, or 1 to turn it off")
+        require(0 <= self.min_p <= 1, f"min_p={self.min_p} is outside [0, 1]: use e.g. 0.05, or 0 to turn it off")
         require(self.top_k >= 0, f"top_k={self.top_k} is negative: use 0 to turn it off")
 
     @property
@@ -48,6 +52,8 @@ class Sampling:
             return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
         # Shift by the max first: a tiny temperature (1e-40) then sends the others to -inf, not inf - inf = NaN.
         logits = (logits - logits.amax(-1, keepdim=True)) / self.temperature
+        if self.min_p > 0:  # the max is 0 now: p / p_max < min_p  <=>  logit < log(min_p)
+            logits = logits.masked_fill(logits < math.log(self.min_p), float("-inf"))
         if self.top_k and self.top_k < logits.shape[-1]:
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -41,6 +41,7 @@ class Session:
     output: list[int] = field(default_factory=list)
     done: bool = False
     stop_text_at: int | None = None  # where the first stop string starts in the decoded text
+    processor: object = None  # a logits.Processor: penalties, logit_bias, a grammar, logprobs (None: none)
     others: int = 0  # rows the rest of the batch fed to the last shared forward (0: decoding alone; `batch`)
     _generators: dict = field(default_factory=dict)
 

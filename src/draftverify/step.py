@@ -123,8 +123,10 @@ def prepare_step(runner: Runner, root: int, proposal: Proposal) -> Prepared:
     return Prepared(tree, feed, base, chain=False, lay=lay)
 
 
-def finish_step(runner: Runner, s: Session, proposal: Proposal, prepared: Prepared, out) -> Step:
-    """Verify the forward's output `out` (a models.Forward) against the prepared tree and roll the cache back."""
+def finish_step(runner: Runner, s: Session, proposal: Proposal, prepared: Prepared, out, process: bool = False) -> Step:
+    """Verify the forward's output `out` (a models.Forward) against the prepared tree and roll the cache back.
+    `process`: the runner is the request's target and the root ends `s.output`, so the session's
+    `logits.Processor` processes each node's logits for its prefix before verification."""
     tree, base, lay = prepared.tree, prepared.base, prepared.lay
     if prepared.chain:
         node_logits = out.logits  # [n, V]
@@ -132,6 +134,8 @@ def finish_step(runner: Runner, s: Session, proposal: Proposal, prepared: Prepar
     else:
         rows_of_nodes = [lay.row(i) for i in lay.tree]
         node_logits = out.logits[rows_of_nodes]  # [n, V]
+    if process and s.processor is not None:
+        node_logits = s.processor.tree(s.output, tree.tokens, tree.parents, node_logits)  # [n, V]
     tokens = torch.tensor(tree.tokens, device=node_logits.device)
     if s.sampling.greedy:
         probs = None

@@ -73,7 +73,7 @@ def verify_tree(
             r = torch.rand((), generator=generator, device=dist.device)
             if sampled[child]:
                 qx = q[child, x].float()
-                if r * qx <= dist[x]:  # accept with min(1, p(x)/q(x))
+                if dist[x] > 0 and r * qx <= dist[x]:  # accept with min(1, p(x)/q(x)); never a token p forbids
                     break
                 dist = _normalise((dist - q[child].float()).clamp_min(0), fallback=dist)
             else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from draftverify.drafters.base import Drafter, Proposal
+from draftverify.logits import draft_logits
 from draftverify.models import Runner
 from draftverify.policies import DraftPolicy
 from draftverify.sampling import sample
@@ -35,7 +36,7 @@ class DraftModel(Drafter):
         for n in range(1, k + 1):
             out = self.draft.forward(feed, last=1, hidden=self.policy.needs_hidden, skip=self.skip)
             s.stats.draft_forwards += 1
-            logits = out.logits[-1]
+            logits = draft_logits(s, drafts, out.logits[-1])  # [V], processed as the target's would be here
             if s.sampling.greedy:
                 drafts.append(int(logits.argmax().item()))
             else:

@@ -27,6 +27,8 @@ from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError, require
 from draftverify.methods import METHODS
 from draftverify.methods.spec import MethodSpec, parse_specs
+from draftverify.serve.extras import check_format, knobs, logprobs_object
+from draftverify.serve.http import CountRequests, read_body
 from draftverify.serve.metrics import Metrics
 from draftverify.serve.protocol import (
     FINISH_REASONS,
@@ -46,7 +48,6 @@ log = logging.getLogger("draftverify.serve")
 
 POLL_S = 0.25  # how often a waiting handler checks for a gone client and its deadline
 CUT_GRACE_S = 2.0  # past the deadline, how long to wait for the worker to cut a running request
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 def parse_methods(text: str) -> tuple[MethodSpec, ...]:
@@ -175,6 +176,7 @@ class Service:
                 code="context_length_exceeded",
             )
         max_tokens = asked or min(self.config.default_max_tokens, room or self.config.default_max_tokens)
+        check_format(self.engine, req.response_format)
         return Job(
             ids,
             spec.label,
@@ -187,6 +189,7 @@ class Service:
             req.top_k,
             req.seed,
             tuple(req.stop),
+            knobs(req, kind),
         )
 
     def _method(self, asked: str | None) -> MethodSpec:
@@ -283,6 +286,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
                 FINISH_REASONS[result.stats.finish_reason],
                 usage(len(result.prompt_tokens), len(result.tokens)),
                 stats,
+                logprobs_object(kind, engine.target.tokenizer, result.logprobs),
             )
         )
 
@@ -292,9 +296,11 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
             yield sse(reply.chunk(first=True))
         async for event in service.follow(ticket):
             if isinstance(event, Chunk):
+                offset = len(text.sent)
                 delta = text.push(event.tokens)
-                if delta:
-                    yield sse(reply.chunk(delta))
+                logprobs = logprobs_object(reply.kind, engine.target.tokenizer, event.logprobs, offset)
+                if delta or logprobs is not None:
+                    yield sse(reply.chunk(delta, logprobs=logprobs))
             elif event.error is not None:
                 yield sse(event.error.body())
             else:
@@ -303,7 +309,8 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
                 if tail:
                     yield sse(reply.chunk(tail))
                 stats = stats_object(result.stats, ticket.job.method, ticket.started - ticket.submitted)
-                yield sse(reply.chunk(finish=FINISH_REASONS[result.stats.finish_reason], draftverify=stats))
+                finish = FINISH_REASONS[result.stats.finish_reason]
+                yield sse(reply.chunk(finish=finish, draftverify=stats, timings=stats.pop("timings")))
                 if include_usage:
                     yield sse(reply.usage_chunk(usage(len(result.prompt_tokens), len(result.tokens)), stats))
         yield sse("[DONE]")
@@ -373,43 +380,3 @@ class TicketStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.scheduler.withdraw(self.ticket)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 past `limit` bytes (before reading it all)."""
-    declared = request.headers.get("content-length", "")
-    too_big = ApiError(413, f"the body is larger than {limit} bytes: send a shorter prompt", code="body_too_large")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_big
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise too_big
-    return bytes(body)
-
-
-class CountRequests:
-    """ASGI middleware: count answered requests by route and status code (499: client gone)."""
-
-    def __init__(self, app, metrics: Metrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = {}
-
-        async def send_and_note(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_note)
-        except BaseException:
-            status.setdefault("code", 500)
-            raise
-        finally:
-            route = scope["path"] if scope["path"] in ROUTES else "other"
-            self.metrics.request(route, status.get("code", 499))

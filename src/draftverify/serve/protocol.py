@@ -2,10 +2,11 @@
 
 Requests are parsed strictly: a field of the wrong type, an unknown field (a typo such as
 `temprature` would otherwise silently decode greedily), or an OpenAI field this server cannot
-honour at a non-neutral value (`n=2`, `logprobs`, `presence_penalty`...) is a 400 naming the
-field. Extensions: `method` picks one of the server's loaded methods, `top_k` filters the
-sampling distribution, and every response carries a `draftverify` object with the request's
-speculative stats.
+honour at a non-neutral value (`n=2`, `tools`...) is a 400 naming the field. Extensions: `method`
+picks one of the server's loaded methods, `top_k` and `min_p` filter the sampling distribution,
+`response_format` also takes {"type": "regex", "regex": ...} and {"type": "lark", "lark": ...}, and
+every response carries a `draftverify` object with the request's speculative stats and llama-server's
+`timings`.
 """
 
 from __future__ import annotations
@@ -29,15 +30,9 @@ NEUTRAL = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": (None,),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None, True, False),
 }
 
@@ -112,6 +107,11 @@ class _Common(_Strict):
     temperature: float = Field(1.0, ge=0)  # OpenAI's default; 0 = greedy
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # extension; 0 = off
+    min_p: float = Field(0.0, ge=0, le=1)  # extension; 0 = off
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None  # text, json_object, json_schema; extensions regex, lark
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: list[str] = []
     stream: bool = False
@@ -140,6 +140,7 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=20)  # the likeliest tokens to list beside each token's own
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -155,6 +156,8 @@ class CompletionRequest(_Common):
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 def parse_request(raw: bytes, kind: str) -> CompletionRequest | ChatRequest:
@@ -218,24 +221,27 @@ class Reply:
             "model": self.model,
         }
 
-    def whole(self, text: str, finish: str, usage: dict, stats: dict) -> dict:
+    def whole(self, text: str, finish: str, usage: dict, stats: dict, logprobs: dict | None = None) -> dict:
         if self.kind == "chat":
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**self._head(False), "choices": [choice], "usage": usage, "draftverify": stats}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        timings = stats.pop("timings", None)
+        return {**self._head(False), "choices": [choice], "usage": usage, "draftverify": stats, "timings": timings}
 
-    def chunk(self, text: str | None = None, finish: str | None = None, first: bool = False, **extra) -> dict:
+    def chunk(
+        self, text: str | None = None, finish: str | None = None, first: bool = False, logprobs=None, **extra
+    ) -> dict:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return {**self._head(True), "choices": [choice], **extra}
 
     def usage_chunk(self, usage: dict, stats: dict) -> dict:
@@ -262,7 +268,27 @@ def stats_object(stats: Stats, method: str, queue_s: float) -> dict:
         out.pop(name)
     out["method"] = method
     out["queue_s"] = queue_s
+    out["timings"] = timings(stats)
     return out
+
+
+def timings(stats: Stats) -> dict:
+    """llama-server's per-request `timings`: the prompt's forward (to the first token) and the rest."""
+    prompt_ms = 1000 * (stats.ttft_s or 0.0)
+    predicted_ms = max(1000 * stats.wall_s - prompt_ms, 0.0)
+    predicted_n = stats.new_tokens  # as llama-server counts: every generated token, the first one included
+    return {
+        "prompt_n": stats.prompt_tokens,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / stats.prompt_tokens if stats.prompt_tokens else None,
+        "prompt_per_second": 1000 * stats.prompt_tokens / prompt_ms if prompt_ms else None,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else None,
+        "predicted_per_second": 1000 * predicted_n / predicted_ms if predicted_ms else None,
+        "draft_n": stats.drafted,
+        "draft_n_accepted": stats.accepted,
+    }
 
 
 class TextStream:

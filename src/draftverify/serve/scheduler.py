@@ -47,11 +47,13 @@ class Job:
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
+    knobs: dict = field(default_factory=dict)  # penalties, logit_bias, min_p, response_format, logprobs (extras.knobs)
 
 
 @dataclass
 class Chunk:
     tokens: list[int]  # accepted tokens, in order
+    logprobs: list | None = None  # logits.Logprob per token, when the request asked for them
 
 
 @dataclass
@@ -211,8 +213,10 @@ class Scheduler:
             return ticket.post(Outcome(error=timeout_error(ticket)))
         job = ticket.job
 
+        sessions = []  # the session, once made: its processor holds the logprobs of the tokens
+
         def on_tokens(tokens: list[int]) -> bool:
-            ticket.post(Chunk(tokens))
+            ticket.post(Chunk(tokens, chunk_logprobs(sessions[0], len(tokens))))
             ticket.cut = self._cut_reason(ticket)
             return ticket.cut is None
 
@@ -231,7 +235,9 @@ class Scheduler:
                 on_tokens=on_tokens,
                 slot=ticket.slot,
                 **job.options,
+                **job.knobs,
             )
+            sessions.append(session)
         except Exception as exc:  # this request's error; keep serving
             return ticket.post(Outcome(error=failure(exc)))
         session.stats.start()
@@ -270,6 +276,15 @@ class Scheduler:
         if now > self._cancel_at:
             return "shutdown"
         return None
+
+
+def chunk_logprobs(session, n: int) -> list | None:
+    """The logprobs of the session's last `n` emitted tokens, if it records them."""
+    processor = session.processor
+    if processor is None or processor.top_logprobs is None:
+        return None
+    end = len(session.output)
+    return processor.logprobs[end - n : end]
 
 
 def failure(exc: BaseException) -> ApiError:
