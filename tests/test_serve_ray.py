@@ -75,7 +75,8 @@ def url(model_dir):
         ray_deploy.connect(None, num_cpus=2)
         yield ray_deploy.start(settings, load, config)
     finally:
-        ray_deploy.stop()
+        # undrained: a graceful stop would wait for the replica Ray restarts after the kill to finish loading
+        ray_deploy.stop(graceful=False)
 
 
 def complete(url: str, method: str, max_tokens: int, **sampling) -> httpx.Response:

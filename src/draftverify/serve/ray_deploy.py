@@ -291,12 +291,14 @@ def start(settings: RaySettings, load: EngineArgs, config) -> str:
     return f"http://{settings.host}:{settings.port}"
 
 
-def stop() -> None:
-    """Take the app down and leave the cluster."""
+def stop(graceful: bool = True) -> None:
+    """Take the app down (each replica drains and saves its pools) and leave the cluster. With
+    `graceful=False`, only leave it: a local cluster's processes end with it, undrained."""
     import ray
 
     try:
-        serve.shutdown()
+        if graceful:
+            serve.shutdown()
     finally:
         ray.shutdown()
 
