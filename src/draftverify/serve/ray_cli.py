@@ -1,4 +1,4 @@
-"""`python -m draftverify.serve.ray_deploy`: deploy draftverify's server on Ray Serve and serve until
+"""`python -m draftverify.serve.ray_cli`: deploy draftverify's server on Ray Serve and serve until
 SIGINT/SIGTERM, then take it down (see draftverify.serve.ray_deploy and docs/ray-serve.md)."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ OPTIONS = (
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m draftverify.serve.ray_deploy",
+        prog="python -m draftverify.serve.ray_cli",
         description="Serve draftverify's OpenAI-compatible API from N replicas on Ray Serve.",
     )
     for flags, kwargs in OPTIONS:
@@ -100,3 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             pass
     finally:
         ray_deploy.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """draftverify's OpenAI-compatible server on Ray Serve: N replicas of the same app, one gateway.
 
-    python -m draftverify.serve.ray_deploy --replicas 2 --methods auto,autoregressive --num-cpus 1
+    python -m draftverify.serve.ray_cli --replicas 2 --methods auto,autoregressive --num-cpus 1
 
 Each replica (`EngineReplica`, a Ray actor holding `num_cpus` of the cluster) loads the engine and
 builds the app of `create_app` — the same routes, scheduler, batching and errors as `draftverify
@@ -301,9 +301,3 @@ def stop(graceful: bool = True) -> None:
             serve.shutdown()
     finally:
         ray.shutdown()
-
-
-if __name__ == "__main__":
-    from draftverify.serve.ray_cli import main
-
-    main()
