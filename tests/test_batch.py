@@ -7,8 +7,10 @@ import torch
 from test_feature_draft import random_head
 
 from draftverify import Engine
+from draftverify.backend import Feed
 from draftverify.batch import Batch
-from draftverify.models import Runner, forward_many, truncated_copy
+from draftverify.loading import truncated_copy
+from draftverify.models import Runner, forward_many
 
 PROMPTS = ["abc abc abc abc", "hello world, hello", "x", "the cat sat on the mat, the cat"]
 
@@ -34,7 +36,7 @@ def test_stacked_forward_equals_separate_forwards(tiny, arch):
         {"tokens": [16, 17, 18]},
     ]
     want = [r.forward(**f) for r, f in zip(alone, feeds)]
-    got = forward_many(stacked, feeds)
+    got = forward_many(stacked, [Feed(**f) for f in feeds])
     for w, g, a, b in zip(want, got, alone, stacked):
         assert torch.allclose(w.logits, g.logits, atol=1e-4) and a.length == b.length
         assert (w.hidden is None) == (g.hidden is None) and (

@@ -17,7 +17,8 @@ from draftverify.drafters.skipsets import (
     sublayer_names,
 )
 from draftverify.errors import DraftVerifyError
-from draftverify.models import Runner, decoder_layers
+from draftverify.loading import decoder_layers
+from draftverify.models import Runner
 
 IDS = torch.tensor([[5, 17, 9, 33, 2, 41, 8]])
 
