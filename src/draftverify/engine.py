@@ -49,8 +49,8 @@ class Engine:
         feature_head: FeatureHead | None = None,
     ):
         """`draft`: what drafts (a `loading.DraftSource`, as `load_draft_source` gives; a draft model or a feature
-        head is taken as one); `feature_head`: a feature head beside a draft model. The methods that draft with a feature
-        head (speculative, ouroboros) use it when there is one, the others the draft model.
+        head is taken as one); `feature_head`: a feature head beside a draft model. The methods that draft with
+        a feature head (speculative, ouroboros) use it when there is one, the others the draft model.
 
         The engine owns what its runners and drafters build or learn once (`shared`: packed weights, measured
         cost curves, the feature head's calibration); another engine in the same process has its own, so two

@@ -4,7 +4,8 @@ The static decoder (`backend.decoder`) runs one layer shape: pre-norm RMSNorm ->
 optional bias, optional per-head q/k norm, grouped-query, the model's own rotary embedding) -> RMSNorm
 -> gated MLP. What differs between architectures is written here, one `Recipe` per `model_type`, and
 read by the decoder: module names, whether q/k/v (or gate/up) arrive fused in one linear, per-head q/k
-norms, an RMSNorm weight offset, embedding scaling, tied embeddings and logit soft-capping. A new
+norms, an RMSNorm weight offset, embedding scaling and logit soft-capping (tied embeddings need no
+field: the LM head is read from the model's output embeddings, tied or not). A new
 architecture whose layers have this shape is a new row of `RECIPES`; the fields the decoder does not
 implement yet (offsets, scaling, soft-capping, fused inputs) are refused by `unsupported_reason` until
 it does, so a recipe never silently runs the wrong arithmetic.

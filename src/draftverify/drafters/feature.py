@@ -180,23 +180,17 @@ class FeatureHeadDrafter(Drafter):
             chosen = sorted(level, key=lambda i: -values[i])[:k]
             best = chosen[0]  # its best child's worth, guessed: its own value times its own calibrated chance
             guess = values[best] * self.calibration(local[best])
-            ahead = min(
-                sum(v >= guess for v in values), len(times) - 2
-            )  # the nodes kept before that child: it is row ahead + 2
+            ahead = min(sum(v >= guess for v in values), len(times) - 2)  # nodes kept before it: it is row ahead + 2
             if guess * step < self.expand_s + times[ahead + 1] - times[ahead]:
                 break  # even that child would not pay for the head forward that grows it and its verification
             t0 = time.perf_counter()
             base = cache.length
             slot.update({node: base + j for j, node in enumerate(chosen)})
-            rows = [[False] * (base - committed + len(chosen)) for _ in chosen]
-            for j, node in enumerate(chosen):  # each node sees its ancestors' entries and its own
-                for a in [node, *_ancestors(node, parents)]:
-                    rows[j][slot[a] - committed] = True
             out = cache.forward(
                 torch.stack([feature[parents[n]] for n in chosen]),
                 torch.tensor([tokens[n] for n in chosen], device=self.device),
                 [root + d - 1] * len(chosen),  # a depth-d node is read at root + d - 1
-                torch.tensor(rows, device=self.device),
+                torch.tensor(_level_mask(chosen, parents, slot, base - committed, committed), device=self.device),
             )
             s.stats.draft_forwards += 1
             feature.update({node: out[j] for j, node in enumerate(chosen)})
@@ -234,6 +228,16 @@ class FeatureHeadDrafter(Drafter):
 
     def finish(self, s: Session) -> None:
         self.cache, self.pending = None, []
+
+
+def _level_mask(chosen: list[int], parents: list[int], slot: dict[int, int], before: int, committed: int) -> list:
+    """[len(chosen), before + len(chosen)] bool rows over the head cache's draft entries: each chosen node sees
+    its ancestors' entries and its own (`before` draft entries precede this level's)."""
+    rows = [[False] * (before + len(chosen)) for _ in chosen]
+    for j, node in enumerate(chosen):
+        for a in [node, *_ancestors(node, parents)]:
+            rows[j][slot[a] - committed] = True
+    return rows
 
 
 def _ancestors(node: int, parents: list[int]) -> list[int]:
