@@ -30,13 +30,13 @@ ALL = "head+draft+context+lookup"
 @pytest.fixture(scope="module")
 def engine(tiny):
     target = tiny("llama", layers=2)
-    return Engine(target, truncated_copy(target, 1), head=random_head(target, seed=2))
+    return Engine(target, truncated_copy(target, 1), feature_head=random_head(target, seed=2))
 
 
 @pytest.mark.parametrize("backend", ["static", "eager"])
 def test_auto_is_lossless_while_it_switches(tiny, backend):
     target = tiny("llama", layers=2)
-    engine = Engine(target, truncated_copy(target, 1), backend=backend, head=random_head(target, seed=2))
+    engine = Engine(target, truncated_copy(target, 1), backend=backend, feature_head=random_head(target, seed=2))
     used = set()
     for prompt in ("abc abc abc abc", "hello world, hello", "x"):
         ids = engine.encode(prompt, chat=True)

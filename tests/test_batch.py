@@ -49,7 +49,7 @@ def test_stacked_forward_equals_separate_forwards(tiny, arch):
 @pytest.mark.parametrize("backend", ["static", "eager"])
 def test_batched_generation_equals_each_request_alone(tiny, backend):
     target = tiny("llama", layers=2)
-    engine = Engine(target, truncated_copy(target, 1), backend=backend, head=random_head(target, seed=2))
+    engine = Engine(target, truncated_copy(target, 1), backend=backend, feature_head=random_head(target, seed=2))
     for method, options in [
         ("autoregressive", {}),
         ("auto", {"use": "head+draft+context+lookup", "probe": 1}),
@@ -77,7 +77,7 @@ def test_sampled_requests_keep_their_own_seeds(tiny):
 def test_requests_join_and_leave_between_steps(tiny):
     """Continuous batching: a request that joins mid-way, one that stops early and one dropped by its client."""
     target = tiny("llama", layers=2)
-    engine = Engine(target, head=random_head(target, seed=2))
+    engine = Engine(target, feature_head=random_head(target, seed=2))
     want = [
         engine.generate(p, method="auto", max_new_tokens=n, eos_token_id=[]).tokens
         for p, n in zip(PROMPTS, (30, 5, 30, 30))

@@ -47,6 +47,7 @@ class Engine:
         draft: DraftSource | Loaded | FeatureHead | None = None,
         backend: str = "auto",
         feature_head: FeatureHead | None = None,
+        head: FeatureHead | None = None,
     ):
         """`draft`: what drafts (a `loading.DraftSource`, as `load_draft_source` gives; a draft model or a feature
         head is taken as one); `feature_head`: a feature head beside a draft model. The methods that draft with
@@ -56,6 +57,7 @@ class Engine:
         cost curves, the feature head's calibration); another engine in the same process has its own, so two
         engines never steer each other.
         """
+        feature_head = feature_head if feature_head is not None else head  # `head`: the old name, kept for callers
         source = draft_source(draft)
         if source is not None and source.kind == "feature head":
             source, feature_head = None, source.feature_head
