@@ -48,6 +48,7 @@ class Engine:
         backend: str = "auto",
         feature_head: FeatureHead | None = None,
         head: FeatureHead | None = None,
+        shared: Shared | None = None,
     ):
         """`draft`: what drafts (a `loading.DraftSource`, as `load_draft_source` gives; a draft model or a feature
         head is taken as one); `feature_head`: a feature head beside a draft model. The methods that draft with
@@ -55,7 +56,7 @@ class Engine:
 
         The engine owns what its runners and drafters build or learn once (`shared`: packed weights, measured
         cost curves, the feature head's calibration); another engine in the same process has its own, so two
-        engines never steer each other.
+        engines never steer each other. Pass another engine's `shared` to reuse what it built and learned.
         """
         feature_head = feature_head if feature_head is not None else head  # `head`: the old name, kept for callers
         source = draft_source(draft)
@@ -66,7 +67,7 @@ class Engine:
         self.draft = source.model if source is not None else None
         self.feature_head = feature_head
         self.backend = backend
-        self.shared = Shared()
+        self.shared = shared if shared is not None else Shared()
         self.target_runner = Runner(target.model, backend, shared=self.shared)
         # A separate draft model may run on rounded weights (PackedLinear); the target drafting for itself does not.
         self.draft_runner = (
