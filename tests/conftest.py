@@ -142,7 +142,7 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def tiny(tokenizer):
     """Factory: tiny(arch, seed=0, layers=4) -> Loaded (cached per arguments)."""
-    from draftverify.models import Loaded
+    from draftverify.loading import Loaded
 
     cache = {}
 
@@ -158,6 +158,6 @@ def tiny(tokenizer):
 @pytest.fixture(scope="session")
 def smollm():
     """The real default target (SmolLM2-135M-Instruct, fp32 on CPU)."""
-    from draftverify.models import load_model
+    from draftverify.loading import load_model
 
     return load_model(device="cpu", dtype="fp32")

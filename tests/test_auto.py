@@ -15,9 +15,10 @@ from draftverify.costs import curve
 from draftverify.drafters.auto import AR, CALIBRATION_PRIOR, MAX_BACKOFF, Auto, Record
 from draftverify.drafters.base import Drafter, Proposal
 from draftverify.drafters.draft_model import DraftModel
-from draftverify.drafters.feature import FeatureHead
+from draftverify.drafters.feature import FeatureHeadDrafter
 from draftverify.errors import DraftVerifyError
-from draftverify.models import Runner, truncated_copy
+from draftverify.loading import truncated_copy
+from draftverify.models import Runner
 from draftverify.policies import ConstantK
 from draftverify.round import decode
 from draftverify.sampling import Sampling
@@ -29,13 +30,13 @@ ALL = "head+draft+context+lookup"
 @pytest.fixture(scope="module")
 def engine(tiny):
     target = tiny("llama", layers=2)
-    return Engine(target, truncated_copy(target, 1), head=random_head(target, seed=2))
+    return Engine(target, truncated_copy(target, 1), feature_head=random_head(target, seed=2))
 
 
 @pytest.mark.parametrize("backend", ["static", "eager"])
 def test_auto_is_lossless_while_it_switches(tiny, backend):
     target = tiny("llama", layers=2)
-    engine = Engine(target, truncated_copy(target, 1), backend=backend, head=random_head(target, seed=2))
+    engine = Engine(target, truncated_copy(target, 1), backend=backend, feature_head=random_head(target, seed=2))
     used = set()
     for prompt in ("abc abc abc abc", "hello world, hello", "x"):
         ids = engine.encode(prompt, chat=True)
@@ -89,7 +90,10 @@ def test_auto_sampling_matches_the_target(tiny, monkeypatch):
         counts: dict[int, int] = {}
         for seed in range(n):
             s = Session(prompt, Sampling(temperature=1.0, top_k=6, seed=seed), Stopping(3, ()))
-            candidates = {"head": FeatureHead(head, runner, depth=2, nodes=6), "draft": DraftModel(draft, ConstantK(2))}
+            candidates = {
+                "head": FeatureHeadDrafter(head, runner, depth=2, nodes=6),
+                "draft": DraftModel(draft, ConstantK(2)),
+            }
             if seed % 4 in (1, 2):  # one candidate alone, or both, chosen by their figures
                 candidates.pop("head" if seed % 4 == 1 else "draft")
             if seed % 4 == 3:  # one of them and a free one, merged (figures that favour the merged candidate)

@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from conftest import ARCHS, SLIDING_ARCHS, STATIC_ARCHS, WINDOW, make_model
 
 from draftverify import DraftVerifyError, Engine, Loaded, Runner
+from draftverify.backend import Feed
+from draftverify.backend.attention import PREFILL_ROWS
 from draftverify.drafters.skipsets import SkipSet
-from draftverify.models import forward_many
+from draftverify.models import Shared, forward_many
 from draftverify.sampling import Sampling
-from draftverify.static import PREFILL_ROWS
 
 ALL_ARCHS = ARCHS + ("qwen3",) + SLIDING_ARCHS[2:]  # mistral and qwen2-sliding are static archs too
 
@@ -93,26 +94,31 @@ def test_static_cache_grows_and_resets(tiny, arch):
     model = tiny(arch).model
     runner = Runner(model, "static")
     seq = [random.Random(1).randrange(2, 100) for _ in range(300)]
-    kernel, rows = runner.static.attention_kernel, []
+    kernel, rows = runner.decoder.attention_kernel, []
     if kernel is not None:  # a prefill's attention: the kernel, PREFILL_ROWS query rows a call
-        runner.static.attention_kernel = lambda q, *rest: rows.append(q.shape[0]) or kernel(q, *rest)
+        runner.decoder.attention_kernel = lambda q, *rest: rows.append(q.shape[0]) or kernel(q, *rest)
     runner.forward(seq[:200])
     assert kernel is None or set(rows) == {PREFILL_ROWS, 200 - PREFILL_ROWS}
-    first = runner.static.capacity
+    first = runner.cache.capacity
     got = runner.forward(seq[200:]).logits  # past the first 256 slots: the buffers double
-    assert runner.static.capacity > first and runner.length == 300
+    assert runner.cache.capacity > first and runner.length == 300
     torch.testing.assert_close(got, plain_logits(model, seq)[200:], atol=1e-4, rtol=1e-4)
     runner.reset()
     assert runner.length == 0
     torch.testing.assert_close(runner.forward(seq[:5]).logits, plain_logits(model, seq[:5]), atol=1e-4, rtol=1e-4)
 
 
-def test_runners_of_one_model_share_packed_weights(tiny):
-    model = tiny("llama").model
-    a, b = Runner(model, "static"), Runner(model, "static")
+def test_runners_of_one_engine_share_packed_weights_and_two_engines_do_not(tiny):
+    target = tiny("llama")
+    shared = Shared()
+    a, b = Runner(target.model, "static", shared=shared), Runner(target.model, "static", shared=shared)
     assert a.static.layers[0].qkv is b.static.layers[0].qkv and a.static.head is b.static.head
+    assert a.fork().decoder is a.decoder
     a.forward([5, 6, 7])
-    assert b.length == 0  # each runner has its own cache
+    assert b.length == 0 and a.fork().length == 0  # each runner has its own cache
+    one, two = Engine(target, backend="static"), Engine(target, backend="static")
+    assert one.slot(1)[0].static.layers[0].qkv is one.target_runner.static.layers[0].qkv
+    assert one.target_runner.static.layers[0].qkv is not two.target_runner.static.layers[0].qkv
 
 
 def test_a_draft_multiplies_with_rounded_copies_and_its_target_keeps_its_own_weights(tiny):
@@ -351,8 +357,8 @@ def test_attention_kernel_gives_a_tree_token_the_bits_of_its_one_token_step_acro
 def test_rope_attention_kernel_equals_rotation_cache_writes_and_attention():
     """cpu.cpp's rope_attention (the static path's layer step for few tokens) against the Python formula:
     q and k rotated (rotate-half), k and v stored at the cache slots past.., then the attention kernel."""
+    from draftverify.backend.ops import rotate_half
     from draftverify.kernels import cpu, unavailable
-    from draftverify.static import rotate_half
 
     kernel = cpu()
     if kernel is None:
@@ -435,8 +441,8 @@ def test_sampling_through_the_quantized_product_and_kernels_matches_the_target(t
 def test_a_stacked_forward_gives_each_sequence_of_a_quantized_model_its_own_bits():
     """Batched serving stacks one request's prefill (oneDNN) with others' decoding steps and trees (the
     quantized product): every sequence's logits and cache are bit for bit what its forward alone gives."""
+    from draftverify.backend.linear import QUANT_ROWS
     from draftverify.kernels import cpu, unavailable
-    from draftverify.static import QUANT_ROWS
 
     if cpu() is None:
         pytest.skip(unavailable())
@@ -455,7 +461,7 @@ def test_a_stacked_forward_gives_each_sequence_of_a_quantized_model_its_own_bits
     alone, stacked = [Runner(model, "static") for _ in prompts], [Runner(model, "static") for _ in prompts]
     for feeds in steps:
         want = [r.forward(**f) for r, f in zip(alone, feeds)]
-        got = forward_many(stacked, feeds)
+        got = forward_many(stacked, [Feed(**f) for f in feeds])
         for r, (w, g) in enumerate(zip(want, got)):
             assert torch.equal(w.logits, g.logits), (feeds, r)
     for a, b in zip(alone, stacked):
@@ -494,8 +500,8 @@ def test_the_one_call_layer_gives_the_op_by_op_layers_bits(monkeypatch):
 def test_a_gguf_style_quantized_model_runs_its_few_row_forwards_on_the_quantized_product(tiny, tokenizer):
     """A tiny Llama whose weights are exact Q4_1 (layers) and Q8_0 (embeddings, tied head) blocks, as a GGUF
     model loads: the static path multiplies few rows with the blocks and every method stays token-identical."""
+    from draftverify.backend.linear import QUANT_ROWS
     from draftverify.kernels import cpu, unavailable
-    from draftverify.static import QUANT_ROWS
 
     if cpu() is None:
         pytest.skip(unavailable())

@@ -7,8 +7,10 @@ import torch
 from test_feature_draft import random_head
 
 from draftverify import Engine
+from draftverify.backend import Feed
 from draftverify.batch import Batch
-from draftverify.models import Runner, forward_many, truncated_copy
+from draftverify.loading import truncated_copy
+from draftverify.models import Runner, forward_many
 
 PROMPTS = ["abc abc abc abc", "hello world, hello", "x", "the cat sat on the mat, the cat"]
 
@@ -34,7 +36,7 @@ def test_stacked_forward_equals_separate_forwards(tiny, arch):
         {"tokens": [16, 17, 18]},
     ]
     want = [r.forward(**f) for r, f in zip(alone, feeds)]
-    got = forward_many(stacked, feeds)
+    got = forward_many(stacked, [Feed(**f) for f in feeds])
     for w, g, a, b in zip(want, got, alone, stacked):
         assert torch.allclose(w.logits, g.logits, atol=1e-4) and a.length == b.length
         assert (w.hidden is None) == (g.hidden is None) and (
@@ -47,7 +49,7 @@ def test_stacked_forward_equals_separate_forwards(tiny, arch):
 @pytest.mark.parametrize("backend", ["static", "eager"])
 def test_batched_generation_equals_each_request_alone(tiny, backend):
     target = tiny("llama", layers=2)
-    engine = Engine(target, truncated_copy(target, 1), backend=backend, head=random_head(target, seed=2))
+    engine = Engine(target, truncated_copy(target, 1), backend=backend, feature_head=random_head(target, seed=2))
     for method, options in [
         ("autoregressive", {}),
         ("auto", {"use": "head+draft+context+lookup", "probe": 1}),
@@ -75,7 +77,7 @@ def test_sampled_requests_keep_their_own_seeds(tiny):
 def test_requests_join_and_leave_between_steps(tiny):
     """Continuous batching: a request that joins mid-way, one that stops early and one dropped by its client."""
     target = tiny("llama", layers=2)
-    engine = Engine(target, head=random_head(target, seed=2))
+    engine = Engine(target, feature_head=random_head(target, seed=2))
     want = [
         engine.generate(p, method="auto", max_new_tokens=n, eos_token_id=[]).tokens
         for p, n in zip(PROMPTS, (30, 5, 30, 30))

@@ -145,8 +145,8 @@ def test_a_lengthened_drafter_stays_exact_and_uses_its_suffixes(tiny, arch):
 
 LAYERS = [  # docs/architecture.md, lowest first: a module imports from its own layer and those before it
     {"util", "errors"},
-    {"session", "stats", "sampling"},
-    {"models", "static", "kernels", "costs", "feature_draft"},
+    {"session", "stats", "sampling", "logits", "constraints"},
+    {"kernels", "backend", "loading", "models", "costs", "feature_head", "feature_head_cache"},
     {"verify", "tree", "step"},
     {"drafters", "policies"},  # drafters/ holds the per-method helpers: pool, skipsets, head
     {"round", "batch", "methods", "engine"},

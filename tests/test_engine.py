@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draftverify import DraftVerifyError, Engine, Sampling, Stopping
-from draftverify.models import check_same_tokenizer, load_draft, load_model, truncated_copy
+from draftverify.loading import check_same_tokenizer, load_draft, load_model, truncated_copy
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +233,26 @@ def test_demo_command_compares_methods(tmp_path, tiny):
     assert header in res.stdout and "--- code: " in res.stdout
     rows = [line for line in res.stdout.splitlines() if line.startswith(("| chat |", "| code |", "| summary |"))]
     assert len(rows) == 3 and all(row.count("| yes |") == 2 for row in rows)
+
+
+def test_two_engines_in_one_process_do_not_steer_each_other(tiny):
+    """Cost curves, the feature head's calibration and packed weights belong to an engine (`models.Shared`):
+    what one engine measures or learns is not what another one reads."""
+    from test_feature_draft import random_head
+
+    from draftverify.costs import curve
+    from draftverify.drafters.feature import acceptance
+
+    target = tiny("llama")
+    head = random_head(target)
+    one, two = Engine(target, backend="static"), Engine(target, backend="static")
+    measured = curve(one.target_runner, widths=(1, 2))
+    assert curve(one.slot(1)[0], widths=(1, 2)) is measured  # the engine's own slots share it
+    assert curve(two.target_runner, widths=(1, 2)) is not measured
+    _, session = one.request([5, 6, 7], max_new_tokens=2)
+    learned, fresh = acceptance(head, one.target_runner, session), acceptance(head, two.target_runner, session)
+    before = fresh(0.5)
+    for _ in range(50):
+        learned.record(0.5, accepted=False)
+    assert learned(0.5) < before and acceptance(head, two.target_runner, session)(0.5) == before
+    assert acceptance(head, one.slot(1)[0], session) is learned

@@ -28,7 +28,7 @@ def test_speculative_greedy_equals_autoregressive(tiny, arch, draft_kind):
     elif draft_kind == "self":
         draft = target
     else:
-        from draftverify.models import truncated_copy
+        from draftverify.loading import truncated_copy
 
         draft = truncated_copy(target, 2)
     engine = Engine(target, draft)

@@ -12,8 +12,10 @@ from phrase_sampling import broken_rule, second_token_pvalue
 
 from draftverify import Engine
 from draftverify.errors import DraftVerifyError
-from draftverify.feature_draft import FeatureDraft, HeadCache, HeadConfig
-from draftverify.models import Runner, load_draft
+from draftverify.feature_head import FeatureHead, HeadConfig
+from draftverify.feature_head_cache import HeadCache
+from draftverify.loading import load_draft
+from draftverify.models import Runner
 from draftverify.sampling import Sampling
 from draftverify.tools.make_draft.features import FeatureCache, FeaturePlan, generate
 from draftverify.tools.make_draft.head import HeadTraining, build_head, head_losses, rollout, rollout_mask
@@ -38,10 +40,10 @@ def quiet(_):
     pass
 
 
-def random_head(target, seed: int = 0, vocab: list[int] | None = None) -> FeatureDraft:
+def random_head(target, seed: int = 0, vocab: list[int] | None = None) -> FeatureHead:
     torch.manual_seed(seed)
     vocab = vocab or list(range(target.model.config.vocab_size))
-    head = FeatureDraft(HeadConfig.for_target(target, vocab)).bind(target)
+    head = FeatureHead(HeadConfig.for_target(target, vocab)).bind(target)
     head.init_from(target)
     with torch.no_grad():
         head.fc.weight.add_(0.3 * torch.randn_like(head.fc.weight))
@@ -120,7 +122,7 @@ def test_packed_drafting_takes_the_fused_kernel_and_computes_the_layer(tiny):
 def test_packed_drafting_reads_inputs_and_top_tokens_in_one_call_each(tiny):
     """Drafting's one-call input (norms, embedding, fc) gives the op-by-op path's bits; its top tokens are topk's with
     softmax probabilities (ties: the lower vocabulary position first); its rotary rows are the gathered ones."""
-    from draftverify.static import cpu_kernels
+    from draftverify.backend.ops import cpu_kernels
 
     target = tiny("llama", layers=2)
     head = random_head(target, vocab=list(range(0, 96, 2))).pack()
@@ -196,10 +198,10 @@ def test_calibration_scores_every_valued_node_against_the_emitted_tokens(tiny):
     not (a bin whose nodes stop being drafted is still scored), right when it is the emitted token."""
     from types import SimpleNamespace
 
-    from draftverify.drafters.feature import Acceptance, FeatureHead
+    from draftverify.drafters.feature import Acceptance, FeatureHeadDrafter
 
     target = tiny("llama", layers=2)
-    drafter = FeatureHead(random_head(target), Runner(target.model))
+    drafter = FeatureHeadDrafter(random_head(target), Runner(target.model))
     drafter.calibration = Acceptance(prior=0.0)
     drafter.pending = []
     drafter.valued = {
@@ -220,10 +222,10 @@ def test_expansion_prices_a_new_node_at_the_row_it_would_take(tiny):
     second row's cost and grow levels the tree then left out); on a flat curve it grows to its depth."""
     from types import SimpleNamespace
 
-    from draftverify.drafters.feature import FeatureHead
+    from draftverify.drafters.feature import FeatureHeadDrafter
 
     target = tiny("llama", layers=2)
-    drafter = FeatureHead(random_head(target), Runner(target.model), depth=4, width=1)
+    drafter = FeatureHeadDrafter(random_head(target), Runner(target.model), depth=4, width=1)
     drafter.calibration = lambda p: 0.5  # every guess: even odds, so a depth-2 node is worth 0.25 of a forward
     grown = {}
     # cost curves in seconds: forwards so dear that the head's own time (`expand_s`, measured) weighs nothing
@@ -320,8 +322,8 @@ def test_interrupted_build_resumes_to_the_same_weights(built, tmp_path):
     )
     assert resumed["steps"] == whole["steps"] == 6
     assert "resumed over several runs" in (tmp_path / "b" / "README.md").read_text()
-    a = FeatureDraft.load(tmp_path / "a").state_dict()
-    b = FeatureDraft.load(tmp_path / "b").state_dict()
+    a = FeatureHead.load(tmp_path / "a").state_dict()
+    b = FeatureHead.load(tmp_path / "b").state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
@@ -450,7 +452,7 @@ def test_template_prompts_add_data_beside_the_prompts_and_init_starts_from_a_hea
     assert (
         more["template_heldout_top1"] is not None and "stdlib templates" in (tmp_path / "b" / "README.md").read_text()
     )
-    start, head = FeatureDraft.load(out), FeatureDraft.load(tmp_path / "b")
+    start, head = FeatureHead.load(out), FeatureHead.load(tmp_path / "b")
     assert head.config.vocab == start.config.vocab
     assert all(torch.equal(a, b) for a, b in zip(start.state_dict().values(), head.state_dict().values()))
     with pytest.raises(DraftVerifyError, match="another target or settings"):  # another count is another data set

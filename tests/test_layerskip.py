@@ -17,7 +17,8 @@ from draftverify.drafters.skipsets import (
     sublayer_names,
 )
 from draftverify.errors import DraftVerifyError
-from draftverify.models import Runner, decoder_layers
+from draftverify.loading import decoder_layers
+from draftverify.models import Runner
 
 IDS = torch.tensor([[5, 17, 9, 33, 2, 41, 8]])
 
@@ -114,10 +115,10 @@ def test_cache_after_verification_equals_a_plain_forward(tiny, arch):
     base = runner.length
     for token in [root] + drafts[:-1]:
         runner.forward([token], last=1, skip=SkipSet(attention=(0, 2), mlp=(1,)))
-    lengths = [layer.get_seq_length() for layer in runner.cache.layers]
+    lengths = [layer.get_seq_length() for layer in runner.cache.store.layers]
     assert lengths[0] == base and lengths[1] == base + len(drafts) and runner.length == base + len(drafts)
     runner.crop(base)
-    assert {layer.get_seq_length() for layer in runner.cache.layers} == {base}
+    assert {layer.get_seq_length() for layer in runner.cache.store.layers} == {base}
     verify = runner.forward([root] + drafts).logits
     runner.crop(base + 2)  # accept one draft
 
@@ -125,11 +126,11 @@ def test_cache_after_verification_equals_a_plain_forward(tiny, arch):
     plain.forward(prompt)
     assert torch.equal(plain.forward([root] + drafts).logits, verify)
     plain.crop(base + 2)
-    for ours, theirs in zip(runner.cache.layers, plain.cache.layers):
+    for ours, theirs in zip(runner.cache.store.layers, plain.cache.store.layers):
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
     one_shot = Runner(model, "eager")
     one_shot.forward(prompt + [root, drafts[0]])
-    for ours, theirs in zip(runner.cache.layers, one_shot.cache.layers):
+    for ours, theirs in zip(runner.cache.store.layers, one_shot.cache.store.layers):
         assert torch.allclose(ours.keys, theirs.keys, atol=1e-5) and torch.allclose(
             ours.values, theirs.values, atol=1e-5
         )

@@ -10,7 +10,7 @@ from conftest import ARCHS, make_model
 from draftverify import DraftVerifyError, Engine
 from draftverify.drafters.lookahead import JacobiWindow, ngrams
 from draftverify.drafters.pool import PhrasePool
-from draftverify.models import Loaded
+from draftverify.loading import Loaded
 
 PROMPTS = ["Hello there, how", "def f(x):\n    return", "1, 2, 3, 4,"]
 CONFIGS = [

@@ -12,7 +12,7 @@ import torch
 
 from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError
-from draftverify.models import Loaded, load_draft
+from draftverify.loading import Loaded, load_draft
 from draftverify.tools.make_draft.build import DraftConfig, build_draft, write_folder
 from draftverify.tools.make_draft.data import chat_ids, generated_records
 from draftverify.tools.make_draft.train import candidate_layer_sets, collate, distill_loss, init_draft, trainable

@@ -10,8 +10,8 @@ from conftest import ARCHS, make_model
 
 from draftverify import DraftVerifyError, Engine
 from draftverify.drafters.pool import PhrasePool
+from draftverify.loading import Loaded
 from draftverify.methods.ouroboros import Ouroboros
-from draftverify.models import Loaded
 from draftverify.policies import ConstantK, WholePhrases
 
 PROMPTS = ["Hello there, how", "1, 2, 3, 4,"]
@@ -180,7 +180,7 @@ def test_sampling_test_catches_a_wrong_rule(tokenizer, monkeypatch):
 @pytest.mark.slow
 def test_default_target_greedy(smollm):
     """The real default target with its default draft: lookahead and Ouroboros equal greedy decoding."""
-    from draftverify.models import load_draft
+    from draftverify.loading import load_draft
 
     engine = Engine(smollm, load_draft(None, smollm))
     for prompt in [

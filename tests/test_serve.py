@@ -647,7 +647,7 @@ def test_shutdown_during_a_stream(models, offline, grace_s):
 
 def test_pool_is_shared_across_requests_saved_and_loaded(models, offline, tmp_path):
     from draftverify.drafters.pool import PhrasePool
-    from draftverify.models import tokenizer_fingerprint
+    from draftverify.loading import tokenizer_fingerprint
 
     target = models[0]
     path = tmp_path / "pool.json"

@@ -17,8 +17,8 @@ import pytest
 from test_serve import first_text, sse_events, streamed_text
 
 from draftverify import DraftVerifyError, Engine
+from draftverify.loading import load_draft, load_model
 from draftverify.methods.spec import parse_spec
-from draftverify.models import load_draft, load_model
 
 START_S = 180  # a replica imports torch, transformers and FastAPI, then loads the model
 WAIT_S = 60

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from draftverify import Engine, truncated_copy
-from draftverify.models import DEFAULT_MODEL_FILE, cache_root
+from draftverify.loading import DEFAULT_MODEL_FILE
+from draftverify.util import cache_root
 
 pytestmark = pytest.mark.slow
 
@@ -66,8 +67,8 @@ def test_speculative_equals_autoregressive_and_hf_generate(smollm):
 
 def test_every_method_with_its_shipped_defaults_equals_autoregressive(smollm):
     """What a user gets out of the box: the shipped draft, skip set and SpecDec++ head, each method's defaults."""
+    from draftverify.loading import load_draft, shipped_draft_path
     from draftverify.methods import METHODS
-    from draftverify.models import load_draft, shipped_draft_path
 
     assert shipped_draft_path() is not None, "the default draft is not shipped"
     engine = Engine(smollm, load_draft(None, smollm))

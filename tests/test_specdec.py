@@ -18,7 +18,7 @@ from scipy.stats import chisquare
 from draftverify import Engine
 from draftverify.drafters.head import AcceptanceHead, AcceptanceHeadPolicy, load_head, save_head
 from draftverify.errors import DraftVerifyError
-from draftverify.models import Loaded
+from draftverify.loading import Loaded
 from draftverify.sampling import Sampling
 from draftverify.tools.train_head import (
     SHIPPED_PROMPTS,
@@ -561,7 +561,7 @@ def test_train_head_command(tiny, tmp_path, monkeypatch):
     assert out.is_file() and out.with_suffix(".md").is_file()
     assert "Held-out" in out.with_suffix(".md").read_text()
     assert list((tmp_path / "cache" / "draftverify" / "specdec").glob("answers-*.json"))  # cached for the next run
-    from draftverify.models import load_model
+    from draftverify.loading import load_model
 
     t, d = load_model(folders["target"], device="cpu"), load_model(folders["draft"], device="cpu")
     head = load_head(out, d.identity, t.identity)

@@ -2,7 +2,8 @@
 
 from draftverify.engine import Engine, Result
 from draftverify.errors import DraftVerifyError
-from draftverify.models import Loaded, Runner, load_draft, load_model, truncated_copy
+from draftverify.loading import Loaded, load_draft, load_model, truncated_copy
+from draftverify.models import Runner
 from draftverify.sampling import Sampling
 from draftverify.session import Session, Stopping
 from draftverify.stats import Stats

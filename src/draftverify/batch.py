@@ -11,7 +11,7 @@ between steps: continuous batching.
 
 Exactness is per request: a request's forward is the same arithmetic on its own cache whatever
 else is stacked with it (on the static path each request's rows take the product its own forward
-would take, `static.Spans`, bit for bit on a quantized model; attention runs per request),
+would take, `backend.spans.Spans`, bit for bit on a quantized model; attention runs per request),
 verification is its own, and its random draws come from its own seeded generator. Drafting stays per request
 (drafts are small beside the stacked forward on this path); what the batch changes is the price of
 verification: each request's `Session.others` says how many rows the rest of the batch fed last
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from draftverify.backend.feed import Feed
 from draftverify.models import Runner, forward_many
 from draftverify.round import Rounds
 from draftverify.session import Session
@@ -36,7 +37,7 @@ class Member:
     session: Session
     runner: Runner  # its slot's target runner
     rounds: Rounds
-    feed: dict | None = None  # the forward it waits for
+    feed: Feed | None = None  # the forward it waits for
     error: BaseException | None = None
     done: bool = False
     tag: object = None  # the caller's handle (the server's ticket)
@@ -63,7 +64,7 @@ class Batch:
         """One stacked forward for every live member; returns the members that ended (and leave the batch)."""
         live = [m for m in self.members if not m.done]
         if live:
-            rows = [len(m.feed["tokens"]) for m in live]
+            rows = [m.feed.size for m in live]
             for m, n in zip(live, rows):
                 m.session.others = sum(rows) - n
             try:

@@ -1,22 +1,22 @@
 """Measured forward costs: how long one forward of w new tokens takes on the path in use.
 
-The cost curve t(w) is what every draft-length and tree-size decision trades against: on a
-GPU, or on the static CPU path, verifying 8 tokens costs little more than 1, while on the
-eager CPU path it costs 1.7x (see docs/backends.md). `forward_times` measures it (fastest of
-`reps` runs per width after a fixed context); `curve(model, backend)` measures it once per
-model and backend in a process and keeps it; `forward_time` reads it between the widths.
+The cost curve t(w) is what every draft-length and tree-size decision trades against: on a GPU, or
+on the static CPU path, verifying several tokens costs little more than one, while on the eager CPU
+path it grows much faster (docs/backends.md has the measured curves). `forward_times` measures it
+(fastest of `reps` runs per width after a fixed context); `curve(runner)` measures it once per model,
+path and width set and keeps it in the runner's `Shared` (its engine's, so two engines keep their own);
+`forward_time` reads a table between the widths.
 
-The curve also grows with the context: every new token's attention reads every cached one, so
-on a small model a 16-token forward after 700 tokens costs a quarter more than after 64 (and
-one token hardly more). A `Curve` holds the widths' times after a short context and how they
-grow per token of context (measured a second time after `FAR_CONTEXT` tokens); `at_context`
-gives the table for the context a decision is made at, so long prompts get smaller drafts.
+The curve also grows with the context: every new token's attention reads every cached one, so a
+wide forward after a long context costs more than after a short one (and one token hardly more). A
+`Curve` holds the widths' times after a short context and how they grow per token of context
+(measured a second time after `FAR_CONTEXT` tokens); `at_context` gives the table for the context a
+decision is made at, so long prompts get smaller drafts.
 """
 
 from __future__ import annotations
 
 import time
-import weakref
 
 import torch
 
@@ -25,10 +25,9 @@ from draftverify.models import Runner
 WIDTHS = (1, 2, 4, 8, 16, 32)
 POLICY_CONTEXT = 64  # tokens of context before the policy's timed forwards
 FAR_CONTEXT = 1024  # and before the second measurement, for the growth with context
-# A curve is read at the context rounded down to a multiple of this: 16 tokens of context move a one-token step
-# of SmolLM2 on the CPU by about 1%, and one table (with the marginal times drawn from it) then serves several rounds.
+# A curve is read at the context rounded down to a multiple of this: a few tokens of context barely move a forward's
+# time, and one table (with the marginal times drawn from it) then serves several rounds.
 CONTEXT_STEP = 16
-_CURVES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def sync_device(device: torch.device) -> None:
@@ -122,10 +121,11 @@ def context_slope(near: dict[int, float], far: dict[int, float], span: int) -> d
 
 
 def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> Curve:
-    """The cost curve of `runner`'s model on its backend, measured once per process (3 runs a width),
-    after `POLICY_CONTEXT` tokens and again after `FAR_CONTEXT` (or as many as the model's positions allow)."""
+    """The cost curve of `runner`'s model on its backend, measured once per engine (`runner.shared`; 3 runs a
+    width), after `POLICY_CONTEXT` tokens and again after `FAR_CONTEXT` (or as many as the model's positions
+    allow)."""
     key = (runner.backend, runner.draft, all_logits, tuple(widths))
-    found = _CURVES.setdefault(runner.model, {})
+    found = runner.shared.curves.setdefault(runner.model, {})
     if key not in found:
         vocab = runner.model.get_input_embeddings().weight.shape[0]
         limit = getattr(runner.model.config, "max_position_embeddings", None) or FAR_CONTEXT + max(widths)

@@ -14,11 +14,12 @@ from typing import Callable
 import torch
 
 from draftverify.errors import require
-from draftverify.feature_draft import FeatureDraft
+from draftverify.feature_head import FeatureHead
+from draftverify.loading import DraftSource, Loaded, default_feature_head, draft_source, load_draft_source, load_model
 from draftverify.logits import make_processor
 from draftverify.methods import Method
 from draftverify.methods.spec import method_class
-from draftverify.models import Loaded, Runner, default_head, load_draft, load_model
+from draftverify.models import Runner, Shared
 from draftverify.sampling import Sampling
 from draftverify.session import Session, Stopping
 from draftverify.stats import Stats
@@ -45,26 +46,44 @@ class Engine:
     def __init__(
         self,
         target: Loaded,
-        draft: Loaded | FeatureDraft | None = None,
+        draft: DraftSource | Loaded | FeatureHead | None = None,
         backend: str = "auto",
-        head: FeatureDraft | None = None,
+        feature_head: FeatureHead | None = None,
+        head: FeatureHead | None = None,
+        shared: Shared | None = None,
     ):
-        """`draft`: a draft model, or a feature head; `head`: a feature head beside a draft model. The
-        methods that draft with a head (speculative, ouroboros) use it when there is one, the others
-        the draft model."""
-        if isinstance(draft, FeatureDraft):
-            draft, head = None, draft
+        """`draft`: what drafts (a `loading.DraftSource`, as `load_draft_source` gives; a draft model or a feature
+        head is taken as one); `feature_head`: a feature head beside a draft model. The methods that draft with
+        a feature head (speculative, ouroboros) use it when there is one, the others the draft model.
+
+        The engine owns what its runners and drafters build or learn once (`shared`: packed weights, measured
+        cost curves, the feature head's calibration); another engine in the same process has its own, so two
+        engines never steer each other. Pass another engine's `shared` to reuse what it built and learned.
+        """
+        feature_head = feature_head if feature_head is not None else head  # `head`: the old name, kept for callers
+        source = draft_source(draft)
+        if source is not None and source.kind == "feature head":
+            source, feature_head = None, source.feature_head
         self.target = target
-        self.draft = draft
-        self.head = head
+        self.draft_source = source
+        self.draft = source.model if source is not None else None
+        self.feature_head = feature_head
         self.backend = backend
-        self.target_runner = Runner(target.model, backend)
-        # A separate draft model may run on rounded weights (static.PackedLinear); the target drafting for itself does not.
+        self.shared = shared if shared is not None else Shared()
+        self.target_runner = Runner(target.model, backend, shared=self.shared)
+        # A separate draft model may run on rounded weights (PackedLinear); the target drafting for itself does not.
         self.draft_runner = (
-            Runner(draft.model, backend, draft=draft.model is not target.model) if draft is not None else None
+            Runner(self.draft.model, backend, draft=self.draft.model is not target.model, shared=self.shared)
+            if self.draft is not None
+            else None
         )
         self._methods: dict[tuple, Method] = {}
         self._slots: list[tuple[Runner, Runner | None]] = [(self.target_runner, self.draft_runner)]
+
+    @property
+    def head(self) -> FeatureHead | None:
+        """The feature head (old name, kept for callers not yet renamed): use `feature_head`."""
+        return self.feature_head
 
     @classmethod
     def load(
@@ -77,23 +96,22 @@ class Engine:
         device_map: str | None = None,
         backend: str = "auto",
     ) -> "Engine":
-        """Load the target (default: SmolLM2-135M-Instruct) and a draft spec (see `load_draft`); with no
-        draft spec, the default model also gets its shipped feature head (`default_head`).
+        """Load the target (default: SmolLM2-135M-Instruct) and a draft spec (see `loading.drafts`); with no
+        draft spec, the default model also gets its shipped feature head (`loading.default_feature_head`).
 
         `backend`: `auto` (the static fast path where the architecture allows, else eager),
         `static` or `eager`; see `draftverify.models.choose_backend`.
         """
         loaded = load_model(target, dtype=dtype, device=device, device_map=device_map)
-        head = default_head(loaded) if draft is None else None
-        return cls(
-            loaded, load_draft(draft, loaded, dtype=dtype, device=draft_device or device), backend=backend, head=head
-        )
+        feature_head = default_feature_head(loaded) if draft is None else None
+        source = load_draft_source(draft, loaded, dtype=dtype, device=draft_device or device)
+        return cls(loaded, source, backend=backend, feature_head=feature_head)
 
     def describe_drafts(self) -> str:
         """One line: the draft model and the feature head in use."""
         parts = [f"draft {self.draft.name}" if self.draft is not None else "no draft model"]
-        if self.head is not None:
-            parts.append(f"feature head {self.head.name}")
+        if self.feature_head is not None:
+            parts.append(f"feature head {self.feature_head.name}")
         return ", ".join(parts)
 
     def describe_backend(self) -> str:
@@ -112,8 +130,9 @@ class Engine:
         key = (name, config, slot)
         if key not in self._methods:
             target, draft_runner = self.slot(slot)
-            draft = self.head if cls.takes_head and self.head is not None else draft_runner
-            self._methods[key] = cls(target, draft, config, head=self.head)
+            head = self.feature_head
+            draft = head if cls.takes_head and head is not None else draft_runner
+            self._methods[key] = cls(target, draft, config, head=head)
             if slot:
                 self._methods[key].share(self.method(name, preset, 0, **options))
         return self._methods[key]

@@ -1,6 +1,9 @@
 """The one decoding loop: draft -> one target forward -> verify -> roll back -> emit.
 
-Every method runs `decode(s, target, drafter)`. The prologue prefills the prompt and emits the
+Every method runs `rounds(s, target, drafter)` (through `Method.rounds`): a generator that yields
+each target forward as a `backend.Feed` and is sent its `backend.Forward`. `drive` runs the forwards
+one by one for one request (`decode` is `drive` over `rounds`); `batch.Batch` stacks the forwards of
+several requests (each on its own cache) into one. The prologue prefills the prompt and emits the
 first token (the *root*: the last emitted token, which the target's cache does not hold yet).
 Then each round:
 
@@ -8,20 +11,16 @@ Then each round:
    candidate paths (a chain is one path, no drafter or an empty proposal is plain
    autoregressive decoding), with the draft distributions of the tokens it sampled, and
    optionally Jacobi window rows that ride in the same forward;
-2. `verify_step` feeds root + tree (+ window) to the target in ONE forward (a tree mask where the
-   candidates branch), runs the one verifier (`verify.verify_tree`: greedy matching, rejection
-   sampling for sampled tokens, multi-draft rejection sampling for deterministic ones) and rolls
-   the target's cache back to root + accepted path;
+2. `step.prepare_step` lays root + tree (+ window) out as ONE `Feed` (a tree mask where the
+   candidates branch); `step.finish_step` runs the one verifier on its output (`verify.verify_tree`:
+   greedy matching, rejection sampling for sampled tokens, multi-draft rejection sampling for
+   deterministic ones) and rolls the target's cache back to root + accepted path;
 3. the drafter is told what happened (`Drafter.observe`: roll back its own state, feed its pool,
    update its draft length) and the tokens go out through `Session.emit`, which applies the
    stopping rules per token.
 
-`step.verify_step` runs on any Runner: Ouroboros's draft model uses it to check the pool's
-phrases against itself while drafting.
-
-The round is written once, as a generator (`rounds`) that yields each target forward's inputs and
-is sent its output: `decode` runs the forwards one by one for one request, `batch.Batch`
-stacks the forwards of several requests (each with its own cache) into one.
+`step.verify_step` runs both halves on any Runner: Ouroboros's draft model uses it to check the
+pool's phrases against itself while drafting.
 """
 
 from __future__ import annotations
@@ -30,13 +29,14 @@ from typing import Generator
 
 import torch
 
+from draftverify.backend.feed import Feed, Forward
 from draftverify.drafters.base import Drafter
-from draftverify.models import Forward, Runner
+from draftverify.models import Runner
 from draftverify.sampling import sample
 from draftverify.session import Session
 from draftverify.step import Proposal, finish_step, prepare_step
 
-Rounds = Generator[dict, Forward, None]  # yields each forward's feed (`Runner.forward`'s arguments), is sent its output
+Rounds = Generator[Feed, Forward, None]  # yields each target forward's feed, is sent its output
 
 
 def decode(s: Session, target: Runner, drafter: Drafter | None = None) -> None:
@@ -49,7 +49,7 @@ def drive(request: Rounds, runner: Runner) -> None:
     try:
         feed = next(request)
         while True:
-            feed = request.send(runner.forward(**feed))
+            feed = request.send(runner.run(feed))
     except StopIteration:
         pass
 
@@ -61,7 +61,7 @@ def rounds(s: Session, target: Runner, drafter: Drafter | None = None) -> Rounds
     hidden = drafter is not None and drafter.needs_hidden
     target.reset()
     with s.stats.timer("verify"):  # the prefill: logits for the first new token, the prompt's hidden states if asked
-        first = yield {"tokens": s.prompt, "last": 1, "hidden": "all" if hidden else False}
+        first = yield Feed(s.prompt, last=1, hidden="all" if hidden else False)
     s.stats.target_forwards += 1
     root = pick(first.logits[-1], s, target.device)
     if not s.emit([root]):

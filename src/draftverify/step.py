@@ -1,6 +1,6 @@
 """One verified forward on any Runner: feed a `Proposal`, verify it, roll the cache back, return a `Step`.
 
-The round (`round.decode`) runs it on the target; a drafter may run it on its own model (Ouroboros
+The round (`round.rounds`) runs it on the target; a drafter may run it on its own model (Ouroboros
 checks the pool's phrases against the draft model this way).
 """
 
@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftverify.backend.feed import Feed, Forward
 from draftverify.models import Runner
 from draftverify.session import Session
-from draftverify.tree import Tree, build_tree, layout
+from draftverify.tree import Layout, Tree, build_tree, layout
 from draftverify.verify import Verdict, fit_vocab, verify_tree
 
 
@@ -83,14 +84,16 @@ class Step:
 
 @dataclass
 class Prepared:
-    """A proposal laid out for one forward: what to feed (`feed`, the keyword arguments of `Runner.forward`)
-    and what `finish_step` needs to read the result."""
+    """A proposal laid out for one forward: what to feed and what `finish_step` needs to read the result."""
 
     tree: Tree
-    feed: dict
+    feed: Feed
     base: int  # the runner's cache length before the forward
-    chain: bool  # fed causally, without a mask
-    lay: object = None  # the tree.layout when not a chain
+    lay: Layout | None = None  # the tree's layout; None: a chain, fed causally without a mask
+
+    @property
+    def chain(self) -> bool:
+        return self.lay is None
 
 
 def verify_step(runner: Runner, s: Session, root: int, proposal: Proposal) -> Step:
@@ -102,7 +105,7 @@ def verify_step(runner: Runner, s: Session, root: int, proposal: Proposal) -> St
     caller that runs the forward itself (several sequences in one forward: `batch.Batch`).
     """
     prepared = prepare_step(runner, root, proposal)
-    return finish_step(runner, s, proposal, prepared, runner.forward(**prepared.feed))
+    return finish_step(runner, s, proposal, prepared, runner.run(prepared.feed))
 
 
 def prepare_step(runner: Runner, root: int, proposal: Proposal) -> Prepared:
@@ -110,21 +113,16 @@ def prepare_step(runner: Runner, root: int, proposal: Proposal) -> Prepared:
     rows, lead = proposal.rows, proposal.lead
     base = runner.length
     if not rows and not lead and all(p == i for i, p in enumerate(tree.parents, start=-1)):
-        return Prepared(tree, {"tokens": tree.tokens, "hidden": proposal.hidden}, base, chain=True)
+        return Prepared(tree, Feed(tree.tokens, hidden=proposal.hidden), base)
     lay = layout(tree, rows, lead)
     positions = torch.tensor(lay.offsets) + base + len(lead)
-    feed = {
-        "tokens": lay.tokens,
-        "positions": positions,
-        "tree_mask": lay.mask,
-        "last": lay.keep,
-        "hidden": proposal.hidden,
-    }
-    return Prepared(tree, feed, base, chain=False, lay=lay)
+    return Prepared(tree, Feed(lay.tokens, positions, lay.mask, lay.keep, proposal.hidden), base, lay)
 
 
-def finish_step(runner: Runner, s: Session, proposal: Proposal, prepared: Prepared, out, process: bool = False) -> Step:
-    """Verify the forward's output `out` (a models.Forward) against the prepared tree and roll the cache back.
+def finish_step(
+    runner: Runner, s: Session, proposal: Proposal, prepared: Prepared, out: Forward, process: bool = False
+) -> Step:
+    """Verify the forward's output `out` against the prepared tree and roll the cache back.
     `process`: the runner is the request's target and the root ends `s.output`, so the session's
     `logits.Processor` processes each node's logits for its prefix before verification."""
     tree, base, lay = prepared.tree, prepared.base, prepared.lay

@@ -51,7 +51,7 @@ def quantize(source: Path, out: Path, name: str, threads: int = 0) -> Path:
 
 def quantized(name: str, source: Path | None = None) -> Path:
     """The GGUF of `source` (default: the default model) in type `name`, made once from its F32 re-export, cached."""
-    from draftverify.models import default_model_path
+    from draftverify.loading.defaults import default_model_path
 
     require_llamacpp()
     source = Path(source) if source is not None else default_model_path()

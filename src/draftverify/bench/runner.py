@@ -108,7 +108,7 @@ class Bench:
         require(specs and specs[0].is_baseline, "the autoregressive baseline must come first")
         for spec in specs:
             require(
-                engine.draft is not None or not spec.needs_draft or (engine.head is not None and spec.takes_head),
+                engine.draft is not None or not spec.needs_draft or (engine.feature_head is not None and spec.takes_head),
                 f"method {spec.label!r} needs a draft model: pass --draft (e.g. self:layers=8) "
                 "or drop it from --methods",
             )
@@ -140,7 +140,7 @@ class Bench:
             "target_identity": self.engine.target.identity,
             "draft": draft.name if draft is not None else None,
             "draft_identity": draft.identity if draft is not None else None,
-            "head": self.engine.head.name if self.engine.head is not None else None,
+            "head": self.engine.feature_head.name if self.engine.feature_head is not None else None,
             "dtype": str(self.engine.target.model.dtype),
             "arithmetic": self.arithmetic(),
             "backend": self.engine.target_runner.backend,
@@ -225,7 +225,7 @@ class Bench:
     def generate_ours(self, spec: BenchSpec, ids: list[int], max_new_tokens: int, sampling: Sampling) -> dict:
         """One generation of one of draftverify's methods; a fresh method instance when `warm=false`."""
         engine = self.engine
-        runner = engine if spec.warm else Engine(engine.target, engine.draft, engine.backend, head=engine.head)
+        runner = engine if spec.warm else Engine(engine.target, engine.draft_source, engine.backend, feature_head=engine.feature_head)
         result = runner.generate(
             ids,
             method=spec.name,

@@ -1,4 +1,4 @@
-"""Drafting with a feature head (`feature_draft.FeatureDraft`): EAGLE-2's dynamic draft tree.
+"""Drafting with a feature head (`feature_head.FeatureHead`): EAGLE-2's dynamic draft tree.
 
 The head reads the target's own final hidden states, which the target's verification forward
 returns anyway (`Proposal.hidden`), so drafting costs only the head's small forwards. Each round:
@@ -14,9 +14,8 @@ returns anyway (`Proposal.hidden`), so drafting costs only the head's small forw
    child, guessed as worth that node's value times its own calibrated chance, would save less, in
    expected accepted tokens times a target forward, than the measured time of one more expansion
    plus the time its row adds to the verification: the row after those of the nodes worth at least
-   as much, read off the cost curve, whose second row is nearly free on a CPU and whose third is
-   not (pricing every node at the second row's cost grew a depth-2 node that the tree then left out
-   in 157 of 570 chain rounds on the dev and demo prompts, in-process);
+   as much, read off the cost curve, on which the rows are not equally cheap (pricing every node at
+   the cheapest row's cost grows nodes that the tree then leaves out);
 3. reranking: of all nodes, the n most valuable form the tree (a child is never worth more than
    its parent, so they form a tree), n chosen from the target's measured cost curve: the n with
    the most expected tokens per second, (1 + sum of the n values) / t_target(n + 1) (or a fixed
@@ -24,9 +23,9 @@ returns anyway (`Proposal.hidden`), so drafting costs only the head's small forw
 
 Calibration. EAGLE-2 takes the draft's probability of a token as its chance of acceptance. A
 head trained to match the target's whole distribution is underconfident for greedy decoding,
-which accepts the target's argmax however flat the distribution (on SmolLM2 the top draft
-probability is mostly 0.05-0.45 while nearly 40% of top guesses are accepted), and a raw
-probability then says no tree pays. So every round is scored: each node the head valued (kept
+which accepts the target's argmax however flat the distribution (top guesses are accepted far
+more often than their probability says), and a raw probability then says no tree pays. So
+every round is scored: each node the head valued (kept
 in the tree or not) whose parent lies on the emitted tokens counts, in the bin of the head's
 probability for it, as right if it is the emitted token that follows its parent, or wrong. The
 emitted tokens are the target's (greedy: its argmax; sampling: distributed as its distribution,
@@ -34,7 +33,7 @@ so a token's chance of being emitted is its chance of being accepted), so nodes 
 verified are scored as truly as verified ones. Scoring only the verified nodes would let a bin
 that starts unlucky stay shut: its nodes would not be drafted again, so never scored again. A
 node's chance is its bin's rate (starting from the probability itself, 4 rounds' worth). The
-counts are kept per head and sampling setting for the process (`acceptance`).
+counts are kept per head and sampling setting in the engine's `models.Shared` (`acceptance`).
 
 The candidates are deterministic guesses (no q): greedy decoding accepts the child that equals
 the target's argmax, sampled decoding verifies them by multi-draft rejection sampling
@@ -45,31 +44,30 @@ from __future__ import annotations
 
 import bisect
 import time
-import weakref
 
 import torch
 
 from draftverify.costs import at_context, curve, marginal_times
 from draftverify.drafters.base import Drafter, Proposal, Step
-from draftverify.feature_draft import FeatureDraft, HeadCache
+from draftverify.feature_head import FeatureHead
+from draftverify.feature_head_cache import HeadCache
 from draftverify.models import Runner
 from draftverify.session import Session
 
 TREE_WIDTHS = (1, 2, 4, 8, 16, 32)
-# FR-Spec: draft from the head's 4096 most frequent tokens (a prefix of its vocabulary, half of the shipped head's
-# 8192) unless told otherwise: chosen by the bench (docs/benchmarks/smollm2-feature-head, where `speculative[vocab=0]`
-# drafts from all of them): as fast or faster in every run, with the same acceptance within a point or two, for a
-# drafting forward that reads half the LM-head rows.
+# FR-Spec: draft from the head's most frequent tokens (a prefix of its vocabulary) unless told otherwise: chosen by
+# the bench (docs/benchmarks/smollm2-feature-head compares it with `speculative[vocab=0]`, all of them): a drafting
+# forward that reads fewer LM-head rows, at about the same acceptance.
 DRAFT_VOCAB = 4096
-# The most positions one catch-up feeds the head: the head attends over what it was fed, and the target's
-# features it reads already carry the whole context, so a 700-token prompt is fed its last 128 positions
-# (a sixth of the head forward that all of them cost; a choice, not tuned).
+# The most positions one catch-up feeds the head: the head attends over what it was fed, and the target's features
+# it reads already carry the whole context, so a long prompt is fed only its last positions (a choice, not tuned).
 CATCH_UP = 128
 BINS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8)  # upper edges of the draft-probability bins (the last runs to 1)
 
 
 class Acceptance:
-    """How often the head's token is the target's after a parent on the target's path, by bin of the head's probability for it."""
+    """How often the head's token is the target's after a parent on the target's path, by bin of the head's
+    probability for it."""
 
     def __init__(self, prior: float = 4.0, memory: float = 400.0):
         edges = (0.0, *BINS, 1.0)
@@ -88,21 +86,19 @@ class Acceptance:
         self.trials[b] = keep * self.trials[b] + 1
 
 
-_ACCEPTANCE: "weakref.WeakKeyDictionary[FeatureDraft, dict]" = weakref.WeakKeyDictionary()
-
-
-def acceptance(head: FeatureDraft, s: Session) -> Acceptance:
-    """The head's calibration for this request's sampling setting, kept for the process."""
+def acceptance(head: FeatureHead, target: Runner, s: Session) -> Acceptance:
+    """The head's calibration for this request's sampling setting, kept in the target runner's `Shared` (its
+    engine's: requests of one engine learn from each other, another engine keeps its own)."""
     key = (s.sampling.greedy, s.sampling.temperature, s.sampling.top_k, s.sampling.top_p)
-    return _ACCEPTANCE.setdefault(head, {}).setdefault(key, Acceptance())
+    return target.shared.calibration.setdefault(head, {}).setdefault(key, Acceptance())
 
 
-class FeatureHead(Drafter):
+class FeatureHeadDrafter(Drafter):
     needs_hidden = True
 
     def __init__(
         self,
-        head: FeatureDraft,
+        head: FeatureHead,
         target: Runner,
         depth: int = 6,
         width: int = 8,
@@ -111,28 +107,21 @@ class FeatureHead(Drafter):
         vocab: int = DRAFT_VOCAB,
     ):
         self.head, self.depth, self.width, self.nodes, self.max_nodes = head.pack(), depth, width, nodes, max_nodes
-        n = (
-            vocab or head.vocab.numel()
-        )  # FR-Spec: the head's vocabulary is most frequent first, so a prefix is a smaller head (0: all)
-        self.vocab = head.vocab[:n]
+        self.target = target
+        # FR-Spec: the head's vocabulary is most frequent first, so a prefix is a smaller head (0: all)
+        self.vocab = head.vocab[: vocab or head.vocab.numel()]
         self.expand_s = 0.0  # seconds one expansion step takes (a running mean)
         self.costs = curve(target, widths=TREE_WIDTHS)
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
         self.cache: HeadCache | None = None
-        self.pending: list[
-            tuple[torch.Tensor, list[int], int]
-        ] = []  # rounds not fed yet: features, next tokens, first position
-        self.valued: dict[
-            tuple[int, ...], list[tuple[int, float]]
-        ] = {}  # this round's nodes: parent's path -> (token, head's probability)
-        self.expected = (
-            0.0  # this round's tree: the tokens the target is expected to accept (its nodes' values, summed)
-        )
+        self.pending: list[tuple[torch.Tensor, list[int], int]] = []  # rounds not fed: features, tokens, position
+        self.valued: dict[tuple[int, ...], list[tuple[int, float]]] = {}  # parent's path -> (token, head's prob.)
+        self.expected = 0.0  # this round's tree: the tokens the target is expected to accept (its nodes' values)
         self.calibration: Acceptance | None = None
 
     def start(self, s: Session, seq: list[int], hidden: torch.Tensor | None = None) -> None:
         self.cache = HeadCache(self.head, capacity=min(len(seq), CATCH_UP) + 64)
-        self.calibration = acceptance(self.head, s)
+        self.calibration = acceptance(self.head, self.target, s)
         self.pending = [(hidden, seq[1:], 0)]  # prompt position t holds f_t and token t + 1 (the last is the root)
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
@@ -191,23 +180,17 @@ class FeatureHead(Drafter):
             chosen = sorted(level, key=lambda i: -values[i])[:k]
             best = chosen[0]  # its best child's worth, guessed: its own value times its own calibrated chance
             guess = values[best] * self.calibration(local[best])
-            ahead = min(
-                sum(v >= guess for v in values), len(times) - 2
-            )  # the nodes kept before that child: it is row ahead + 2
+            ahead = min(sum(v >= guess for v in values), len(times) - 2)  # nodes kept before it: it is row ahead + 2
             if guess * step < self.expand_s + times[ahead + 1] - times[ahead]:
                 break  # even that child would not pay for the head forward that grows it and its verification
             t0 = time.perf_counter()
             base = cache.length
             slot.update({node: base + j for j, node in enumerate(chosen)})
-            rows = [[False] * (base - committed + len(chosen)) for _ in chosen]
-            for j, node in enumerate(chosen):  # each node sees its ancestors' entries and its own
-                for a in [node, *_ancestors(node, parents)]:
-                    rows[j][slot[a] - committed] = True
             out = cache.forward(
                 torch.stack([feature[parents[n]] for n in chosen]),
                 torch.tensor([tokens[n] for n in chosen], device=self.device),
                 [root + d - 1] * len(chosen),  # a depth-d node is read at root + d - 1
-                torch.tensor(rows, device=self.device),
+                torch.tensor(_level_mask(chosen, parents, slot, base - committed, committed), device=self.device),
             )
             s.stats.draft_forwards += 1
             feature.update({node: out[j] for j, node in enumerate(chosen)})
@@ -245,6 +228,16 @@ class FeatureHead(Drafter):
 
     def finish(self, s: Session) -> None:
         self.cache, self.pending = None, []
+
+
+def _level_mask(chosen: list[int], parents: list[int], slot: dict[int, int], before: int, committed: int) -> list:
+    """[len(chosen), before + len(chosen)] bool rows over the head cache's draft entries: each chosen node sees
+    its ancestors' entries and its own (`before` draft entries precede this level's)."""
+    rows = [[False] * (before + len(chosen)) for _ in chosen]
+    for j, node in enumerate(chosen):
+        for a in [node, *_ancestors(node, parents)]:
+            rows[j][slot[a] - committed] = True
+    return rows
 
 
 def _ancestors(node: int, parents: list[int]) -> list[int]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from draftverify.errors import DraftVerifyError, require
-from draftverify.models import decoder_layers, model_identity
+from draftverify.loading import decoder_layers, model_identity
 from draftverify.util import atomic_write, describe_identity, same_weights
 
 SKIP_FORMAT = "draftverify-skipset"

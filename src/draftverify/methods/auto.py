@@ -34,7 +34,7 @@ from draftverify.drafters.auto import Auto as AutoDrafter
 from draftverify.drafters.auto import Record
 from draftverify.drafters.base import Drafter
 from draftverify.drafters.draft_model import DraftModel
-from draftverify.drafters.feature import TREE_WIDTHS, FeatureHead
+from draftverify.drafters.feature import TREE_WIDTHS, FeatureHeadDrafter
 from draftverify.drafters.lookahead import Lookahead
 from draftverify.drafters.pool import PhrasePool
 from draftverify.drafters.prompt_lookup import PromptLookup, PromptLookupConfig
@@ -112,7 +112,7 @@ class Auto(Method):
         use = self.config.names() or ["head" if self.head is not None else "draft", "context"]
         out: dict[str, Drafter] = {}
         if "head" in use and self.head is not None:
-            out["head"] = FeatureHead(self.head, self.target, depth=self.config.depth, width=self.config.width)
+            out["head"] = FeatureHeadDrafter(self.head, self.target, depth=self.config.depth, width=self.config.width)
         if "draft" in use and has_draft:
             out["draft"] = DraftModel(self.draft, make_policy("cost", 8, 0.4, self.target, self.draft))
         if "context" in use:

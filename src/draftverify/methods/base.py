@@ -1,7 +1,7 @@
 """What every decoding method shares: a registry, configs with presets, and the one round.
 
 A method is a named configuration: its Config (with presets) says which drafter proposes and
-how long its drafts are; `run` hands that drafter to `round.decode`, the loop every method shares.
+how long its drafts are; `rounds` hands that drafter to `round.rounds`, the loop every method shares.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Method(ABC):
 
     Subclasses set `name`, `Config` (a frozen dataclass validated in `__post_init__`),
     `presets` (named Config settings, e.g. the papers' hyperparameters) and `needs_draft` (a
-    draft: a draft model's Runner or a `FeatureDraft` head);
+    draft: a draft model's Runner or a `FeatureHead`; `draft_source` says which);
     optionally `aliases`, other names the method is found by; and `drafter(s)`.
     """
 
@@ -44,13 +44,14 @@ class Method(ABC):
     Config: ClassVar[type] = NoConfig
     presets: ClassVar[dict[str, dict]] = {}
     needs_draft: ClassVar[bool] = False
-    takes_head: ClassVar[bool] = False  # drafts with a feature head (FeatureDraft) when the engine has one
+    takes_head: ClassVar[bool] = False  # drafts with a feature head (FeatureHead) when the engine has one
     uses_draft: ClassVar[bool] = False  # drafts with the engine's draft model or head when it has them, needing neither
     aliases: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, target: Runner, draft=None, config=None, head=None):
         """`draft`: the draft (see `needs_draft`); `head`: the engine's feature head, if any, for a method that
-        may use it beside a draft model (`auto`)."""
+        may use it beside a draft model (`auto`). The engine hands the feature head itself as `draft` to a method
+        that `takes_head`: `draft_source` is then "feature head", else "model" (or None without a draft)."""
         require(
             draft is not None or not self.needs_draft,
             f"method {self.name!r} needs a draft model: pass --draft (e.g. self:layers=8) or pick another method",
@@ -59,6 +60,12 @@ class Method(ABC):
         self.draft = draft
         self.head = head
         self.config = config if config is not None else self.Config()
+        self.draft_source = None if draft is None else "feature head" if draft is head else "model"
+
+    @property
+    def feature_head(self):
+        """The engine's feature head (`head`), if any."""
+        return self.head
 
     @classmethod
     def loads_draft(cls) -> bool:
@@ -92,7 +99,7 @@ class Method(ABC):
     def draft_model(self) -> Runner:
         """The draft model's runner, refusing a feature head (for methods that draft with a model of their own)."""
         require(
-            isinstance(self.draft, Runner),
+            self.draft_source == "model",
             f"method {self.name!r} needs a draft model, not a feature head: pass --draft "
             "with a model folder (e.g. --draft self:layers=8), or use speculative / ouroboros",
         )

@@ -26,8 +26,8 @@ from draftverify.drafters.base import Drafter
 from draftverify.drafters.lookahead import Lookahead as LookaheadDrafter
 from draftverify.drafters.pool import PhrasePool
 from draftverify.errors import require
+from draftverify.loading import tokenizer_fingerprint
 from draftverify.methods.base import Method, register
-from draftverify.models import tokenizer_fingerprint
 from draftverify.round import Rounds, rounds
 from draftverify.session import Session
 

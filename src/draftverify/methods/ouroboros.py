@@ -19,10 +19,10 @@ Each round:
    the pool by the target's version of it, whether or not the draft was accepted;
 5. both caches roll back to the accepted tokens. The pool outlives the request (`reuse`).
 Drafting is `drafters.phrases.Phrases` (1, inspiration) inside `drafters.lengthened.Lengthened`
-(2, refinement); the rest is the shared round (`round.decode`).
+(2, refinement); the rest is the shared round (`round.rounds`).
 
-With a feature draft head (the default model's default, or `--draft` a head folder) step 1 is
-the head's EAGLE-2 tree (`drafters.feature.FeatureHead`) instead of phrase drafting on a draft
+With a feature head (the default model's default, or `--draft` a head folder) step 1 is
+the head's EAGLE-2 tree (`drafters.feature.FeatureHeadDrafter`) instead of phrase drafting on a draft
 model: its best chain is lengthened by the pool's suffixes (2), refinement keeps the pool (4),
 and the pool is fed the request's own n-grams (as `lookahead:context`: the prompt's, then the
 output's). Inspiration and the draft's Jacobi window need a draft model and are not used.
@@ -33,12 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftverify.drafters.base import Drafter
-from draftverify.drafters.feature import FeatureHead
+from draftverify.drafters.feature import FeatureHeadDrafter
 from draftverify.drafters.lengthened import Lengthened
 from draftverify.drafters.phrases import Phrases
 from draftverify.drafters.pool import PhrasePool
 from draftverify.errors import require
-from draftverify.feature_draft import FeatureDraft
 from draftverify.methods.base import register
 from draftverify.methods.lookahead import PoolMethod
 from draftverify.policies import POLICIES, DraftPolicy, make_policy
@@ -109,8 +108,8 @@ class Ouroboros(PoolMethod):
 
     def pool_drafter(self, s: Session, pool: PhrasePool) -> Drafter:
         c = self.config
-        if isinstance(self.draft, FeatureDraft):  # the head's tree, lengthened by pool suffixes
-            head = FeatureHead(self.draft, self.target)
+        if self.draft_source == "feature head":  # the head's tree, lengthened by pool suffixes
+            head = FeatureHeadDrafter(self.draft, self.target)
             return Lengthened(head, pool, c.K, c.refinement, context=True, costs=head.costs) if c.lengthening else head
         phrases = Phrases(self.draft_model(), pool, self.make_policy(), c)
         return Lengthened(phrases, pool, c.K, c.refinement) if c.lengthening else phrases

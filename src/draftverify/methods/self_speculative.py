@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from draftverify.drafters.layer_skip import LayerSkip
 from draftverify.drafters.skipsets import STRATEGIES, SkipSet, load_skip_set, make_skip_set, shipped_skip_set
 from draftverify.errors import require
+from draftverify.loading import model_identity
 from draftverify.methods.base import Method, register
-from draftverify.models import Runner, model_identity
+from draftverify.models import Runner
 from draftverify.policies import POLICIES, AdaptiveThreshold, DraftPolicy, make_policy
 from draftverify.round import Rounds, rounds
 from draftverify.session import Session

@@ -24,9 +24,9 @@ from pathlib import Path
 from draftverify.drafters.draft_model import DraftModel
 from draftverify.drafters.head import DEFAULT_CAP, DEFAULT_H, AcceptanceHead, AcceptanceHeadPolicy, load_head
 from draftverify.errors import require
+from draftverify.loading import model_identity
 from draftverify.methods.base import Method, register
 from draftverify.methods.ouroboros import Ouroboros, OuroborosConfig
-from draftverify.models import model_identity
 from draftverify.session import Session
 
 SHIPPED_HEADS = Path(__file__).parent.parent / "assets" / "specdec-heads"

@@ -10,10 +10,10 @@ Chen et al. 2023 ("Accelerating LLM Decoding with Speculative Sampling"). Each r
 3. the verifier accepts drafts (greedy: while they equal argmax p; sampling: with
    min(1, p/q), resampling a rejection from norm(max(p - q, 0))), plus one more token;
 4. both caches are cropped back to the accepted prefix.
-Drafting is `drafters.draft_model.DraftModel`; steps 2-4 are the shared round (`round.decode`).
+Drafting is `drafters.draft_model.DraftModel`; steps 2-4 are the shared round (`round.rounds`).
 
-With a feature draft head (`--draft` a folder made by `make-draft --kind head`) the head drafts
-instead (`drafters.feature.FeatureHead`): an EAGLE-2 dynamic tree of depth up to k whose size
+With a feature head (`--draft` a folder made by `make-draft --kind head`) the head drafts
+instead (`drafters.feature.FeatureHeadDrafter`): an EAGLE-2 dynamic tree of depth up to k whose size
 follows the target's measured cost curve (`width=1`, preset `chain`: one chain).
 """
 
@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 from draftverify.drafters.base import Drafter
 from draftverify.drafters.draft_model import DraftModel
-from draftverify.drafters.feature import DRAFT_VOCAB, FeatureHead
+from draftverify.drafters.feature import DRAFT_VOCAB, FeatureHeadDrafter
 from draftverify.errors import require
-from draftverify.feature_draft import FeatureDraft
 from draftverify.methods.base import Method, register
 from draftverify.policies import POLICIES, DraftPolicy, make_policy
 from draftverify.session import Session
@@ -71,8 +70,8 @@ class Speculative(Method):
         return make_policy(self.config.policy, self.config.k, self.config.threshold, self.target, self.draft_model())
 
     def drafter(self, s: Session) -> Drafter:
-        if isinstance(self.draft, FeatureDraft):
-            return FeatureHead(
+        if self.draft_source == "feature head":
+            return FeatureHeadDrafter(
                 self.draft,
                 self.target,
                 depth=self.config.k,

@@ -26,7 +26,7 @@ import typer
 
 from draftverify.drafters.skipsets import SkipSet, save_skip_set
 from draftverify.errors import DraftVerifyError, require
-from draftverify.models import Loaded, decoder_layers
+from draftverify.loading import Loaded, decoder_layers
 from draftverify.util import same_weights
 
 DEV_PROMPTS = Path(__file__).parent.parent / "assets" / "dev_prompts.jsonl"
@@ -296,8 +296,8 @@ def search_layers_command(
     import torch
 
     from draftverify.engine import Engine
+    from draftverify.loading import load_model
     from draftverify.methods.spec import parse_options
-    from draftverify.models import load_model
     from draftverify.tools.train_head import read_prompts
 
     require(out.suffix == ".json", f"--out {out} must end in .json")

@@ -26,7 +26,8 @@ import typer
 
 from draftverify.drafters.head import AcceptanceHead, save_head
 from draftverify.errors import require
-from draftverify.models import Loaded, Runner
+from draftverify.loading import Loaded
+from draftverify.models import Runner
 from draftverify.sampling import Sampling
 from draftverify.util import atomic_path, atomic_write, cache_root
 from draftverify.verify import fit_vocab
@@ -565,7 +566,7 @@ def train_head_command(
     device: str = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N."),
 ):
     """Train a SpecDec++ acceptance head for a draft/target pair (use it with `-m specdec-pp -o head=PATH`)."""
-    from draftverify.models import load_draft, load_model
+    from draftverify.loading import load_draft, load_model
 
     require(out.suffix == ".safetensors", f"--out {out} must end in .safetensors")
     settings = TrainSettings(depth, r, w_acc, w_rej, epochs, lr, batch_size, holdout, seed)

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from draftverify.errors import require
-from draftverify.models import DRAFT_META_FILE, Loaded, Runner, tokenizer_fingerprint
+from draftverify.loading import DRAFT_META_FILE, Loaded, tokenizer_fingerprint
+from draftverify.models import Runner
 from draftverify.tools.make_draft.data import DataCache, DataPlan, load_checked
 from draftverify.tools.make_draft.prompts import TEXT_LICENSE
 from draftverify.tools.make_draft.train import (
@@ -282,7 +283,7 @@ def write_folder(model, target: Loaded, out: Path, facts: dict, share_embeddings
     """config, safetensors weights, tokenizer, generation config, draftverify.json and README.md, each replaced atomically."""
     from safetensors.torch import save_file
 
-    from draftverify.models import DTYPES
+    from draftverify.loading import DTYPES
 
     require(save_dtype in DTYPES, f"--save-dtype {save_dtype!r} is unknown: use one of {', '.join(DTYPES)}")
     out.mkdir(parents=True, exist_ok=True)

@@ -104,7 +104,7 @@ def make_draft(
     target's own replies and Python stdlib text (a transformers folder with a model card). `--kind head`:
     a feature draft head trained on the target's replies to --prompts and its hidden states."""
     from draftverify.errors import require
-    from draftverify.models import load_model
+    from draftverify.loading import load_model
 
     require(kind in ("model", "head"), f"--kind {kind!r} is unknown: use model or head")
     require(

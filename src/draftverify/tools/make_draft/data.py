@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from draftverify.errors import DraftVerifyError, require
-from draftverify.models import Loaded
+from draftverify.loading import Loaded
 from draftverify.tools.make_draft.prompts import Stdlib, make_documents, make_prompts
 from draftverify.util import atomic_path, atomic_write, eos_ids
 

@@ -29,7 +29,8 @@ import torch
 
 from draftverify.drafters.base import Drafter
 from draftverify.errors import DraftVerifyError, require
-from draftverify.models import Loaded, Runner
+from draftverify.loading import Loaded
+from draftverify.models import Runner
 from draftverify.sampling import Sampling
 from draftverify.session import Session, Stopping
 from draftverify.step import Proposal, Step

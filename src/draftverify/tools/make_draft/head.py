@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from draftverify.errors import require
-from draftverify.feature_draft import FeatureDraft, HeadConfig
-from draftverify.models import Loaded
+from draftverify.feature_head import FeatureHead, HeadConfig
+from draftverify.loading import Loaded
 from draftverify.tools.make_draft.data import load_checked
 from draftverify.tools.make_draft.features import SAMPLED, FeatureCache, FeaturePlan, Sequence, read_prompts
 from draftverify.util import atomic_path, atomic_write, eos_ids
@@ -137,7 +137,7 @@ def rollout_mask(t: int, step: int) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def rollout(head: FeatureDraft, features: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+def rollout(head: FeatureHead, features: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """The head's predicted features [B, n, H] at rollout steps 1..steps: step s at position t is what a
     draft of depth s predicts there (inputs (f_t, token t + 1) at positions 0..n-1; see the module docstring)."""
     b, n, _ = features.shape
@@ -153,7 +153,7 @@ def rollout(head: FeatureDraft, features: torch.Tensor, tokens: torch.Tensor, st
     return outs
 
 
-def head_losses(head: FeatureDraft, ids, feats, lengths, starts, rollout_steps: int, feature_weight: float):
+def head_losses(head: FeatureHead, ids, feats, lengths, starts, rollout_steps: int, feature_weight: float):
     """Loss (weighted over rollout steps) and, per step, (correct top-1 on reply tokens, reply tokens)."""
     b, t = ids.shape
     n = t - 2  # inputs at positions 0..T-3: (f_t, token t+1) -> f_{t+1}
@@ -194,7 +194,7 @@ def batches(sequences: list[Sequence], config: HeadTraining, epoch: int) -> list
     return out
 
 
-def acceptance(head: FeatureDraft, heldout: list[Sequence], config: HeadTraining) -> list[float]:
+def acceptance(head: FeatureHead, heldout: list[Sequence], config: HeadTraining) -> list[float]:
     """Top-1 agreement with the target's greedy reply at draft depths 1..rollout (teacher-forced prefix)."""
     hits = [[0, 0] for _ in range(config.rollout)]
     with torch.no_grad():
@@ -265,7 +265,7 @@ def build_head(
     resumed = any(c.shards() for c in caches) or ckpt_path.exists()  # some of the build was made by an earlier run
     state = load_checked(ckpt_path, "checkpoint") if ckpt_path.exists() else None
     # `init`'s head, refused here if it is another target's (before any data is made)
-    start = FeatureDraft.load(Path(init)).bind(target) if init is not None and not state else None
+    start = FeatureHead.load(Path(init)).bind(target) if init is not None and not state else None
     origin = (
         state.get("init") if state else str(init) if init is not None else None
     )  # what the build's weights started from
@@ -290,7 +290,7 @@ def build_head(
         if start
         else frequent_vocab(train, config.vocab, tuple(eos_ids(target)))
     )
-    head = FeatureDraft(HeadConfig.for_target(target, vocab))
+    head = FeatureHead(HeadConfig.for_target(target, vocab))
     head.bind(target)
     head.float()
     if state:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from draftverify.errors import require
-from draftverify.models import Loaded, _layer_prefix
+from draftverify.loading import Loaded, layer_prefix
 from draftverify.tools.make_draft.data import Record
 
 
@@ -51,7 +51,7 @@ def init_draft(target: Loaded, layer_ids: tuple[int, ...]) -> torch.nn.Module:
     config.dtype = torch.float32
     with torch.device("meta"):
         model = type(target.model)(config)
-    prefix = _layer_prefix(target.model)
+    prefix = layer_prefix(target.model)
     source = {name: tensor for name, tensor in target.model.state_dict().items()}
     state = {}
     for name, tensor in source.items():

@@ -1,4 +1,4 @@
-"""A feature-level draft head (EAGLE family, Li et al. 2024; FR-Spec's frequency-ranked vocabulary).
+"""The feature head: a feature-level draft head (EAGLE family, Li et al. 2024; FR-Spec's frequency-ranked vocabulary).
 
 The head does not read tokens alone: at position t it reads the target's final hidden state
 f_t (what the target's LM head turns into the logits for token t + 1) together with the
@@ -12,7 +12,7 @@ logits. For later draft positions it reads its own predicted features (EAGLE).
 
 Embeddings and LM head are the target's (never stored): a head is bound to its target and
 refused on any other. Files: `feature_draft.json` (config, target identity, the vocabulary)
-and `model.safetensors` (the head's own weights).
+and `model.safetensors` (the head's own weights). Its KV cache is `feature_head_cache.HeadCache`.
 """
 
 from __future__ import annotations
@@ -27,16 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftverify.backend.linear import QUANT_ROWS, Packs
+from draftverify.backend.ops import cpu_kernels, rms_norm, rotate_half
 from draftverify.errors import DraftVerifyError, require
-from draftverify.static import (
-    ATTENTION_HEAD_DIMS,
-    QUANT_ROWS,
-    cpu_kernels,
-    layer_weights,
-    packed_linear,
-    rms_norm,
-    rotate_half,
-)
 from draftverify.util import atomic_path, atomic_write, describe_identity, same_weights
 
 CONFIG_FILE = "feature_draft.json"
@@ -74,8 +67,10 @@ class HeadConfig:
         )
 
 
-class FeatureDraft(nn.Module):
-    """The head; `bind(target)` attaches the target's embeddings and restricted LM head."""
+class FeatureHead(nn.Module):
+    """The feature head; `bind(target)` attaches the target's embeddings and restricted LM head."""
+
+    LINEARS = ("fc", "q", "kv", "o", "gate_up", "down")
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -97,18 +92,17 @@ class FeatureDraft(nn.Module):
         self.register_buffer("vocab", torch.tensor(c.vocab, dtype=torch.long), persistent=False)
         self.name = "feature-head"  # the folder's name once loaded
         self._fast: dict | None = None  # prepacked linears for drafting (`pack`)
-        self._inputs: tuple | None = (
-            None  # the one-call `inputs` kernel's arguments after the features and tokens (`pack`)
-        )
+        self._inputs: tuple | None = None  # the one-call `inputs` kernel's arguments after features, tokens
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin tables by position (`rope_rows`)
         self.embed: torch.Tensor | None = None  # [V, H] the target's, frozen
         self.lm_head: torch.Tensor | None = None  # [N, H] the target's LM head rows of `vocab`, frozen
 
-    def bind(self, target) -> "FeatureDraft":
+    def bind(self, target) -> "FeatureHead":
         """Attach the target's (a `models.Loaded`) embeddings and LM head, refusing a target it was not trained for."""
         require(
             same_weights(self.config.target, target.identity),
-            f"this feature draft was trained for {describe_identity(self.config.target)}, not {describe_identity(target.identity)}: "
+            f"this feature head was trained for {describe_identity(self.config.target)}, "
+            f"not {describe_identity(target.identity)}: "
             "build one for this target with `draftverify make-draft --kind head`",
         )
         embed = target.model.get_input_embeddings().weight.detach()
@@ -118,20 +112,16 @@ class FeatureDraft(nn.Module):
         self.lm_head = head[self.vocab.to(head.device)].contiguous()
         return self
 
-    def pack(self) -> "FeatureDraft":
+    def pack(self) -> "FeatureHead":
         """Draft through the static path's kernels in eval mode: its linears and its rows of the target's LM head
-        on rounded copies (`static.PackedLinear` with `draft`: int8 rows multiplied by int8 dot products where
+        on rounded copies (`backend.linear.PackedLinear` with `draft`: int8 rows multiplied by int8 dot products where
         the CPU has AVX-512 VNNI, else Q8_0 blocks for few rows; a draft's precision changes what it proposes,
         never what is accepted), its norms and attention on the target's one-pass kernels. For inference only:
         the packed copies do not follow later changes of the weights."""
         if self._fast is None and self.fc.weight.device.type == "cpu":
-            self._fast = {
-                name: packed_linear([getattr(self, name)], draft=True)
-                for name in ("fc", "q", "kv", "o", "gate_up", "down")
-            }
-            self._fast["qkv"] = packed_linear(
-                [self.q, self.kv], draft=True
-            )  # q | k | v rows: `rope_attention`'s layout
+            self._packs = Packs()  # the head's own weights: nothing to share with another model's
+            self._fast = {name: self._packs.linear([getattr(self, name)], draft=True) for name in self.LINEARS}
+            self._fast["qkv"] = self._packs.linear([self.q, self.kv], draft=True)  # q|k|v: `rope_attention`'s layout
             self._fast["lm_head"] = self._lm_head(self.lm_head.shape[0])
             fc = self._fast["fc"].quant
             if fc is not None and self.embed.is_contiguous():  # `inputs` in one call: its arguments, read once
@@ -140,7 +130,7 @@ class FeatureDraft(nn.Module):
 
     def _lm_head(self, n: int):
         """The packed rows of the target's LM head for the head's n most frequent tokens (FR-Spec: a prefix)."""
-        return packed_linear([SimpleNamespace(weight=self.lm_head[:n], bias=None, out_features=n)], draft=True)
+        return self._packs.linear([SimpleNamespace(weight=self.lm_head[:n], bias=None, out_features=n)], draft=True)
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         fast = self._fast.get(name) if self._fast is not None and not self.training else None
@@ -278,7 +268,7 @@ class FeatureDraft(nn.Module):
         atomic_write(folder / CONFIG_FILE, json.dumps(asdict(self.config), indent=1))
 
     @classmethod
-    def load(cls, folder: Path) -> "FeatureDraft":
+    def load(cls, folder: Path) -> "FeatureHead":
         from safetensors.torch import load_file
 
         folder = Path(folder)
@@ -289,104 +279,11 @@ class FeatureDraft(nn.Module):
             head.name = folder.name
         except (OSError, ValueError, TypeError, RuntimeError) as exc:
             raise DraftVerifyError(
-                f"cannot load the feature draft in {folder} ({type(exc).__name__}): rebuild it with "
+                f"cannot load the feature head in {folder} ({type(exc).__name__}): rebuild it with "
                 "`draftverify make-draft --kind head`"
             ) from exc
         return head.eval().requires_grad_(False)
 
 
-def is_feature_draft(path: str | Path) -> bool:
+def is_feature_head(path: str | Path) -> bool:
     return (Path(path) / CONFIG_FILE).is_file()
-
-
-class HeadCache:
-    """The head's own KV cache for one request: committed positions, then scratch draft entries."""
-
-    def __init__(self, head: FeatureDraft, capacity: int = 256):
-        c = head.config
-        self.head, self.length = head, 0
-        shape = (1, c.num_kv_heads, capacity, c.head_dim)
-        self.keys = torch.zeros(shape, dtype=head.fc.weight.dtype, device=head.fc.weight.device)
-        self.values = torch.zeros_like(self.keys)
-        self.causal = torch.ones(
-            capacity, capacity, dtype=torch.bool, device=self.keys.device
-        ).tril()  # row past + i: a new row's mask, no tree
-        fast = head._fast is not None and self.keys.dtype == torch.float32 and c.head_dim in ATTENTION_HEAD_DIMS
-        kernels = cpu_kernels() if fast else None
-        self.rope_attention = kernels.rope_attention if kernels is not None else None
-        self.layer = kernels.layer if kernels is not None else None
-        # the rounded copies (int8 rows or Q8_0, `pack`): the one-call layer takes them
-        self.fused = (
-            layer_weights(*(head._fast[name] for name in ("qkv", "o", "gate_up", "down")))
-            if kernels is not None
-            else None
-        )
-        self.no_mask = torch.empty(0, dtype=torch.bool)
-        # what every drafting forward passes, read once (a module's attributes cost a lookup each, run cache-cold)
-        self.norms = (head.norm_in.weight, head.norm_post.weight, c.rms_eps)
-        self.norm_out = (head.norm_out.weight, head.norm_out.eps)
-        self.scale = c.head_dim**-0.5
-
-    def _reserve(self, n: int) -> None:
-        if n > self.keys.shape[2]:
-            grow = max(n, 2 * self.keys.shape[2])
-            pad = (0, 0, 0, grow - self.keys.shape[2])
-            self.keys, self.values = F.pad(self.keys, pad), F.pad(self.values, pad)
-            self.causal = torch.ones(grow, grow, dtype=torch.bool, device=self.keys.device).tril()
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        features: torch.Tensor,
-        tokens: torch.Tensor,
-        positions: torch.Tensor | Sequence[int],
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Append n rows (features [n, H], next tokens [n], positions [n]: a tensor or ints); return the predicted
-        features [n, H].
-
-        mask: bool [n, S] over the last S entries including the new rows (True = may attend); every
-        earlier entry is attended. None: causal among the new rows.
-        """
-        head, past, n = self.head, self.length, tokens.shape[0]
-        self._reserve(past + n)
-        full = None
-        if mask is not None:
-            full = torch.cat(
-                [torch.ones(n, past + n - mask.shape[1], dtype=torch.bool, device=mask.device), mask], dim=1
-            )
-        elif n > 1:
-            full = self.causal[past : past + n, : past + n].contiguous()
-        self.length = past + n
-        x = head.inputs(features, tokens)  # [n, H]
-        if self.rope_attention is not None and not head.training and n <= QUANT_ROWS:
-            # drafting: the target's fused kernel (rotate q and k, store k and v, attend), as its static path does
-            cos, sin = head.rope_rows(positions)
-            mask, scale = self.no_mask if full is None else full, self.scale
-            if self.fused is not None:  # the whole layer in one call, as the target's static path runs its own
-                x = self.layer(
-                    x,
-                    *self.norms,
-                    *self.fused,
-                    cos,
-                    sin,
-                    self.keys[0],
-                    self.values[0],
-                    past,
-                    head.config.num_heads,
-                    mask,
-                    scale,
-                )
-                return rms_norm(x, *self.norm_out)  # `_norm`'s drafting path
-            qkv = head._linear("qkv", head._norm("norm_in", x))
-            out = self.rope_attention(
-                qkv, cos, sin, self.keys[0], self.values[0], past, head.config.num_heads, mask, scale
-            )
-            return head.after_attention(x, out)
-        x = x.unsqueeze(0)  # [1, n, H]
-        q, k, v = head.qkv(x, torch.as_tensor(positions, device=x.device).view(1, n))
-        self.keys[:, :, past : past + n], self.values[:, :, past : past + n] = k, v
-        return head.finish(x, q, self.keys[:, :, : past + n], self.values[:, :, : past + n], full)[0]
-
-    def crop(self, length: int) -> None:
-        self.length = min(self.length, length)

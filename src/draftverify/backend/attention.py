@@ -1,0 +1,90 @@
+"""Attention of the static decoder, per sequence against its own cache: which kernel runs for which call.
+
+Every path masks with the same boolean [n, past + n] mask (`ops.window_masks`; None = attend every key)
+and writes the new keys and values at slots past..past+n-1 of the sequence's cache:
+
+1. few new tokens, no per-head q/k norm: one kernel call rotates q and k, stores k and v, attends
+   (cpu.cpp `rope_attention`);
+2. few new tokens otherwise (Qwen3's normed q and k): rotate here, then the attention kernel;
+3. a prefill: the attention kernel over `PREFILL_ROWS` query rows a call (a call's partial sums grow
+   with its rows times their key chunks; docs/backends.md compares the chunk sizes and SDPA);
+4. without the kernels: one query over every key as three small ops, else SDPA with the mask.
+Each token's row is computed alone on the kernel paths, so a row's bits do not depend on the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from draftverify.backend.cache import StaticCache
+from draftverify.backend.linear import QUANT_ROWS
+from draftverify.backend.ops import rms_norm, rotate_half
+
+PREFILL_ROWS = 128  # a prefill's query rows per call of the attention kernel
+
+
+@dataclass
+class Part:
+    """One sequence's share of a (stacked) forward: its cache, its rows first..first+n-1 of the stack, the
+    cache length before it, and its masks by window (None = attend every key)."""
+
+    cache: StaticCache
+    first: int
+    n: int
+    past: int
+    masks: dict
+
+
+def attend(dec, i: int, layer, qkv: torch.Tensor, cos, sin, part: Part) -> torch.Tensor:
+    """Layer i's attention for one sequence: qkv [n, q + k + v] of its rows, cos / sin [n, 1, d] -> [n, heads * d]."""
+    mask, past, n = part.masks[dec.windows[i]], part.past, part.n
+    keys, values = part.cache.keys[i], part.cache.values[i]
+    no_mask = dec.no_mask if mask is None else mask
+    if dec.rope_attention is not None and layer.q_norm is None and n <= QUANT_ROWS:  # 1.
+        return dec.rope_attention(qkv, cos[:, 0], sin[:, 0], keys, values, past, dec.n_heads, no_mask, layer.scaling)
+    q, k, v = rotated(dec, layer, qkv, cos, sin)
+    keys[:, past : past + n] = k.transpose(0, 1)
+    values[:, past : past + n] = v.transpose(0, 1)
+    if dec.attention_kernel is not None and n <= QUANT_ROWS:  # 2.
+        return dec.attention_kernel(q, keys, values, past + n, no_mask, layer.scaling)
+    if dec.attention_kernel is not None:  # 3. (n > 1, so a mask)
+        chunks = range(0, n, PREFILL_ROWS)
+        return torch.cat(
+            [
+                dec.attention_kernel(
+                    q[r : r + PREFILL_ROWS], keys, values, past + n, mask[r : r + PREFILL_ROWS], layer.scaling
+                )
+                for r in chunks
+            ]
+        )
+    if n == 1 and mask is None:  # 4. one query, every key: three small ops beat SDPA's CPU kernel
+        groups = q[0].view(dec.n_kv, dec.n_heads // dec.n_kv, dec.head_dim)  # query head h reads kv head h // group
+        scores = torch.bmm(groups, keys[:, : past + 1].transpose(1, 2)).mul_(layer.scaling)
+        out = torch.bmm(scores.softmax(-1, dtype=torch.float32).to(q.dtype), values[:, : past + 1])
+        return out.view(1, dec.n_heads * dec.head_dim)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, heads, n, d]
+        keys[:, : past + n].unsqueeze(0),  # [1, kv heads, past + n, d]
+        values[:, : past + n].unsqueeze(0),
+        attn_mask=mask,
+        scale=layer.scaling,
+        enable_gqa=dec.n_heads != dec.n_kv,
+    )  # [1, heads, n, d]
+    return out[0].transpose(0, 1).reshape(n, dec.n_heads * dec.head_dim)
+
+
+def rotated(dec, layer, qkv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sequence's rows of the fused projection [n, q + k + v] -> q [n, heads, d], k and v [n, kv heads, d],
+    q and k rotated."""
+    d, n = dec.head_dim, qkv.shape[0]
+    v = qkv[:, layer.q_size + layer.kv_size :].view(n, dec.n_kv, d)
+    if layer.q_norm is None:  # rotate q and k together: [n, heads + kv heads, d]
+        qk = qkv[:, : layer.q_size + layer.kv_size].view(n, dec.n_heads + dec.n_kv, d)
+        qk = qk * cos + rotate_half(qk) * sin
+        return qk[:, : dec.n_heads], qk[:, dec.n_heads :], v
+    q = rms_norm(qkv[:, : layer.q_size].view(n, dec.n_heads, d), *layer.q_norm)  # Qwen3: per-head norms first
+    k = rms_norm(qkv[:, layer.q_size : layer.q_size + layer.kv_size].view(n, dec.n_kv, d), *layer.k_norm)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v

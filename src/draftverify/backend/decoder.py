@@ -1,0 +1,195 @@
+"""The fast forward path: a Llama-family decoder over a static KV cache with prepacked weights.
+
+`models.Runner(model, backend="static")` runs this instead of the stock transformers model. It reads
+the stock model's own modules (no copy of its code, no change to the model), as its architecture's
+`Recipe` (backend/recipe.py) says, and runs the same arithmetic with four changes that matter on a CPU:
+
+- **Prepacked, fused linears** (backend/linear.py): q/k/v become one product and gate/up another,
+  each weight prepared once for the product that serves it; exactly quantized weights (a GGUF model)
+  are multiplied in their blocks, row-invariantly.
+- **A static KV cache** (backend/cache.py `StaticCache`): preallocated buffers written by slot; `crop`
+  only moves the length, `select` gathers the accepted tree slots in place.
+- **Explicit masks and positions**: every forward builds its boolean mask from the tree mask and the
+  per-layer sliding window, so full, sliding and mixed layers take the same path; attention is our
+  kernel, each token's row computed alone (backend/attention.py).
+- **One call per layer**: a forward of one sequence over at most `QUANT_ROWS` tokens whose layer has
+  only quantized products runs that layer in one kernel call (cpu.cpp `layer`), the same kernels in the
+  same order as the op-by-op layer, so the same bits. SiLU(gate) * up is our kernel on every path, so
+  stacked (batched) forwards, which run the layers op by op, still give each sequence its own bits.
+
+This is the one place where draftverify runs a decoder loop of its own instead of the stock class (as
+gpt-fast does): the stock forward allocates per step and pays framework overhead that hides the flat
+matmul curve (docs/backends.md). tests/test_backends.py checks it against the stock model's own
+full-sequence forward for every architecture in `RECIPES`, so a transformers change that moves the
+arithmetic shows up there. Anything else runs on the stock model (`backend.eager`).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from draftverify.backend.attention import Part, attend
+from draftverify.backend.cache import StaticCache
+from draftverify.backend.feed import Feed, Forward
+from draftverify.backend.linear import QUANT_ROWS, Packs, layer_weights
+from draftverify.backend.ops import cpu_kernels, layer_windows, rms_norm, silu_mul, window_masks
+from draftverify.backend.recipe import RECIPES, Recipe, unsupported_reason
+from draftverify.backend.spans import Spans
+
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # head sizes the attention kernel (cpu.cpp) takes
+
+
+class _Layer:
+    """One decoder layer's weights, read from the stock module as its recipe says."""
+
+    def __init__(self, layer: torch.nn.Module, recipe: Recipe, eps: float, draft: bool, packs: Packs):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = packs.linear([getattr(attn, name) for name in recipe.qkv], draft)
+        self.o = packs.linear([getattr(attn, recipe.out)], draft)
+        self.gate_up = packs.linear([getattr(mlp, name) for name in recipe.gate_up], draft)
+        self.down = packs.linear([getattr(mlp, recipe.down)], draft)
+        self.q_size, self.kv_size = getattr(attn, recipe.qkv[0]).out_features, getattr(attn, recipe.qkv[1]).out_features
+        norm_in, norm_post = getattr(layer, recipe.norm_in), getattr(layer, recipe.norm_post)
+        self.norm_in, self.norm_post = norm_in.weight.detach(), norm_post.weight.detach()
+        self.eps = getattr(norm_in, "variance_epsilon", eps)
+        q_norm, k_norm = (
+            (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if recipe.qk_norm else (None, None)
+        )
+        self.q_norm = None if q_norm is None else (q_norm.weight.detach(), getattr(q_norm, "variance_epsilon", eps))
+        self.k_norm = None if k_norm is None else (k_norm.weight.detach(), getattr(k_norm, "variance_epsilon", eps))
+        self.scaling = float(getattr(attn, "scaling", attn.head_dim**-0.5))
+        # no q/k norms: a few rows may go through the kernels' one-call layer
+        self.fused = layer_weights(self.qkv, self.o, self.gate_up, self.down) if self.q_norm is None else None
+
+
+class StaticDecoder:
+    """A stock Llama-family model run over static KV caches (see the module docstring). The decoder holds the
+    weights; each sequence has a `StaticCache` of its own (`new_cache`). `draft`: the model only drafts (its
+    weights may be rounded, `PackedLinear`). `packs`: shares packed weights with other decoders of them."""
+
+    def __init__(self, model: torch.nn.Module, draft: bool = False, packs: Packs | None = None):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(reason)
+        cfg, inner = model.config, model.model
+        recipe, packs = RECIPES[cfg.model_type], packs if packs is not None else Packs()
+        self.model, self.embed, self.rotary = model, inner.embed_tokens, inner.rotary_emb
+        eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        with torch.no_grad():
+            self.layers = [_Layer(layer, recipe, eps, draft, packs) for layer in inner.layers[: cfg.num_hidden_layers]]
+            self.norm = inner.norm.weight.detach()
+            self.norm_eps = getattr(inner.norm, "variance_epsilon", eps)
+            self.head = packs.linear([model.get_output_embeddings()], draft)
+        self.head_dim = inner.layers[0].self_attn.head_dim
+        self.n_heads = self.layers[0].q_size // self.head_dim
+        self.n_kv = self.layers[0].kv_size // self.head_dim
+        self.windows = layer_windows(cfg)
+        self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
+        self.max_length = getattr(cfg, "max_position_embeddings", None)
+        fast = self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim in ATTENTION_HEAD_DIMS
+        kernels = cpu_kernels() if fast else None
+        self.attention_kernel = kernels.attention if kernels is not None else None
+        self.rope_attention = kernels.rope_attention if kernels is not None else None
+        self.layer_kernel = kernels.layer if kernels is not None else None
+        self.no_mask = torch.empty(0, dtype=torch.bool)
+
+    def new_cache(self) -> StaticCache:
+        return StaticCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device, self.max_length)
+
+    def forward(self, cache: StaticCache, feed: Feed) -> Forward:
+        """Feed `feed.tokens` [n] (a tensor on the decoder's device) after `cache`'s tokens."""
+        return self.forward_many([cache], [feed])[0]
+
+    @torch.inference_mode()
+    def forward_many(self, caches: list[StaticCache], feeds: list[Feed]) -> list[Forward]:
+        """One forward for several sequences, each with its own cache: `feeds[i]` goes to `caches[i]`.
+
+        The rows of every sequence are stacked (no padding), so the linears and the LM head run once
+        over all of them (`Spans`: each sequence's rows on the product its own forward would use); only
+        attention runs per sequence, against that sequence's own cache, positions and mask.
+        """
+        skip = feeds[0].skip
+        parts, tokens, positions = self._stack(caches, feeds)
+        cos, sin = self.rotary(self.embed.weight[:1].unsqueeze(0), positions.view(1, -1))
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [rows, 1, head_dim]
+        h = self.embed(tokens)  # [rows, H]
+        skip_attn = set(skip.attention) if skip is not None else ()
+        skip_mlp = set(skip.mlp) if skip is not None else ()
+        spans = Spans([(p.first, p.n) for p in parts], self.device)
+        # one short sequence: each layer with nothing skipped in one kernel call (`layer`: the same kernels as below)
+        one = parts[0] if len(parts) == 1 and parts[0].n <= QUANT_ROWS and self.layer_kernel is not None else None
+        for i, layer in enumerate(self.layers):
+            if one is not None and layer.fused is not None and i not in skip_attn and i not in skip_mlp:
+                h = self._fused_layer(i, layer, h, cos[:, 0], sin[:, 0], one)
+                continue
+            if i not in skip_attn:
+                qkv = spans(layer.qkv, rms_norm(h, layer.norm_in, layer.eps))
+                outs = [attend(self, i, layer, qkv[p.first : p.first + p.n], *_rows(cos, sin, p), p) for p in parts]
+                h = h + spans(layer.o, outs[0] if len(outs) == 1 else torch.cat(outs))
+            if i not in skip_mlp:
+                h = h + spans(layer.down, silu_mul(spans(layer.gate_up, rms_norm(h, layer.norm_post, layer.eps))))
+        for p in parts:
+            p.cache.length = p.past + p.n
+        return self._outputs(h, parts, feeds)
+
+    def _stack(self, caches: list[StaticCache], feeds: list[Feed]) -> tuple[list[Part], torch.Tensor, torch.Tensor]:
+        """Each sequence's `Part` of the stacked rows, and the stacked tokens [rows] and positions [rows]."""
+        parts, all_tokens, all_positions, first = [], [], [], 0
+        for cache, feed in zip(caches, feeds):
+            n, past = feed.tokens.shape[0], cache.length
+            cache.reserve(past + n)
+            causal = feed.positions is None and feed.tree_mask is None
+            positions = feed.positions
+            positions = (
+                torch.arange(past, past + n, device=self.device) if positions is None else positions.to(self.device)
+            )
+            parts.append(Part(cache, first, n, past, self._masks(positions, feed.tree_mask, causal, past, n)))
+            all_tokens.append(feed.tokens)
+            all_positions.append(positions)
+            first += n
+        if len(feeds) == 1:
+            return parts, all_tokens[0], all_positions[0]
+        return parts, torch.cat(all_tokens), torch.cat(all_positions)
+
+    def _fused_layer(self, i: int, layer: _Layer, h, cos, sin, part: Part) -> torch.Tensor:
+        """Layer i of one short sequence in one kernel call; cos, sin [n, head_dim] (the kernels' layout)."""
+        mask = part.masks[self.windows[i]]
+        cache = part.cache
+        return self.layer_kernel(
+            h, layer.norm_in, layer.norm_post, layer.eps, *layer.fused, cos, sin, cache.keys[i], cache.values[i],
+            part.past, self.n_heads, self.no_mask if mask is None else mask, layer.scaling,
+        )  # fmt: skip
+
+    def _outputs(self, h: torch.Tensor, parts: list[Part], feeds: list[Feed]) -> list[Forward]:
+        """Per sequence: logits of the rows that need them, and the hidden states asked for."""
+        out_rows, state_rows = [], []  # per sequence: (first row, count) that get logits, those whose states return
+        for p, feed in zip(parts, feeds):
+            m = feed.last or p.n
+            out_rows.append((p.first + p.n - m, m))
+            state_rows.append((p.first, p.n) if feed.hidden == "all" else out_rows[-1] if feed.hidden else None)
+        if len(feeds) == 1 and state_rows[0] in (None, out_rows[0]):  # normalise only the rows that need logits
+            b, m = out_rows[0]
+            states = rms_norm(h[b : b + m], self.norm, self.norm_eps)
+            return [Forward(self.head(states), states if state_rows[0] else None)]
+        states = rms_norm(h, self.norm, self.norm_eps)
+        if len(feeds) == 1:
+            b, m = out_rows[0]
+            logits = [self.head(states[b : b + m])]
+        else:
+            counts = [m for _, m in out_rows]
+            index = torch.cat([torch.arange(b, b + m, device=self.device) for b, m in out_rows])
+            stacked = Spans(list(zip(itertools.accumulate([0, *counts[:-1]]), counts)), self.device)
+            logits = stacked(self.head, states[index]).split(counts)
+        return [Forward(lg, None if s is None else states[s[0] : s[0] + s[1]]) for lg, s in zip(logits, state_rows)]
+
+    def _masks(self, positions, tree_mask, causal: bool, past: int, n: int) -> dict:
+        """`window_masks` per window size; None = attend everything (one causal token within every window)."""
+        if causal and n == 1 and all(w is None or past < w for w in set(self.windows)):
+            return {w: None for w in set(self.windows)}
+        return window_masks(positions, tree_mask, past, self.windows)
+
+
+def _rows(cos: torch.Tensor, sin: torch.Tensor, part: Part) -> tuple[torch.Tensor, torch.Tensor]:
+    return cos[part.first : part.first + part.n], sin[part.first : part.first + part.n]

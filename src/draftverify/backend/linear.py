@@ -1,0 +1,129 @@
+"""The static path's products: stock linears fused and prepacked once, and the choice of product per call.
+
+A `PackedLinear` is y = x W^T + b for one or more stock linears fused along the output dimension. Which
+product runs depends on the weight and the row count, never on anything else, so a row's arithmetic is
+the same whichever forward carries it:
+
+- a weight that is exactly Q4_1 / Q8_0 blocks (a GGUF model, loaded as the blocks dequantized to fp32)
+  keeps those blocks, and forwards over at most `QUANT_ROWS` rows multiply with them
+  (kernels/quant.py): the same fp32 weights rebuilt in registers, each row's sums formed the same way
+  for any row count, so a verified token's logits are bit for bit those of a one-token step;
+- one row of a plain fp32 weight goes to our one-row kernel (kernels/cpu.cpp) where it is built;
+- anything else goes to oneDNN's prepacked product (`torch.ops.mkldnn._linear_pointwise`, what inductor
+  emits for a frozen fp32 linear), or to `F.linear` where oneDNN cannot take the weight.
+
+docs/backends.md has the measured cost of each product and why the thresholds sit where they do.
+`Packs` shares one PackedLinear between every decoder of the same weights (forks, a truncated draft of
+the target); an engine owns one.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from draftverify.backend.ops import cpu_kernels
+
+_PACK_ROWS = 32  # oneDNN packing hint: one packing serves every row count we use (docs/backends.md)
+QUANT_ROWS = 32  # up to this many rows, exactly quantized weights take the quantized product (docs/backends.md)
+
+
+class Packs:
+    """The PackedLinears made so far, keyed by the weights they read, so that decoders of the same weights share
+    them. A live PackedLinear belongs to a decoder that holds its model, so the weights' addresses in a key
+    cannot be reused while the entry exists. Owned by whoever shares it (an `Engine`); no process-wide copy."""
+
+    def __init__(self):
+        self._packed: weakref.WeakValueDictionary[tuple, PackedLinear] = weakref.WeakValueDictionary()
+
+    def linear(self, linears: list[torch.nn.Linear], draft: bool = False) -> "PackedLinear":
+        """The PackedLinear of these stock linears (`draft`: see PackedLinear), made on first use."""
+        key = (draft, *((w.data_ptr(), tuple(w.shape), w.dtype, str(w.device)) for w in (x.weight for x in linears)))
+        found = self._packed.get(key)
+        if found is None:
+            found = self._packed[key] = PackedLinear(linears, draft)
+        return found
+
+
+class PackedLinear:
+    """y = x W^T + b for several stock linears fused along the output dimension, prepacked on CPU.
+
+    `draft`: a draft's weight gets a rounded copy (`quant_blocks`): int8 rows, multiplied by int8 dot
+    products at any row count where the CPU has AVX-512 VNNI (`kernels.quant.i8_rows`), else Q8_0 blocks
+    for few-row forwards (`q8_blocks`): a draft's precision changes what it proposes, never what
+    verification accepts."""
+
+    def __init__(self, linears: list[torch.nn.Linear], draft: bool = False):
+        weight = torch.cat([lin.weight.detach() for lin in linears])  # [out, in]
+        self.bias = _fused_bias(linears, weight)
+        self.packed = packable(weight)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS) if self.packed else weight
+        self.out_features = weight.shape[0]
+        self.blocks = quant_blocks(weight, draft)  # exact Q4_1 / Q8_0 blocks (or a draft's rounding), or None
+        self._no_bias = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        b = self.blocks  # the quantized product's arguments, as `quant_linear` and the one-call `layer` take them
+        self.quant = None if b is None else [b.q, b.d, b.m, self.bias if self.bias is not None else self._no_bias]
+        # A weight with blocks takes the quantized product for one row, so it keeps no second plain copy.
+        self.kernel = one_row_kernel(weight) if self.blocks is None else None
+        self.dense = weight.contiguous() if self.kernel is not None else None
+
+    def __call__(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:  # [m, in] -> [m, out]
+        """`quant`: the quantized product (if the weight has blocks) whatever the number of rows (a draft's int8
+        rows take it at any row count)."""
+        if self.quant is not None and (quant or x.shape[0] <= QUANT_ROWS or self.blocks.kind == "i8_rows"):
+            return cpu_kernels().quant_linear(x.contiguous(), *self.quant)
+        if self.kernel is not None and x.shape[0] == 1:
+            return self.kernel.linear(x.contiguous(), self.dense, self.bias if self.bias is not None else self._no_bias)
+        if self.packed:
+            if x.shape[0] == 2:  # oneDNN's AVX2 kernel is slower for 2 rows than for 3: pad (docs/backends.md)
+                return self._onednn(torch.cat([x, x[1:]]))[:2]
+            return self._onednn(x)
+        return F.linear(x, self.weight, self.bias)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def _fused_bias(linears: list[torch.nn.Linear], weight: torch.Tensor) -> torch.Tensor | None:
+    """The fused linears' biases end to end (zeros for one without), or None when none has a bias."""
+    if all(lin.bias is None for lin in linears):
+        return None
+    zeros = [torch.zeros(lin.out_features, dtype=weight.dtype, device=weight.device) for lin in linears]
+    return torch.cat([lin.bias.detach() if lin.bias is not None else z for lin, z in zip(linears, zeros)])
+
+
+def quant_blocks(weight: torch.Tensor, draft: bool = False):
+    """The exact Q4_1 / Q8_0 blocks of `weight` when the compiled kernels can multiply them (else None); for a
+    draft, its int8 rows where the kernels have int8 dot products, else its Q8_0 rounding."""
+    kernels = cpu_kernels()
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or kernels is None:
+        return None
+    from draftverify.kernels.quant import exact_blocks, i8_rows, q8_blocks
+
+    if not draft:
+        return exact_blocks(weight)
+    return (i8_rows(weight) if kernels.int8_rows() else None) or q8_blocks(weight)
+
+
+def one_row_kernel(weight: torch.Tensor):
+    """The compiled kernels if their one-row product serves this weight: fp32 on a CPU, in-features a
+    multiple of 32 (docs/backends.md compares it with oneDNN's one-row product)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.shape[1] % 32:
+        return None
+    return cpu_kernels()
+
+
+def packable(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def layer_weights(qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear) -> list | None:
+    """A layer's products as the kernels' one-call `layer` takes them, or None unless every one is quantized."""
+    weights = [lin.quant for lin in (qkv, o, gate_up, down)]
+    return weights if all(w is not None for w in weights) else None

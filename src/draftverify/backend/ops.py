@@ -1,0 +1,67 @@
+"""Small shared operations of the static path: the compiled kernels, RMSNorm, SiLU(gate) * up, rotary
+halves, and the attention masks every path (static, eager, feature head) builds alike."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from draftverify.kernels import cpu as cpu_kernels  # compiled once per process (functools.cache); None if it cannot be
+
+__all__ = ["cpu_kernels", "layer_windows", "rms_norm", "rotate_half", "silu_mul", "window_masks"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in fp32, scale in the input dtype (one fused op in fp32,
+    where both orders of rounding agree; our one-pass kernel on a CPU)."""
+    dtype = x.dtype
+    if dtype == torch.float32 and weight.dtype == torch.float32:
+        kernels = cpu_kernels() if x.device.type == "cpu" and x.is_contiguous() else None
+        if kernels is not None:
+            return kernels.rms_norm(x, weight, eps)
+        return torch.rms_norm(x, weight.shape, weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a gated MLP's [m, 2 I] gate | up product: our kernel on a CPU in fp32 (which the fused
+    layer uses too, so every path forms each element alike), else ATen's."""
+    kernels = cpu_kernels() if gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" else None
+    if kernels is not None:
+        return kernels.silu_mul(gate_up.contiguous())
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def layer_windows(config) -> list[int | None]:
+    """The sliding window of each decoder layer (None = full attention), as transformers reads the config."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, (list, tuple)):
+        return [window if t == "sliding_attention" else None for t in types[:n]]
+    return [window] * n  # e.g. Mistral: one window for every layer, or None
+
+
+def window_masks(positions: torch.Tensor, tree_mask: torch.Tensor | None, past: int, windows) -> dict:
+    """Boolean [n, past + n] masks (True = may attend), one per distinct window in `windows` (None =
+    full attention). New token i at `positions[i]` attends the cached prefix (slot j holds position j)
+    and the new tokens `tree_mask` [n, n] allows (causal when None), and only keys less than the
+    window behind it. The static path and the eager one both mask with these."""
+    n, device = positions.shape[0], positions.device
+    allowed = torch.ones(n, past + n, dtype=torch.bool, device=device)
+    if tree_mask is not None:
+        allowed[:, past:] = tree_mask.to(device, torch.bool)
+    elif n > 1:
+        allowed[:, past:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    key_pos = torch.cat([torch.arange(past, device=device), positions])  # [past + n]
+    return {
+        w: allowed if w is None else allowed & (positions.view(n, 1) - key_pos.view(1, -1) < w) for w in set(windows)
+    }
