@@ -1,7 +1,7 @@
 // The products of GGUF block weights (kernels/blocks.py packs the file's blocks into these layouts):
 //   U4   codes 0..15, two a byte (byte j of a 32-weight block: q_j | q_{j+16} << 4); fp32 D, M per sub-block
 //   U8   codes 0..255, one a byte; fp32 D, M per sub-block
-//   F16  IEEE half weights, BF16 bfloat16 weights (2 bytes a weight, upcast exactly)
+//   F16  IEEE half weights, BF16 bfloat16 weights (2 bytes a weight, upcast exactly); F32 dense fp32 weights
 // A sub-block is 16 or 32 consecutive weights of a row; every code layout's weight is w = fma(q, D, M), which gives
 // the bits gguf's dequantization gives (blocks.py says why for each GGML type). Codes are unsigned so that an int8
 // activation product (u8 weights x s8 activations: VNNI's vpdpbusd, AVX2's maddubs) can run over the same layouts:
@@ -21,10 +21,10 @@ namespace {
 using dv::kAheadRows;
 using dv::V16;
 
-enum Layout : int64_t { U4 = 0, U8 = 1, F16 = 2, BF16 = 3 };
+enum Layout : int64_t { U4 = 0, U8 = 1, F16 = 2, BF16 = 3, F32 = 4 };
 
 struct Packed {
-  const uint8_t* codes;  // U4 [N, K / 2], U8 [N, K], F16 / BF16 [N, K] of 2 bytes
+  const uint8_t* codes;  // U4 [N, K / 2], U8 [N, K], F16 / BF16 [N, K] of 2 bytes, F32 [N, K] of 4
   const float* d;        // [N, K / S] (code layouts)
   const float* m;        // [N, K / S] (code layouts)
   const float* bias;     // [N] or null
@@ -33,14 +33,18 @@ struct Packed {
 
 template <int L>
 constexpr int64_t row_bytes(int64_t K) {
-  return L == U4 ? K / 2 : L == U8 ? K : 2 * K;
+  return L == U4 ? K / 2 : L == U8 ? K : L == F32 ? 4 * K : 2 * K;
 }
 
 // Block b (weights 32 b .. 32 b + 31) of output row n, rebuilt in fp32: lanes 0..15 in w0, 16..31 in w1.
 template <int L, int S>
 inline void rebuild(const Packed& w, int64_t n, int64_t b, V16& w0, V16& w1) {
   const uint8_t* row = w.codes + n * row_bytes<L>(w.K);
-  if constexpr (L == F16 || L == BF16) {
+  if constexpr (L == F32) {
+    const float* f = reinterpret_cast<const float*>(row) + b * 32;
+    w0 = V16::load(f);
+    w1 = V16::load(f + 16);
+  } else if constexpr (L == F16 || L == BF16) {
     const uint16_t* h = reinterpret_cast<const uint16_t*>(row) + b * 32;
     w0 = L == F16 ? V16::halves(h) : V16::bhalves(h);
     w1 = L == F16 ? V16::halves(h + 16) : V16::bhalves(h + 16);
@@ -121,20 +125,21 @@ using RowsFn = void (*)(const float*, const Packed&, float*, int64_t, int64_t, i
 RowsFn pick(int64_t layout, int64_t sub) {
   if (layout == U4) return sub == 16 ? block_rows<U4, 16> : block_rows<U4, 32>;
   if (layout == U8) return sub == 16 ? block_rows<U8, 16> : block_rows<U8, 32>;
+  if (layout == F32) return block_rows<F32, 32>;
   return layout == F16 ? block_rows<F16, 32> : block_rows<BF16, 32>;
 }
 }  // namespace
 
-// x [M, K] float32 contiguous, K a multiple of 32; layout 0 (U4), 1 (U8), 2 (F16), 3 (BF16); sub 16 or 32 (code
-// layouts); codes uint8 [N, row bytes] (F16 / BF16: int16 [N, K] or their bytes); d, m float32 [N, K / sub] (empty
-// for F16 / BF16); bias [N] or empty. Returns y [M, N].
+// x [M, K] float32 contiguous, K a multiple of 32; layout 0 (U4), 1 (U8), 2 (F16), 3 (BF16), 4 (F32); sub 16 or 32
+// (code layouts); codes [N, row bytes] of any dtype (F16 / BF16 / F32: the weights); d, m float32 [N, K / sub] (empty
+// for F16 / BF16 / F32); bias [N] or empty. Returns y [M, N].
 torch::Tensor block_linear(torch::Tensor x, int64_t layout, int64_t sub, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
                            torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "block_linear: x must be [M, K] float32");
-  TORCH_CHECK(layout >= U4 && layout <= BF16 && (sub == 16 || sub == 32), "block_linear: layout 0..3 and sub 16 or 32");
+  TORCH_CHECK(layout >= U4 && layout <= F32 && (sub == 16 || sub == 32), "block_linear: layout 0..4 and sub 16 or 32");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   const bool coded = layout == U4 || layout == U8;
-  const int64_t width = layout == U4 ? K / 2 : layout == U8 ? K : 2 * K;
+  const int64_t width = layout == U4 ? K / 2 : layout == U8 ? K : layout == F32 ? 4 * K : 2 * K;
   TORCH_CHECK(K % 32 == 0 && codes.is_contiguous() && codes.nbytes() == N * width, "block_linear: codes must be [N, row bytes]");
   TORCH_CHECK(!coded || (d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat && d.is_contiguous() && m.is_contiguous() &&
                          d.numel() == N * K / sub && m.numel() == N * K / sub),
