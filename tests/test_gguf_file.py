@@ -68,6 +68,14 @@ def test_small_file_matches_ggufs_reader(small_file):
     assert ours.value("test.strings")[:4] == ["a", "", "ccc", "a"] and ours.value("missing", 3) == 3
     assert ours.tensors["c.q4_1"].type_name == "Q4_1" and ours.tensors["c.q4_1"].shape == (2, 96)
     assert_same_as_reader(ours, GGUFReader(small_file))
+    from draftverify.kernels.blocks import pack_tensor
+
+    reader = {t.name: t for t in GGUFReader(small_file).tensors}
+    for name in ("b.q8_0", "c.q4_1", "d.f16", "a.f32"):
+        want = gq.dequantize(reader[name].data, reader[name].tensor_type).astype(np.float32)
+        assert np.array_equal(pack_tensor(ours.tensors[name]).dequantize().numpy(), want), name
+    with pytest.raises(ValueError, match="only 2-D"):
+        pack_tensor(ours.tensors["e.norm"])
 
 
 def test_bad_files_say_what_is_wrong(tmp_path, small_file):

@@ -154,3 +154,10 @@ def _nibbles(q: np.ndarray) -> np.ndarray:
     out, k = q.shape
     q = q.reshape(out, k // 32, 2, 16)
     return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(out, k // 2)
+
+
+def pack_tensor(info) -> PackedWeight:
+    """`pack` of a 2-D tensor of a GGUFFile (`gguf_file.TensorInfo`): its blocks read from the map, packed."""
+    if len(info.shape) != 2:
+        raise ValueError(f"pack_tensor: {info.name} has shape {info.shape}; only 2-D weights are packed")
+    return pack(info.raw, info.ggml_type, info.shape)
