@@ -141,3 +141,20 @@ def test_every_listed_type_has_an_unpacker():
 
     coded = {t for t, (layout, _) in KERNELS.items() if layout in ("u4", "u8")}
     assert coded == set(UNPACK) and set(QUANTIZED) == coded
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q8_0], ids=lambda t: T(t).name)
+def test_the_file_blocks_multiply_as_the_recovered_blocks_do(ggml_type):
+    """The static path's Q4_1 / Q8_0 product on blocks recovered from the fp32 weight (quant.exact_blocks) and the
+    block product on the file's blocks: the same weights, the same sums, the same bits."""
+    from draftverify.kernels.quant import exact_blocks
+
+    kernel = kernels()
+    w = np.random.default_rng(5).standard_normal((40, 256)).astype(np.float32)
+    raw = gq.quantize(w, T(ggml_type))
+    packed = pack(raw, ggml_type, (40, 256))
+    recovered = exact_blocks(packed.dequantize())
+    assert recovered is not None and recovered.kind == T(ggml_type).name.lower()
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(6))
+    want = kernel.quant_linear(x, recovered.q, recovered.d, recovered.m, torch.empty(0))
+    assert torch.equal(packed.matmul(x), want)
