@@ -280,7 +280,7 @@ def test_int8_rows_product_is_its_integer_arithmetic_and_near_the_fp32_product()
 
 
 def test_attention_kernel_matches_fp64_and_gives_each_row_the_same_bits_at_any_row_count():
-    """cpu.cpp's attention (the static path's, for few new tokens): softmax(q k^T * scale) v with a mask, grouped
+    """attention.cpp's attention (the static path's, for few new tokens): softmax(q k^T * scale) v with a mask, grouped
     query heads, against fp64 SDPA; a row's output does not depend on the rows that came with it."""
     from draftverify.kernels import cpu, unavailable
 
@@ -355,7 +355,7 @@ def test_attention_kernel_gives_a_tree_token_the_bits_of_its_one_token_step_acro
 
 
 def test_rope_attention_kernel_equals_rotation_cache_writes_and_attention():
-    """cpu.cpp's rope_attention (the static path's layer step for few tokens) against the Python formula:
+    """attention.cpp's rope_attention (the static path's layer step for few tokens) against the Python formula:
     q and k rotated (rotate-half), k and v stored at the cache slots past.., then the attention kernel."""
     from draftverify.backend.ops import rotate_half
     from draftverify.kernels import cpu, unavailable
@@ -387,7 +387,8 @@ def test_rope_attention_kernel_equals_rotation_cache_writes_and_attention():
 
 
 def gguf_style_llama():
-    """A tiny Llama whose weights are exact Q4_1 (layers) and Q8_0 (embeddings, tied head) blocks, as a GGUF model loads."""
+    """A tiny Llama whose weights are exact Q4_1 (layers) and Q8_0 (embeddings, tied head) blocks, as a GGUF model
+    loads."""
     model = make_model("llama", 0, layers=3)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -1,12 +1,15 @@
-"""The static path's CPU kernels (cpu.cpp: the exact Q4_1 / Q8_0 product, the attention of new tokens (up
-to 32 in a decoding step or a tree, 128 rows a call in a prefill), a whole decoder layer of those in one
-call, the one-row matmul, RMSNorm, SiLU(gate) * up), compiled once per machine and cached.
+"""The static path's CPU kernels (csrc/, one file per operation and weight layout, as ggml's CPU backend is split:
+products_fp32.cpp the one-row matmul, products_q4q8.cpp the exact Q4_1 / Q8_0 product, products_blocks.cpp the GGUF
+block layouts of blocks.py, products_i8rows.cpp a draft's int8 rows, attention.cpp the attention of new tokens (up
+to 32 in a decoding step or a tree, 128 rows a call in a prefill), norms.cpp RMSNorm, layer.cpp SiLU(gate) * up and a
+whole decoder layer in one call, draft_ops.cpp the feature head's ops; module.cpp registers them all), compiled once
+per machine and cached.
 
 `cpu()` returns the compiled module, or None with `unavailable()` saying why in one line
 (not x86-64 with AVX2 + FMA, no C++ compiler or ninja, a failed build, or
 `DRAFTVERIFY_KERNELS=0`); the static path then uses oneDNN for every row count, ATen's
 RMSNorm and SDPA. The build
-takes about 30 s on 2 cores, says so on stderr, and lands in `~/.cache/draftverify/kernels/`
+takes a minute or so, says so on stderr, and lands in `~/.cache/draftverify/kernels/`
 under a name that changes with the source and the CPU's vector width (an AVX-512 build for a CPU
 that has it, else AVX2), so later processes only load it.
 """
@@ -22,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("cpu.cpp")
+CSRC = Path(__file__).with_name("csrc")
 _why_not: str | None = None
 
 
@@ -47,8 +50,21 @@ def has_avx512() -> bool:
 
 
 def has_vnni() -> bool:
-    """Whether this CPU has AVX-512 VNNI (int8 dot products: a draft's int8-row products, cpu.cpp)."""
+    """Whether this CPU has AVX-512 VNNI (int8 dot products: a draft's int8-row products, csrc/products_i8rows.cpp)."""
     return has_avx512() and {"avx512bw", "avx512_vnni"} <= cpu_flags()
+
+
+def sources() -> list[Path]:
+    """The C++ files compiled into the module (the headers they include sit beside them)."""
+    return sorted(CSRC.glob("*.cpp"))
+
+
+def source_tag() -> str:
+    """A hash of every source and header, so that any change to one gives a build of its own."""
+    digest = hashlib.sha1()
+    for path in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 @functools.cache
@@ -75,31 +91,33 @@ def cpu():
         has_avx512(),
         has_vnni(),
     )  # 16-lane AVX-512 and int8 dot products where the CPU has them (a per-CPU build)
-    tag = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:12]
+    tag = source_tag()
     name = f"draftverify_cpu_{tag}_{'avx512vnni' if vnni else 'avx512' if wide else 'avx2'}"
     folder = cache_root() / "kernels" / name
     fresh = not any(folder.glob("*.so"))
     started = time.monotonic()
     if fresh:
         print(
-            "draftverify: compiling the CPU kernels (quantized and one-row matmuls, attention, RMSNorm) once (about 30 s)...",
+            "draftverify: compiling the CPU kernels (quantized and one-row matmuls, attention, RMSNorm) once"
+            " (about a minute)...",
             file=sys.stderr,
             flush=True,
         )
     folder.mkdir(parents=True, exist_ok=True)
-    # -fopenmp: at::parallel_for (cpu.cpp) is OpenMP in torch's CPU build; compiled without it, the
+    # -fopenmp: at::parallel_for (csrc/) is OpenMP in torch's CPU build; compiled without it, the
     # pragma is dropped and every product runs on one core. The runtime is torch's own libgomp
     # (same soname, already loaded), so there is one thread pool.
     try:
         module = load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in sources()],
             build_directory=str(folder),
             extra_cflags=[
                 "-O3",
                 "-fopenmp",
                 "-mavx2",
                 "-mfma",
+                "-mf16c",  # F16 weights (products_blocks.cpp); every AVX2 CPU has it
                 *(["-mavx512f"] if wide else []),
                 *(["-mavx512bw", "-mavx512vnni"] if vnni else []),
             ],

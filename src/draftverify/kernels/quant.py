@@ -1,4 +1,5 @@
-"""Exact block-quantized copies of fp32 weights, for the static path's quantized product (cpu.cpp).
+"""Exact block-quantized copies of fp32 weights, for the static path's quantized product
+(csrc/products_q4q8.cpp).
 
 A GGUF model such as the default SmolLM2 Q4_1 is loaded as fp32 weights that are the quantized
 blocks dequantized: every 32 consecutive weights of a row are `d * q + m` (Q4_1: q in 0..15, d

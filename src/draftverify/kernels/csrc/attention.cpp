@@ -1,0 +1,224 @@
+// ---- Attention of a few new tokens against one layer's static cache. Each query row's allowed keys, in slot
+// order, are cut into chunks of kChunk (its keys 0..kChunk-1, kChunk..2 kChunk-1, ...: counted over the keys the
+// row may attend, so a tree's gaps or the masked keys after a row change no chunk). For each row, head and chunk:
+// the scores against the chunk's keys, their maximum m, l = sum e^(s - m) and the unnormalised sum of e^(s - m) v;
+// then the chunks are merged in order (out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c). Every (row, head) is
+// so computed alone, in a fixed order over the same keys, so a token's attention output does not depend on how many
+// tokens came with it or where in the cache its ancestors sit (as for the quantized product). All rows go chunk by
+// chunk, so a chunk's keys and values come from memory once and serve every row from L1 (each row used to stream
+// the whole cache again: ~1 ms a row at 1,500 cached tokens on SmolLM2), and the threads share out chunks rather
+// than the few kv heads. One kernel call replaces the ~6 small ops of the stock formula (two bmm, scale, softmax,
+// casts; or SDPA), whose fixed costs dominate at decoding sizes.
+#include "ops.h"
+#include "simd.h"
+
+namespace {
+using dv::V16;
+using dv::exp_nonpositive;
+constexpr int64_t kChunk = 128;
+
+// G query heads (d = 16 * C floats each, consecutive in q) that read the same keys/values [S, d], over one chunk:
+// the slots idx[0..count) (count <= kChunk; idx padded to a multiple of 16 with repeats of its last slot). Writes
+// each head's partial: top[g] (the chunk's largest score), total[g] and acc (G * d floats, unnormalised). The
+// scores go 16 keys at a time (`sums16`: one transposing sum instead of 16 horizontal ones); a key's score, like
+// every sum here, is formed the same way wherever the key sits in its 16 and for any G.
+template <int C, int G>
+void attend_chunk(const float* q, const float* keys, const float* values, const int64_t* idx, int64_t count,
+                  float scale, float* top, float* total, float* out) {
+  alignas(64) float scores[G][kChunk];
+  const int64_t blocks = (count + 15) / 16;
+  for (int g = 0; g < G; ++g) {
+    V16 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = V16::load(q + g * 16 * C + 16 * c);
+    V16 best = V16::set1(-INFINITY);
+    for (int64_t b = 0; b < blocks; ++b) {
+      V16 dots[16];
+      for (int k = 0; k < 16; ++k) {
+        const float* key = keys + idx[16 * b + k] * 16 * C;
+        V16 acc = V16::mul(qv[0], V16::load(key));
+        for (int c = 1; c < C; ++c) acc = V16::fma(qv[c], V16::load(key + 16 * c), acc);
+        dots[k] = acc;
+      }
+      const int valid = static_cast<int>(std::min<int64_t>(16, count - 16 * b));
+      const V16 s = V16::first(V16::mul(V16::sums16(dots), V16::set1(scale)), valid, -INFINITY);
+      s.store(scores[g] + 16 * b);
+      best = V16::max(best, s);
+    }
+    top[g] = V16::max_lane(best);
+    const V16 shift = V16::set1(top[g]);
+    V16 sum = V16::zero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int valid = static_cast<int>(std::min<int64_t>(16, count - 16 * b));
+      const V16 e = V16::first(exp_nonpositive(V16::sub(V16::load(scores[g] + 16 * b), shift)), valid, 0.0f);
+      e.store(scores[g] + 16 * b);
+      sum = V16::add(sum, e);
+    }
+    total[g] = V16::sum(sum);
+  }
+  V16 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = V16::zero();
+  for (int64_t a = 0; a < count; ++a) {
+    const float* v = values + idx[a] * 16 * C;
+    V16 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = V16::load(v + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const V16 pj = V16::set1(scores[g][a]);
+      for (int c = 0; c < C; ++c) acc[g][c] = V16::fma(pj, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c].store(out + g * 16 * C + 16 * c);
+}
+
+// The heads of one kv group (`group` of them) for one query row and one chunk, up to kHeadsAtOnce at a time.
+constexpr int kHeadsAtOnce = 3;
+
+template <int C>
+void attend_group(const float* q, const float* keys, const float* values, const int64_t* idx, int64_t count, float scale,
+                  float* top, float* total, float* out, int64_t group) {
+  const int64_t d = 16 * C;
+  int64_t h = 0;
+  for (; h + kHeadsAtOnce <= group; h += kHeadsAtOnce)
+    attend_chunk<C, kHeadsAtOnce>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
+  for (; h + 2 <= group; h += 2) attend_chunk<C, 2>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
+  for (; h < group; ++h) attend_chunk<C, 1>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
+}
+
+}  // namespace
+
+
+// q [n, H, d] (rows may be strided; heads and features contiguous); keys, values [kv, capacity, d], the
+// first S slots valid (kv divides H: query head h reads kv head h / (H / kv)); mask [n, S] bool (True = may
+// attend) or empty (every key); d 16, 32, 64 or 128. All float32. Returns [n, H * d].
+torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t S, torch::Tensor mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "attention: shapes");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat, "attention: float32 only");
+  const int64_t n = q.size(0), H = q.size(1), d = q.size(2), kv = keys.size(0), cap = keys.size(1);
+  TORCH_CHECK(keys.size(2) == d && (d == 16 || d == 32 || d == 64 || d == 128) && H % kv == 0 && S <= cap, "attention: sizes");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && keys.is_contiguous() && values.is_contiguous(), "attention: layout");
+  const bool masked = mask.numel() > 0;
+  TORCH_CHECK(!masked || (mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.size(0) == n && mask.size(1) == S), "attention: mask");
+  auto out = torch::empty({n, H * d}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t group = H / kv, row_stride = q.stride(0);
+  const float sc = static_cast<float>(scale);
+  // Each row's chunks: chunk c of row i is slots bounds[i][c]..bounds[i][c + 1] - 1, holding kChunk of its allowed keys
+  // (the last one the rest); a row with fewer chunks than `chunks` has empty ones at the end.
+  std::vector<std::vector<int64_t>> bounds(n);
+  int64_t chunks = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<int64_t>& b = bounds[i];
+    b.push_back(0);
+    if (!mp) {
+      for (int64_t j = kChunk; j < S; j += kChunk) b.push_back(j);
+    } else {
+      const bool* allowed = mp + i * S;
+      int64_t count = 0;
+      for (int64_t j = 0; j < S; ++j)
+        if (allowed[j] && ++count % kChunk == 0) b.push_back(j + 1);
+      if (count % kChunk == 0) b.pop_back();  // the last boundary closes the last chunk: S does
+    }
+    b.push_back(S);
+    chunks = std::max<int64_t>(chunks, b.size() - 1);
+  }
+  // Partials per (row, chunk, head) of the rows with more than one chunk: top, total, acc [d] (a kv group's heads
+  // together); a row with one chunk is normalised where it is computed (the merge of one chunk, e^0 = 1, is that).
+  std::vector<float> tops(n * chunks * H), totals(n * chunks * H), accs(chunks > 1 ? n * chunks * H * d : 0);
+  // One task: a kv group's heads over one chunk for one row. Consecutive tasks share the chunk, which stays in
+  // L1 from one row to the next.
+  at::parallel_for(0, kv * chunks * n, 1, [&](int64_t t0, int64_t t1) {
+    int64_t idx[kChunk];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t / (chunks * n), c = (t / n) % chunks, i = t % n;
+      const std::vector<int64_t>& b = bounds[i];
+      const int64_t slot = (i * chunks + c) * H + g * group, mine = static_cast<int64_t>(b.size()) - 1;
+      int64_t count = 0;
+      if (c < mine) {
+        const bool* allowed = mp ? mp + i * S : nullptr;
+        for (int64_t j = b[c]; j < b[c + 1]; ++j)
+          if (!allowed || allowed[j]) idx[count++] = j;
+      }
+      if (count == 0) {  // no key of this chunk for this row
+        std::fill(&tops[slot], &tops[slot + group], -INFINITY);
+        continue;
+      }
+      for (int64_t a = count; a % 16; ++a) idx[a] = idx[count - 1];
+      const float* qh = qp + i * row_stride + g * group * d;
+      const float *kg = kp + g * cap * d, *vg = vp + g * cap * d;
+      float* acc = mine == 1 ? op + i * H * d + g * group * d : &accs[slot * d];
+      switch (d) {
+        case 16: attend_group<1>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
+        case 32: attend_group<2>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
+        case 64: attend_group<4>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
+        default: attend_group<8>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
+      }
+      if (mine == 1)
+        for (int64_t h = 0; h < group; ++h) {
+          const float inv = 1.0f / totals[slot + h];
+          for (int64_t e = 0; e < d; ++e) acc[h * d + e] *= inv;
+        }
+    }
+  });
+  if (chunks == 1) return out;
+  // Each (row, head) of more than one chunk: its chunks merged in order.
+  at::parallel_for(0, n * H, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t i = r / H, h = r % H, mine = static_cast<int64_t>(bounds[i].size()) - 1;
+      if (mine == 1) continue;
+      float M = -INFINITY;
+      for (int64_t c = 0; c < mine; ++c) M = std::max(M, tops[(i * chunks + c) * H + h]);
+      float* o = op + i * H * d + h * d;
+      std::fill(o, o + d, 0.0f);
+      float L = 0.0f;
+      for (int64_t c = 0; c < mine; ++c) {
+        const int64_t slot = (i * chunks + c) * H + h;
+        if (tops[slot] == -INFINITY) continue;  // no key of this chunk for this row
+        const float w = exp_nonpositive(tops[slot] - M);
+        L += w * totals[slot];
+        const float* a = &accs[slot * d];
+        for (int64_t e = 0; e < d; ++e) o[e] += w * a[e];
+      }
+      const float inv = 1.0f / L;
+      for (int64_t e = 0; e < d; ++e) o[e] *= inv;
+    }
+  });
+  return out;
+}
+
+// qkv [n, (H + 2 kv) d]: a layer's fused q/k/v projection of n new tokens (float32, contiguous); cos, sin
+// [n, d]: their rotary tables. Rotates q and k (rotate-half convention: x * cos + rotate_half(x) * sin),
+// writes k and v into the cache slots past..past + n - 1 of keys / values [kv, capacity, d], and returns
+// attention(q, keys, values, past + n, mask, scale) [n, H d]: one call for what is otherwise about ten
+// small ops a layer. Each row is handled alone, as in `attention`.
+torch::Tensor rope_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
+                             int64_t past, int64_t heads, torch::Tensor mask, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "rope_attention: qkv");
+  const int64_t n = qkv.size(0), kv = keys.size(0), d = keys.size(2), half = d / 2;
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv) * d && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes(),
+              "rope_attention: shapes");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == n && cos.size(1) == d && cos.stride(1) == 1 && sin.sizes() == cos.sizes() && sin.stride(1) == 1 &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "rope_attention: rotary tables");
+  TORCH_CHECK(past + n <= keys.size(1), "rope_attention: cache too small");
+  auto q = torch::empty({n, heads, d}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  const int64_t cap = keys.size(1), width = qkv.size(1);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = src + i * width;
+    const float* c = cos.data_ptr<float>() + i * cos.stride(0);
+    const float* sn = sin.data_ptr<float>() + i * sin.stride(0);
+    for (int64_t h = 0; h < heads + kv; ++h) {  // q heads, then k heads: rotated
+      const float* x = row + h * d;
+      float* out = h < heads ? qp + (i * heads + h) * d : kp + ((h - heads) * cap + past + i) * d;
+      for (int64_t j = 0; j < half; ++j) {
+        out[j] = x[j] * c[j] - x[j + half] * sn[j];
+        out[j + half] = x[j + half] * c[j + half] + x[j] * sn[j + half];
+      }
+    }
+    for (int64_t g = 0; g < kv; ++g) std::memcpy(vp + (g * cap + past + i) * d, row + (heads + kv + g) * d, d * sizeof(float));
+  }
+  return attention(q, keys, values, past + n, mask, scale);
+}

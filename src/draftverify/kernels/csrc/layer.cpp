@@ -1,0 +1,47 @@
+// SiLU(gate) * up and one decoder layer of quantized products in one call.
+#include "ops.h"
+#include "simd.h"
+
+using dv::exp_nonpositive;
+
+// gate_up [M, 2 I] float32 contiguous (gate | up per row) -> silu(gate) * up [M, I]. silu(g) = g * sigmoid(g),
+// the sigmoid from e^-|g| (exp_nonpositive), so every element is formed the same way on every path.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == at::kFloat && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be [M, 2 I] float32");
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto y = torch::empty({M, I}, gate_up.options());
+  const float* src = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / std::max<int64_t>(I, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float *g = src + m * 2 * I, *u = g + I;
+      float* out = yp + m * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float x = g[i];
+        const float t = exp_nonpositive(x < 0.0f ? x : -x);  // e^-|x|
+        out[i] = x * ((x < 0.0f ? t : 1.0f) / (1.0f + t)) * u[i];
+      }
+    }
+  });
+  return y;
+}
+
+// A quantized weight as the static path holds it: {q, d, m (empty for Q8_0), bias (empty for none)}.
+torch::Tensor dv::quant_product(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
+  TORCH_CHECK(w.size() == 4, "layer: a weight is {q, d, m, bias}");
+  return quant_linear(x, w[0], w[1], w[2], w[3]);
+}
+
+// One pre-norm decoder layer (Llama family, no q/k norms) for a few new rows h [n, H] of one sequence, every
+// product quantized: h + o(attention(rope(qkv(norm_in(h))))), then + down(silu_mul(gate_up(norm_post(.)))).
+// The same kernels, in the same order, as the static path's op-by-op layer, so the result is the same to the
+// bit; one call instead of about a dozen small ops and their dispatch, which dominate at decoding sizes.
+torch::Tensor layer(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_post, double eps, std::vector<torch::Tensor> qkv,
+                    std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, torch::Tensor cos,
+                    torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t past, int64_t heads, torch::Tensor mask, double scale) {
+  auto attended = rope_attention(dv::quant_product(rms_norm(h, norm_in, eps), qkv), cos, sin, keys, values, past, heads, mask, scale);
+  h = h + dv::quant_product(attended, o);
+  return h + dv::quant_product(silu_mul(dv::quant_product(rms_norm(h, norm_post, eps), gate_up)), down);
+}

@@ -1,0 +1,16 @@
+// The one place the kernels' Python functions are registered (the compiled module's names and signatures).
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a [M, 2 I] gate | up product, float32");
+  m.def("layer", &layer, "one pre-norm decoder layer on quantized weights for a few rows, float32");
+  m.def("linear", &linear, "x @ w.T (+ bias) for one row, float32");
+  m.def("quant_linear", &quant_linear, "x @ w.T (+ bias) with w in exact Q4_1 / Q8_0 blocks (or a draft's int8 rows), float32");
+  m.def("block_linear", &block_linear, "x @ w.T (+ bias) with w in a GGUF block layout (kernels/blocks.py), float32");
+  m.def("int8_rows", &int8_rows, "whether quant_linear takes int8 rows (built with AVX-512 VNNI)");
+  m.def("attention", &attention, "softmax(q k^T * scale, masked) v per query row and head, float32");
+  m.def("rope_attention", &rope_attention, "rotate q, k; store k, v in the cache; attention; float32");
+  m.def("rms_norm", &rms_norm, "w * x / sqrt(mean(x^2) + eps) per row, float32");
+  m.def("head_inputs", &head_inputs, "a feature head's fc([norm(features) ; norm(embed[tokens])]), fc quantized, float32");
+  m.def("top_probs", &top_probs, "per row of logits the k largest as vocab ids and their softmax probabilities");
+}
