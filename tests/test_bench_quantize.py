@@ -22,7 +22,7 @@ def test_gguf_kinds_name_the_file_llamacpp_runs(tmp_path):
 def test_default_model_quantized_once_per_type():
     gguf = pytest.importorskip("gguf")
     from draftverify.bench.quantize import quantized
-    from draftverify.models import default_model_path
+    from draftverify.loading.defaults import default_model_path
 
     try:
         default_model_path()

@@ -89,7 +89,7 @@ def test_bad_files_say_what_is_wrong(tmp_path, small_file):
 
 
 def test_default_model_matches_ggufs_reader():
-    from draftverify.models import default_model_path
+    from draftverify.loading.defaults import default_model_path
 
     try:
         path = default_model_path()
