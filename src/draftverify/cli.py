@@ -305,9 +305,10 @@ app.command("serve")(_serve)
 from draftverify.serve.load import load_command as _load  # noqa: E402
 
 app.command("load")(_load)
-from draftverify.tools.train_head import train_head_command as _train_head  # noqa: E402
+from draftverify.tools.train_acceptance_head import train_acceptance_head_command as _train_acceptance_head  # noqa: E402
 
-app.command("train-head")(_train_head)
+app.command("train-acceptance-head")(_train_acceptance_head)
+app.command("train-head", hidden=True)(_train_acceptance_head)  # the command's old name, kept working
 from draftverify.tools.pareto import pareto_command as _pareto  # noqa: E402
 
 app.command("pareto")(_pareto)

@@ -3,7 +3,7 @@
 Which method wins depends on the text (code and summaries repeat their prompt, open chat needs
 a draft that predicts the model), on the hardware's cost curve and on load; no user should have
 to know that. `auto` drafts, each round, with the candidate that promises the most tokens per
-second (`drafters.auto.Auto`: the measured cost curve, and each candidate's acceptance and draft
+second (`drafters.auto.AutoDrafter`: the measured cost curve, and each candidate's acceptance and draft
 time so far in this request, starting from the earlier requests'), or with none (a plain target
 step) when nothing pays. The candidates are those the engine has:
 
@@ -30,16 +30,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftverify.costs import curve
-from draftverify.drafters.auto import Auto as AutoDrafter
-from draftverify.drafters.auto import Record
+from draftverify.drafters.auto import AutoDrafter, Figures
 from draftverify.drafters.base import Drafter
 from draftverify.drafters.draft_model import DraftModel
 from draftverify.drafters.feature import TREE_WIDTHS, FeatureHead
-from draftverify.drafters.lookahead import Lookahead
-from draftverify.drafters.pool import PhrasePool
 from draftverify.drafters.prompt_lookup import PromptLookup, PromptLookupConfig
 from draftverify.errors import require
 from draftverify.methods.base import Method, register
+from draftverify.methods.lookahead import Lookahead, lookahead_drafter
+from draftverify.methods.speculative import Speculative
 from draftverify.models import Runner
 from draftverify.policies import make_policy
 from draftverify.session import Session
@@ -101,11 +100,10 @@ class Auto(Method):
 
     def __init__(self, target: Runner, draft=None, config=None, head=None):
         super().__init__(target, draft, config, head)
-        self.records: dict[str, Record] = {}  # per candidate, kept across requests (warm start)
-        self.scale = [1.0]  # measured verification time / the cost curve's
+        self.figures = Figures()  # what this instance learnt: kept across its requests (warm start)
 
     def share(self, first: "Auto") -> None:
-        self.records, self.scale = first.records, first.scale  # one set of figures for every batch slot
+        self.figures = first.figures  # one set of figures for every batch slot
 
     def candidates(self, s: Session) -> dict[str, Drafter]:
         has_draft = isinstance(self.draft, Runner)
@@ -114,9 +112,10 @@ class Auto(Method):
         if "head" in use and self.head is not None:
             out["head"] = FeatureHead(self.head, self.target, depth=self.config.depth, width=self.config.width)
         if "draft" in use and has_draft:
-            out["draft"] = DraftModel(self.draft, make_policy("cost", 8, 0.4, self.target, self.draft))
+            c = Speculative.make_config()  # the draft model's chain as `speculative` drafts it by default
+            out["draft"] = DraftModel(self.draft, make_policy(c.policy, c.k, c.threshold, self.target, self.draft))
         if "context" in use:
-            out["context"] = Lookahead(PhrasePool(5, 2), W=0, N=5, G=2, context=True)  # lookahead:context
+            out["context"] = lookahead_drafter(Lookahead.make_config("context"))
         if "lookup" in use:
             out["lookup"] = PromptLookup(PromptLookupConfig())
         return out
@@ -125,8 +124,7 @@ class Auto(Method):
         return AutoDrafter(
             self.candidates(s),
             curve(self.target, widths=TREE_WIDTHS),
-            self.records,
-            self.scale,
+            self.figures,
             self.config.probe,
             self.config.decay,
             self.config.merge,

@@ -298,7 +298,7 @@ def search_layers_command(
     from draftverify.engine import Engine
     from draftverify.methods.spec import parse_options
     from draftverify.models import load_model
-    from draftverify.tools.train_head import read_prompts
+    from draftverify.tools.train_acceptance_head import read_prompts
 
     require(out.suffix == ".json", f"--out {out} must end in .json")
     require(limit is None or limit >= 1, f"--limit {limit} must be at least 1")

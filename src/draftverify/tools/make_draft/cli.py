@@ -124,7 +124,7 @@ def make_draft(
     command = "draftverify make-draft " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "make-draft")
     log = lambda m: typer.echo(m, err=True)  # noqa: E731
     if kind == "head":
-        from draftverify.tools.make_draft.head import HeadTraining, build_head
+        from draftverify.tools.make_draft.feature_head import HeadTraining, build_head
 
         config = HeadTraining(
             vocab=vocab,

@@ -1,4 +1,4 @@
-"""Training data and training for the SpecDec++ acceptance head (`draftverify train-head`).
+"""Training data and training for the SpecDec++ acceptance head (`draftverify train-acceptance-head`).
 
 Huang et al. 2024, section 3.3. Steps:
 1. the target answers the training prompts: X_1..X_N (batched `generate`, cached on disk);
@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import typer
 
-from draftverify.drafters.head import AcceptanceHead, save_head
+from draftverify.drafters.acceptance_head import AcceptanceHead, save_head
 from draftverify.errors import require
 from draftverify.models import Loaded, Runner
 from draftverify.sampling import Sampling
@@ -374,7 +374,7 @@ def fit_head(examples: Examples, settings: TrainSettings, progress: bool = True)
 # -- the whole pipeline ---------------------------------------------------------------------
 
 
-def train_head(
+def train_acceptance_head(
     target: Loaded,
     draft: Loaded,
     prompts: list[tuple[str, bool]],
@@ -504,7 +504,7 @@ def _write_examples(cache_dir: Path | None, name: str, examples: Examples) -> No
 # -- the command ---------------------------------------------------------------------------
 
 
-def train_head_command(
+def train_acceptance_head_command(
     out: Path = typer.Option(
         ...,
         "--out",
@@ -575,10 +575,10 @@ def train_head_command(
     draft_model = load_draft(draft, target_model, dtype=dtype, device=device)
     require(
         draft_model is not None,
-        "train-head needs a draft model: pass --draft (a folder, a .gguf file or self:layers=N)",
+        "train-acceptance-head needs a draft model: pass --draft (a folder, a .gguf file or self:layers=N)",
     )
     cache_dir = cache_root() / "specdec" if cache else None
-    head = train_head(target_model, draft_model, rows, settings, sampling, max_new_tokens, answer_batch, cache_dir)
+    head = train_acceptance_head(target_model, draft_model, rows, settings, sampling, max_new_tokens, answer_batch, cache_dir)
     save_head(out, head, draft_model.identity, target_model.identity)
     report = report_markdown(head, out)
     out.with_suffix(".md").write_text(report)
