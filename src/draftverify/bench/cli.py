@@ -9,6 +9,15 @@ from typing import Optional
 
 import typer
 
+from draftverify.cli_options import (
+    backend_option,
+    device_option,
+    draft_option,
+    dtype_option,
+    seed_option,
+    target_option,
+)
+
 DEFAULT_METHODS = "autoregressive,speculative,hf-assisted,hf-prompt-lookup"
 
 
@@ -50,26 +59,15 @@ def bench(
     temperature: float = typer.Option(0.0, help="0 = greedy (and the exactness check); > 0 samples."),
     top_k: int = typer.Option(0, help="Sampling: keep the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, help="Sampling: nucleus probability (1 = off)."),
-    seed: int = typer.Option(
-        0, help="Sampling: base seed (each prompt and repeat gets seed + its index; all methods alike)."
-    ),
+    seed: int = seed_option("sampling: each prompt and repeat gets seed + its index, all methods alike"),
     prompt_format: str = typer.Option(
         "auto", help="auto: each set's own format (chat template; raw completion for HumanEval); chat; raw."
     ),
-    target: Optional[str] = typer.Option(
-        None, "--target", "-t", help="Target model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct."
-    ),
-    draft: Optional[str] = typer.Option(
-        None,
-        "--draft",
-        "-d",
-        help="Draft model for the methods that need one (see `draftverify generate --help`). Default: the shipped draft, else self:layers=8.",
-    ),
-    dtype: str = typer.Option("auto", help="Weights dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16."),
-    device: str = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N."),
-    backend: str = typer.Option(
-        "auto", help="Forward path of draftverify's methods: auto, static or eager (see `draftverify generate --help`)."
-    ),
+    target: Optional[str] = target_option(),
+    draft: Optional[str] = draft_option("Draft model for the methods that need one"),
+    dtype: str = dtype_option(),
+    device: str = device_option(),
+    backend: str = backend_option("Forward path of draftverify's methods"),
     out: Path = typer.Option(
         Path("runs/bench"), "--out", help="Output folder; rerunning the same command there resumes an interrupted run."
     ),

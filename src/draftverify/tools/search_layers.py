@@ -24,9 +24,11 @@ from typing import Optional
 
 import typer
 
+from draftverify.cli_options import device_option, dtype_option, prompts_option, seed_option, target_option
 from draftverify.drafters.skipsets import SkipSet, save_skip_set
 from draftverify.errors import DraftVerifyError, require
 from draftverify.models import Loaded, decoder_layers
+from draftverify.prompt_files import read_prompts
 from draftverify.util import same_weights
 
 DEV_PROMPTS = Path(__file__).parent.parent / "assets" / "dev_prompts.jsonl"
@@ -249,26 +251,15 @@ def search_layers_command(
     out: Path = typer.Option(
         ..., "--out", help="Where to write the skip set (JSON); the study is kept next to it in OUT.study.journal."
     ),
-    model: Optional[str] = typer.Option(
-        None,
-        "--model",
-        "--target",
-        "-t",
-        help="The model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct.",
-    ),
-    prompts: Path = typer.Option(
-        DEV_PROMPTS,
-        "--prompts",
-        "-p",
-        help="Development prompts: .jsonl with a prompt field (and optional chat: bool) or .txt, one per line. Keep them disjoint from your benchmark prompts.",
-    ),
+    model: Optional[str] = target_option("The model", "--model"),
+    prompts: Path = prompts_option(DEV_PROMPTS, "Development prompts"),
     budget: float = typer.Option(
         10.0, "--budget", "-b", help="Time budget in minutes; the running trial finishes after it."
     ),
     trials: Optional[int] = typer.Option(
         None, "--trials", help="Stop after this many trials in this session (default: only the budget)."
     ),
-    seed: int = typer.Option(0, help="Seed of the TPE sampler."),
+    seed: int = seed_option("the TPE sampler"),
     resume: bool = typer.Option(False, help="Continue the study kept next to OUT (same model, prompts and settings)."),
     limit: Optional[int] = typer.Option(None, help="Use only the first N prompts (each trial decodes them all)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="New tokens per prompt and trial."),
@@ -289,8 +280,8 @@ def search_layers_command(
         "-o",
         help="A self-speculative option as key=value for every trial, e.g. -o policy=constant -o k=4. Repeatable.",
     ),
-    dtype: str = typer.Option("auto", help="Weights dtype: auto, fp32, bf16 or fp16."),
-    device: str = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N."),
+    dtype: str = dtype_option(),
+    device: str = device_option(),
 ):
     """Search which attention / MLP sub-layers self-speculative decoding skips (Bayesian optimisation, time-boxed, resumable)."""
     import torch
@@ -298,7 +289,6 @@ def search_layers_command(
     from draftverify.engine import Engine
     from draftverify.methods.spec import parse_options
     from draftverify.models import load_model
-    from draftverify.tools.train_acceptance_head import read_prompts
 
     require(out.suffix == ".json", f"--out {out} must end in .json")
     require(limit is None or limit >= 1, f"--limit {limit} must be at least 1")

@@ -10,6 +10,8 @@ from typing import Optional
 
 import typer
 
+from draftverify.cli_options import device_option, dtype_option, seed_option, target_option
+
 
 def make_draft(
     out: Path = typer.Option(
@@ -43,9 +45,7 @@ def make_draft(
         help="--kind head: start from this head's weights and vocabulary (e.g. to train on more data) "
         "instead of the target's last layer.",
     ),
-    target: Optional[str] = typer.Option(
-        None, "--target", "-t", help="Target model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct."
-    ),
+    target: Optional[str] = target_option(),
     layers: int = typer.Option(4, help="Decoder layers of the draft (copied from the target's, then trained)."),
     layer_ids: Optional[str] = typer.Option(
         None, help="Which target layers to copy, e.g. 0,1,2,29. Default: the best candidate set by held-out KL."
@@ -65,7 +65,7 @@ def make_draft(
     steps: Optional[int] = typer.Option(
         None, help="Stop training after this many steps (default: when the budget runs out)."
     ),
-    seed: int = typer.Option(0, help="Random seed (prompts, data order, sampling)."),
+    seed: int = seed_option("the prompts, the data order and sampling"),
     resume: bool = typer.Option(False, help="Continue the build in the work folder from its last checkpoint."),
     work: Optional[Path] = typer.Option(
         None, help="Folder for the data cache and checkpoints. Default: OUT/.make-draft."
@@ -95,10 +95,8 @@ def make_draft(
         None,
         help="Held-out prompts (the target's greedy replies) that measure the draft's agreement. Default: 32 (model), 64 (head).",
     ),
-    dtype: str = typer.Option(
-        "auto", help="Target weights dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16."
-    ),
-    device: str = typer.Option("auto", help="Device: auto (CUDA when available), cpu, cuda or cuda:N."),
+    dtype: str = dtype_option("Target weights dtype"),
+    device: str = device_option(),
 ):
     """Build a draft for a target. `--kind model`: its embeddings and a few of its layers, distilled on the
     target's own replies and Python stdlib text (a transformers folder with a model card). `--kind head`:

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from draftverify.errors import require
 from draftverify.feature_draft import FeatureDraft, HeadConfig
 from draftverify.models import Loaded
+from draftverify.prompt_files import read_prompts
 from draftverify.tools.make_draft.data import load_checked
-from draftverify.tools.make_draft.features import SAMPLED, FeatureCache, FeaturePlan, Sequence, read_prompts
+from draftverify.tools.make_draft.features import SAMPLED, FeatureCache, FeaturePlan, Sequence
 from draftverify.util import atomic_path, atomic_write, eos_ids
 
 
@@ -250,7 +251,7 @@ def build_head(
         resume or not ckpt_path.exists(),
         f"{ckpt_path} exists from an earlier build: pass --resume to continue it, or delete {work}",
     )
-    texts = read_prompts(Path(prompts))
+    texts = [text for text, _ in read_prompts(prompts, at_least=2)]  # a head needs hundreds; two make a split
     plan = FeaturePlan(
         target=target.identity,
         prompts=f"{Path(prompts).name}:{len(texts)}",

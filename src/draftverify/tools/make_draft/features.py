@@ -19,7 +19,6 @@ next prompts. A fixed slice of the prompts is held out (`heldout.pt`) to measure
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 from draftverify.drafters.base import Drafter
-from draftverify.errors import DraftVerifyError, require
+from draftverify.errors import require
 from draftverify.models import Loaded, Runner
 from draftverify.sampling import Sampling
 from draftverify.session import Session, Stopping
@@ -57,27 +56,6 @@ class FeaturePlan:
     max_prompt_tokens: int
     max_new_tokens: int
     sampled: int = 0  # replies per prompt sampled besides the greedy one
-
-
-def read_prompts(path: Path) -> list[str]:
-    """The "prompt" fields of a JSON-lines file, refusing a malformed one with a one-line error."""
-    require(
-        path.is_file(), f"prompt file {path} does not exist: pass --prompts FILE (JSON lines with a 'prompt' field)"
-    )
-    prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            prompt = json.loads(line)["prompt"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DraftVerifyError(
-                f"{path} line {n} is not a JSON object with a 'prompt' field: fix or remove it"
-            ) from exc
-        require(isinstance(prompt, str) and prompt.strip(), f"{path} line {n}: 'prompt' must be a non-empty string")
-        prompts.append(prompt)
-    require(len(prompts) >= 2, f"{path} holds {len(prompts)} prompts: a head needs hundreds")
-    return prompts
 
 
 class Recorder(Drafter):
