@@ -5,11 +5,13 @@
 - `same_weights` / `describe_identity`: is a file made for one model (a skip set, an
   acceptance head, a draft without embeddings) used with that model? One rule, one tolerance;
 - `eos_ids`: the tokens that end a model's reply;
-- `cache_root`: where converted models, compiled kernels and training caches are kept.
+- `cache_root`: where converted models, compiled kernels and training caches are kept;
+- `optional_import`: a dependency of one extra (plots, the tools, the server), imported where it is used.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import secrets
@@ -118,3 +120,18 @@ def eos_ids(loaded) -> tuple[int, ...]:
         if source is not None:
             ids.update(source if isinstance(source, (list, tuple)) else [source])
     return tuple(sorted(ids))
+
+
+# -- optional dependencies ----------------------------------------------------------------------
+
+
+def optional_import(module: str, extra: str):
+    """`module`, imported; where it is missing, a one-line error naming the extra that installs it. The runtime
+    needs only what decoding needs: plots, the search's optimiser and the server come with extras."""
+    from draftverify.errors import DraftVerifyError
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        top = module.split(".")[0]
+        raise DraftVerifyError(f"{top} is not installed: pip install 'draftverify[{extra}]'") from exc

@@ -19,6 +19,8 @@ from typing import Optional
 
 import typer
 
+from draftverify.util import optional_import
+
 RATES = ("target_forwards_per_token", "discarded_per_token")
 
 
@@ -109,8 +111,7 @@ def to_markdown(tables: dict[str, list[dict]], source: str) -> str:
 
 def pareto_plot(tables: dict[str, list[dict]]) -> bytes:
     """One panel per data set: discard rate (x) against verification rate (y), a line per series."""
-    import matplotlib
-
+    matplotlib = optional_import("matplotlib", "bench")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -29,7 +29,7 @@ from draftverify.drafters.skipsets import SkipSet, save_skip_set
 from draftverify.errors import DraftVerifyError, require
 from draftverify.models import Loaded, decoder_layers
 from draftverify.prompt_files import read_prompts
-from draftverify.util import same_weights
+from draftverify.util import optional_import, same_weights
 
 DEV_PROMPTS = Path(__file__).parent.parent / "assets" / "dev_prompts.jsonl"
 WARM_START_SCALES = (1.0, 0.5, 0.25, 0.1)  # densities of the paper-like first guesses (1.0 ~ 45% of the sub-layers)
@@ -118,8 +118,9 @@ def search_layers(
     A trial that runs `give_up` times slower than the best so far (or autoregressive) stops early
     and cannot become the best; None measures every trial in full.
     """
-    import optuna
     from tqdm import tqdm
+
+    optuna = optional_import("optuna", "tools")
 
     from draftverify.engine import Engine
 
