@@ -16,7 +16,8 @@ from draftverify.feature_draft import FeatureDraft, HeadCache, HeadConfig
 from draftverify.models import Runner, load_draft
 from draftverify.sampling import Sampling
 from draftverify.tools.make_draft.features import FeatureCache, FeaturePlan, generate
-from draftverify.tools.make_draft.feature_head import HeadTraining, build_head, head_losses, rollout, rollout_mask
+from draftverify.tools.make_draft.feature_head import HeadTraining, build_head
+from draftverify.tools.make_draft.feature_losses import head_losses, rollout, rollout_mask
 
 WORDS = ["apple", "river", "stone", "cloud", "green", "quick", "seven", "paper"]
 TINY = dict(

@@ -31,7 +31,7 @@ def read_prompts(path: str | Path, chat: bool = True, at_least: int = 1) -> list
                 row = None
             require(
                 isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"].strip(),
-                f"{path}:{number} is not a JSON object with a non-empty prompt field: fix or remove that line",
+                f"{path} line {number} is not a JSON object with a non-empty prompt field: fix or remove that line",
             )
             prompts.append((row["prompt"], bool(row.get("chat", chat))))
         else:
