@@ -71,51 +71,69 @@ def train_acceptance_head(
 # -- the command ---------------------------------------------------------------------------
 
 
+# -- the options of `train_acceptance_head_command` -------------------------------
+
+OUT = typer.Option(
+    ...,
+    "--out",
+    "-o",
+    help="Where to write the head (.safetensors); a training report (.md) is written next to it.",
+)
+CHAT = typer.Option(True, help="Wrap prompts in the chat template unless their JSONL row says otherwise.")
+DEPTH = typer.Option(1, "--depth", "-D", help="D: residual SiLU blocks before the output layer (0 = a linear head).")
+R = typer.Option(
+    0.15,
+    "--mix",
+    "-r",
+    help="r: fraction of response positions that keep the target's token; the rest hold draft samples and carry the loss.",
+)
+W_ACC = typer.Option(1.0, help="Loss weight of the accept side of the binary cross-entropy.")
+W_REJ = typer.Option(
+    6.0, help="Loss weight of the reject side (the paper tries 1, 3, 6, 12; larger stops drafting earlier)."
+)
+EPOCHS = typer.Option(
+    7,
+    help="Passes over the training positions (the default pair over-fitted after 7: watch the held-out column of the report).",
+)
+LR = typer.Option(1e-3, help="AdamW learning rate.")
+BATCH_SIZE = typer.Option(256, help="Training positions per optimiser step.")
+HOLDOUT = typer.Option(0.1, help="Fraction of responses held out for the loss and calibration report.")
+MAX_NEW_TOKENS = typer.Option(96, "--max-new-tokens", "-n", help="Length cap of the target's answers.")
+TEMPERATURE = typer.Option(
+    0.0,
+    help="Sampling settings the head is for: 0 = greedy labels (argmax match); > 0 labels min(1, p/q) at this temperature.",
+)
+TOP_K = typer.Option(0, help="Top-k of the sampling settings the head is for (0 = off).")
+TOP_P = typer.Option(1.0, help="Top-p of the sampling settings the head is for (1 = off).")
+ANSWER_BATCH = typer.Option(
+    48, help="Prompts per batched `generate` call while the target answers (larger is faster per token on CPU)."
+)
+CACHE = typer.Option(
+    True, help="Cache the target's answers and the labelled positions under ~/.cache/draftverify/specdec."
+)
+
+
 def train_acceptance_head_command(
-    out: Path = typer.Option(
-        ...,
-        "--out",
-        "-o",
-        help="Where to write the head (.safetensors); a training report (.md) is written next to it.",
-    ),
+    out: Path = OUT,
     target: Optional[str] = target_option(),
     draft: Optional[str] = draft_option("Draft model the head is for"),
     prompts: Path = prompts_option(SHIPPED_PROMPTS, "Training prompts"),
-    chat: bool = typer.Option(True, help="Wrap prompts in the chat template unless their JSONL row says otherwise."),
-    depth: int = typer.Option(
-        1, "--depth", "-D", help="D: residual SiLU blocks before the output layer (0 = a linear head)."
-    ),
-    r: float = typer.Option(
-        0.15,
-        "--mix",
-        "-r",
-        help="r: fraction of response positions that keep the target's token; the rest hold draft samples and carry the loss.",
-    ),
-    w_acc: float = typer.Option(1.0, help="Loss weight of the accept side of the binary cross-entropy."),
-    w_rej: float = typer.Option(
-        6.0, help="Loss weight of the reject side (the paper tries 1, 3, 6, 12; larger stops drafting earlier)."
-    ),
-    epochs: int = typer.Option(
-        7,
-        help="Passes over the training positions (the default pair over-fitted after 7: watch the held-out column of the report).",
-    ),
-    lr: float = typer.Option(1e-3, help="AdamW learning rate."),
-    batch_size: int = typer.Option(256, help="Training positions per optimiser step."),
-    holdout: float = typer.Option(0.1, help="Fraction of responses held out for the loss and calibration report."),
+    chat: bool = CHAT,
+    depth: int = DEPTH,
+    r: float = R,
+    w_acc: float = W_ACC,
+    w_rej: float = W_REJ,
+    epochs: int = EPOCHS,
+    lr: float = LR,
+    batch_size: int = BATCH_SIZE,
+    holdout: float = HOLDOUT,
     seed: int = seed_option("the draft samples, the mixing, the split and the initial weights"),
-    max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", help="Length cap of the target's answers."),
-    temperature: float = typer.Option(
-        0.0,
-        help="Sampling settings the head is for: 0 = greedy labels (argmax match); > 0 labels min(1, p/q) at this temperature.",
-    ),
-    top_k: int = typer.Option(0, help="Top-k of the sampling settings the head is for (0 = off)."),
-    top_p: float = typer.Option(1.0, help="Top-p of the sampling settings the head is for (1 = off)."),
-    answer_batch: int = typer.Option(
-        48, help="Prompts per batched `generate` call while the target answers (larger is faster per token on CPU)."
-    ),
-    cache: bool = typer.Option(
-        True, help="Cache the target's answers and the labelled positions under ~/.cache/draftverify/specdec."
-    ),
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    temperature: float = TEMPERATURE,
+    top_k: int = TOP_K,
+    top_p: float = TOP_P,
+    answer_batch: int = ANSWER_BATCH,
+    cache: bool = CACHE,
     dtype: str = dtype_option(),
     device: str = device_option(),
 ):
