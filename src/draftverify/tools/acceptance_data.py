@@ -67,8 +67,8 @@ def answer_prompts(
 ) -> list[list[int]]:
     """The target's answers X to each prompt (token ids, cut after the first EOS), cached on disk.
 
-    Batched `generate` with left padding: on CPU a batch costs little more per step than one
-    sequence. The answers are training data only, so padding's tiny numerical effects do not
+    Batched `generate` with left padding: a batch's step costs less than its rows' steps one by one
+    (the weights are read once per step). The answers are training data only, so padding's tiny numerical effects do not
     matter. Finished batches are saved as they come, so an interrupted run resumes.
     """
     key = _key("answers", target.identity, prompts, max_new_tokens, _describe(sampling), eos_ids)
@@ -85,46 +85,46 @@ def answer_prompts(
     batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
     partial = _read_json(cache_dir, f"answers-{key}.partial.json") or {"batch_size": batch_size, "done": {}}
     done = {int(i): a for i, a in partial["done"].items()} if partial["batch_size"] == batch_size else {}
-    sample_kwargs = {"do_sample": False}
-    if not sampling.greedy:
-        sample_kwargs = {
-            "do_sample": True,
-            "temperature": sampling.temperature,
-            "top_k": sampling.top_k or None,
-            "top_p": sampling.top_p,
-        }
     todo = [rows for rows in batches if not all(i in done for i in rows)]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(
-            (sampling.seed or 0) + len(batches) - len(todo)
-        )  # `generate` samples from the global generator
-        for rows in tqdm(
-            todo,
-            desc="target answers",
-            unit="batch",
-            disable=not progress,
-            initial=len(batches) - len(todo),
-            total=len(batches),
-        ):
-            width = max(len(prompts[i]) for i in rows)
-            ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in rows], device=device)
-            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows], device=device)
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=pad,
-                eos_token_id=list(eos_ids) or None,
-                **sample_kwargs,
-            )
-            for row, i in enumerate(rows):
-                done[i] = _cut_after_eos(out[row, width:].tolist(), eos_ids)
+        torch.manual_seed((sampling.seed or 0) + len(batches) - len(todo))  # `generate` samples from the global one
+        already = len(batches) - len(todo)
+        for rows in tqdm(todo, "target answers", len(batches), disable=not progress, unit="batch", initial=already):
+            out = _generate([prompts[i] for i in rows], target, pad, eos_ids, max_new_tokens, sampling)
+            done.update(zip(rows, out))
             _write_json(cache_dir, f"answers-{key}.partial.json", {"batch_size": batch_size, "done": done})
     answers = [done[i] for i in range(len(prompts))]
     _write_json(cache_dir, f"answers-{key}.json", answers)
     if cache_dir is not None:
         (cache_dir / f"answers-{key}.partial.json").unlink(missing_ok=True)
     return answers
+
+
+def _generate(
+    prompts: list[list[int]],
+    target: Loaded,
+    pad: int,
+    eos_ids: tuple[int, ...],
+    max_new_tokens: int,
+    sampling: Sampling,
+) -> list[list[int]]:
+    """One left-padded batch through `generate`: each prompt's answer, cut after its first EOS."""
+    width, device = max(len(p) for p in prompts), target.device
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    sample = {"do_sample": False}
+    if not sampling.greedy:
+        sample = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or None}
+        sample["top_p"] = sampling.top_p
+    out = target.model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad,
+        eos_token_id=list(eos_ids) or None,
+        **sample,
+    )
+    return [_cut_after_eos(row[width:].tolist(), eos_ids) for row in out]
 
 
 def _cut_after_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
