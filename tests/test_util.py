@@ -95,7 +95,8 @@ def test_the_runtime_imports_no_plot_table_or_tool_dependency():
 
     code = (
         "import sys, draftverify; draftverify.Engine; import draftverify.cli; "
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'optuna', 'fastapi', 'uvicorn', 'scipy'}))"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'matplotlib', 'optuna', 'fastapi', 'uvicorn', 'scipy'}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out

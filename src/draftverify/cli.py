@@ -60,14 +60,16 @@ GENERATE_METHOD = typer.Option(
     "auto",
     "--method",
     "-m",
-    help="Decoding method (see `draftverify methods`), as a method spec: name, name:preset or name\\[key=value,...], e.g. speculative:k2.",
+    help="Decoding method (see `draftverify methods`), as a method spec: name, name:preset or name\\[key=value,...], "
+    "e.g. speculative:k2.",
 )
 GENERATE_PRESET = typer.Option(None, help="A named parameter preset of the method (see `draftverify methods`).")
 GENERATE_OPTION = typer.Option(
     [],
     "--option",
     "-o",
-    help="A method option as key=value, e.g. -o k=4 -o policy=heuristic, -o pool_file=pools/code.json (lookahead, ouroboros), -o skip_file=skip.json (self-speculative). Repeatable.",
+    help="A method option as key=value, e.g. -o k=4 -o policy=heuristic, -o pool_file=pools/code.json (lookahead, "
+    "ouroboros), -o skip_file=skip.json (self-speculative). Repeatable.",
 )
 GENERATE_CHAT = typer.Option(
     True, help="Wrap the prompt in the model's chat template as one user turn (--no-chat for raw completion)."
@@ -234,7 +236,8 @@ DEMO_PROMPT = typer.Option(
 )
 DEMO_METHOD = typer.Option(
     "auto",
-    help="Methods to compare with autoregressive decoding: comma-separated method specs, NAME, NAME:PRESET or NAME\\[key=value,...].",
+    help="Methods to compare with autoregressive decoding: comma-separated method specs, NAME, NAME:PRESET or "
+    "NAME\\[key=value,...].",
 )
 DEMO_MAX_NEW_TOKENS = typer.Option(96, "--max-new-tokens", "-n", help="New tokens per run.")
 DEMO_REPEATS = typer.Option(3, help="Runs of each prompt and method, interleaved; the table shows their medians.")
@@ -323,7 +326,9 @@ app.command("serve")(_serve)
 from draftverify.serve.load import load_command as _load  # noqa: E402
 
 app.command("load")(_load)
-from draftverify.tools.train_acceptance_head import train_acceptance_head_command as _train_acceptance_head  # noqa: E402
+from draftverify.tools.train_acceptance_head import (  # noqa: E402
+    train_acceptance_head_command as _train_acceptance_head,
+)
 
 app.command("train-acceptance-head")(_train_acceptance_head)
 app.command("train-head", hidden=True)(_train_acceptance_head)  # the command's old name, kept working

@@ -42,7 +42,8 @@ def backend_option(purpose: str = "Forward path"):
         "auto",
         "--backend",
         help=f"{purpose}: auto (static where the architecture allows, else eager), static (static KV cache, "
-        "prepacked fused linears: Llama, Mistral, Qwen2, Qwen3) or eager (the stock transformers model, any causal LM).",
+        "prepacked fused linears: Llama, Mistral, Qwen2, Qwen3) or eager (the stock transformers model, any causal "
+        "LM).",
     )
 
 

@@ -107,7 +107,8 @@ def same_weights(a: dict, b: dict) -> bool:
 def describe_identity(identity: dict) -> str:
     """An identity in words, for the error that refuses a file made for another model."""
     return (
-        f"{identity.get('model_type')}, {identity.get('num_hidden_layers')} layers, hidden {identity.get('hidden_size')}, "
+        f"{identity.get('model_type')}, {identity.get('num_hidden_layers')} layers, hidden "
+        f"{identity.get('hidden_size')}, "
         f"fingerprint {identity.get('embedding_fingerprint')}"
     )
 

@@ -14,7 +14,8 @@ is slower by more than `margin` (`AutoConfig.margin`), because a drafted round t
 its drafter is worth now and a plain round tells it nothing, and because a drafter that sat out
 pays a catch-up when it comes back (docs/benchmarks/smollm2-auto: auto's runs). In a batch (`batch`), t is the time the
 request's rows *add* to the shared forward (`costs.marginal_time` after the other requests'
-rows): drafts pay while the curve is flat and stop paying where it turns linear. A *free* drafter (`Drafter.free`: a pool or
+rows): drafts pay while the curve is flat and stop paying where it turns linear. A *free* drafter (`Drafter.free`: a
+pool or
 prompt lookup, no model run) is asked every round, and is a candidate only when it has
 something, priced at its actual number of nodes. A model-run drafter and a free one that has something also make a
 *merged* candidate (`head+context`): the model's candidates and the free offer verified as one

@@ -77,7 +77,8 @@ class AutoConfig:
         unknown = next((c for c in self.names() if c not in CANDIDATES), None)
         require(
             unknown is None,
-            f"unknown auto candidate {unknown!r}: use some of {', '.join(CANDIDATES)} joined by '+', e.g. use=head+context",
+            f"unknown auto candidate {unknown!r}: use some of {', '.join(CANDIDATES)} joined by '+', e.g. "
+            f"use=head+context",
         )
         require(self.probe >= 1, f"probe={self.probe} must be at least 1")
         require(0 <= self.decay < 1, f"decay={self.decay} must lie in [0, 1)")

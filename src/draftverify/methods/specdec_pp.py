@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftverify.drafters.draft_model import DraftModel
 from draftverify.drafters.acceptance_head import DEFAULT_CAP, DEFAULT_H, AcceptanceHead, AcceptanceHeadPolicy, load_head
+from draftverify.drafters.draft_model import DraftModel
 from draftverify.errors import require
 from draftverify.methods.base import Method, register
 from draftverify.methods.ouroboros import Ouroboros, OuroborosConfig

@@ -149,8 +149,10 @@ def report_markdown(head: AcceptanceHead, path: Path) -> str:
     lines = [
         f"# Acceptance head `{path.name}`",
         "",
-        f"D={t['depth']}, r={t['r']}, w_acc={t['w_acc']}, w_rej={t['w_rej']}, epochs={t['epochs']}, lr={t['lr']}, seed={t['seed']}; "
-        f"sampling {s['sampling']}; {s['prompts']} prompts, {s['answer_tokens']} answer tokens (max {s['max_new_tokens']} per answer).",
+        f"D={t['depth']}, r={t['r']}, w_acc={t['w_acc']}, w_rej={t['w_rej']}, epochs={t['epochs']}, lr={t['lr']}, "
+        f"seed={t['seed']}; "
+        f"sampling {s['sampling']}; {s['prompts']} prompts, {s['answer_tokens']} answer tokens (max "
+        f"{s['max_new_tokens']} per answer).",
         f"Training positions: {report['train_positions']} from {report['train_responses']} responses "
         f"(mean label {report['train_mean_label']:.3f}); held out: {report['heldout_responses']} responses.",
         "",
@@ -159,7 +161,8 @@ def report_markdown(head: AcceptanceHead, path: Path) -> str:
     ]
     for row in report["history"]:
         lines.append(
-            f"| {row['epoch']} | {row['train_weighted_bce']:.4f} | {row.get('heldout_weighted_bce', float('nan')):.4f} |"
+            f"| {row['epoch']} | {row['train_weighted_bce']:.4f} | "
+            f"{row.get('heldout_weighted_bce', float('nan')):.4f} |"
         )
     held = report["heldout"]
     if held:
@@ -174,6 +177,7 @@ def report_markdown(head: AcceptanceHead, path: Path) -> str:
         ]
         for b in held["reliability"]:
             lines.append(
-                f"| {b['bin'][0]:.1f}-{b['bin'][1]:.1f} | {b['count']} | {b['mean_predicted']:.3f} | {b['mean_label']:.3f} |"
+                f"| {b['bin'][0]:.1f}-{b['bin'][1]:.1f} | {b['count']} | {b['mean_predicted']:.3f} | "
+                f"{b['mean_label']:.3f} |"
             )
     return "\n".join(lines) + "\n"

@@ -103,7 +103,8 @@ def to_markdown(tables: dict[str, list[dict]], source: str) -> str:
         ]
         for r in sorted(rows, key=lambda r: r["verification_rate"]):
             out.append(
-                f"| `{r['label']}` | {r['verification_rate']:.3f} | {r['discard_rate']:.3f} | {fmt(r['tokens_per_s'], '.1f')} | "
+                f"| `{r['label']}` | {r['verification_rate']:.3f} | {r['discard_rate']:.3f} | "
+                f"{fmt(r['tokens_per_s'], '.1f')} | "
                 f"{fmt(r['speedup'], '.2f')}x | {'*' if r['frontier'] else ''} |"
             )
     return "\n".join(out) + "\n"

@@ -315,7 +315,8 @@ CLOCK = typer.Option(
 THREADS = typer.Option(None, help="torch CPU threads while searching (1 with --clock cpu on a shared machine).")
 GIVE_UP_OPTION = typer.Option(
     GIVE_UP,
-    help="Stop measuring a trial once it runs this many times slower than the best so far (0 = measure every trial in full).",
+    help="Stop measuring a trial once it runs this many times slower than the best so far (0 = measure every trial in "
+    "full).",
 )
 OPTION = typer.Option(
     [],
@@ -343,7 +344,8 @@ def search_layers_command(
     dtype: str = dtype_option(),
     device: str = device_option(),
 ):
-    """Search which attention / MLP sub-layers self-speculative decoding skips (Bayesian optimisation, time-boxed, resumable)."""
+    """Search which attention / MLP sub-layers self-speculative decoding skips (Bayesian optimisation, time-boxed,
+    resumable)."""
     import torch
 
     from draftverify.engine import Engine
@@ -380,8 +382,11 @@ def search_layers_command(
         ) from None
     m = result.measured
     typer.echo(
-        f"best of {result.trials} trials: skip {result.skip.describe()} ({result.skip.size} of {2 * len(decoder_layers(target.model))} sub-layers)\n"
-        f"{m.ms_per_token:.1f} ms/token vs {result.autoregressive_ms_per_token:.1f} autoregressive ({result.speedup:.2f}x), "
-        f"acceptance {m.acceptance if m.acceptance is None else round(m.acceptance, 3)}, tokens/step {m.tokens_per_step if m.tokens_per_step is None else round(m.tokens_per_step, 2)}\n"
+        f"best of {result.trials} trials: skip {result.skip.describe()} ({result.skip.size} of "
+        f"{2 * len(decoder_layers(target.model))} sub-layers)\n"
+        f"{m.ms_per_token:.1f} ms/token vs {result.autoregressive_ms_per_token:.1f} autoregressive "
+        f"({result.speedup:.2f}x), "
+        f"acceptance {m.acceptance if m.acceptance is None else round(m.acceptance, 3)}, tokens/step "
+        f"{m.tokens_per_step if m.tokens_per_step is None else round(m.tokens_per_step, 2)}\n"
         f"wrote {out}; use it with `draftverify generate -m self-speculative --skip-file {out}`"
     )

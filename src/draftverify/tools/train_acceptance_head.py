@@ -85,7 +85,8 @@ R = typer.Option(
     0.15,
     "--mix",
     "-r",
-    help="r: fraction of response positions that keep the target's token; the rest hold draft samples and carry the loss.",
+    help="r: fraction of response positions that keep the target's token; the rest hold draft samples and carry the "
+    "loss.",
 )
 W_ACC = typer.Option(1.0, help="Loss weight of the accept side of the binary cross-entropy.")
 W_REJ = typer.Option(
@@ -93,7 +94,8 @@ W_REJ = typer.Option(
 )
 EPOCHS = typer.Option(
     7,
-    help="Passes over the training positions (the default pair over-fitted after 7: watch the held-out column of the report).",
+    help="Passes over the training positions (the default pair over-fitted after 7: watch the held-out column of the "
+    "report).",
 )
 LR = typer.Option(1e-3, help="AdamW learning rate.")
 BATCH_SIZE = typer.Option(256, help="Training positions per optimiser step.")
@@ -101,7 +103,8 @@ HOLDOUT = typer.Option(0.1, help="Fraction of responses held out for the loss an
 MAX_NEW_TOKENS = typer.Option(96, "--max-new-tokens", "-n", help="Length cap of the target's answers.")
 TEMPERATURE = typer.Option(
     0.0,
-    help="Sampling settings the head is for: 0 = greedy labels (argmax match); > 0 labels min(1, p/q) at this temperature.",
+    help="Sampling settings the head is for: 0 = greedy labels (argmax match); > 0 labels min(1, p/q) at this "
+    "temperature.",
 )
 TOP_K = typer.Option(0, help="Top-k of the sampling settings the head is for (0 = off).")
 TOP_P = typer.Option(1.0, help="Top-p of the sampling settings the head is for (1 = off).")

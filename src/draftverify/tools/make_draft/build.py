@@ -165,7 +165,8 @@ def build_draft(
     }
     write_folder(model, target, out, facts, share_embeddings, save_dtype)
     log(
-        f"draft written to {out}: held-out greedy agreement {final['agreement']:.3f}, forward cost {cost['ratio']:.2f}x the target's"
+        f"draft written to {out}: held-out greedy agreement {final['agreement']:.3f}, forward cost "
+        f"{cost['ratio']:.2f}x the target's"
     )
     return facts
 
@@ -279,7 +280,8 @@ def relative_cost(draft: torch.nn.Module, target: torch.nn.Module, reps: int = 3
 
 
 def write_folder(model, target: Loaded, out: Path, facts: dict, share_embeddings: bool, save_dtype: str) -> None:
-    """config, safetensors weights, tokenizer, generation config, draftverify.json and README.md, each replaced atomically."""
+    """config, safetensors weights, tokenizer, generation config, draftverify.json and README.md, each replaced
+    atomically."""
     from safetensors.torch import save_file
 
     from draftverify.models import DTYPES
@@ -385,7 +387,8 @@ every number below was written by that tool.
   text fills the templates' passages, signatures and docstrings.
 
 ## Size
-{f["parameters"]:,} parameters, {f["own_parameters"]:,} of them outside the (target's) embeddings and head; weights file {f["file_mb"]} MB ({f["save_dtype"]}).
+{f["parameters"]:,} parameters, {f["own_parameters"]:,} of them outside the (target's) embeddings and head; \
+weights file {f["file_mb"]} MB ({f["save_dtype"]}).
 
 ## Quality and cost
 - Held-out greedy agreement with the target (teacher-forced, {h["positions"]} positions of the

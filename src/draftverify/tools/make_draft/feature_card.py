@@ -29,6 +29,10 @@ def model_card(f: dict) -> str:
         if f.get("resumed")
         else f"whole build {f['minutes']:.0f} minutes on {f['machine']}"
     )
+    answered = f.get("prompt_sequences", f["sequences"]) // (1 + sampled)
+    arithmetic = ("matmuls in bf16" if f.get("bf16") else "fp32") + (
+        "; a resumed build's steps may mix" if f.get("resumed") else ""
+    )
     return f"""# Feature draft head for {f["target"]}
 
 An EAGLE-style draft head (one decoder layer over the target's final hidden state and the next
@@ -36,10 +40,11 @@ token's embedding) with a frequency-ranked vocabulary of {f["vocab"]} tokens (FR
 draftverify. It uses the target's own embeddings and LM head and is refused on any other model.
 
 - Built with: `{f["command"]}`
-- Data: the target's own replies to {f.get("prompt_sequences", f["sequences"]) // (1 + sampled)} prompts of `{f["prompts"]}` ({replies}){templates}; {f["tokens"]} tokens with features;
+- Data: the target's own replies to {answered} prompts of `{f["prompts"]}` ({replies}){templates}; \
+{f["tokens"]} tokens with features;
   the benchmark sets were never used.{init}
 - Vocabulary coverage of held-out reply tokens: {f["vocab_coverage"]:.1%}
-- Training: {f["steps"]} of {f["of_steps"]} steps ({"matmuls in bf16" if f.get("bf16") else "fp32"}{"; a resumed build's steps may mix" if f.get("resumed") else ""}); {when}
+- Training: {f["steps"]} of {f["of_steps"]} steps ({arithmetic}); {when}
 - Held-out top-1 agreement with the target at draft depth 1 / 2 / ...: {acc}
   (expected accepted chain, greedy: {f["expected_chain"]:.2f} tokens per round before the bonus token){template_acc}
 - Settings: `{f["training"]}`

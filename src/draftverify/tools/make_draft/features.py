@@ -229,5 +229,6 @@ class FeatureCache(ShardFolder):
         made = sum(len(s.ids) - s.start for s in sequences)
         took = time.monotonic() - t0
         log(
-            f"{what}: {len(sequences)} replies, {made} new tokens in {took:.0f}s ({made / max(took, 1e-9):.0f} tokens/s)"
+            f"{what}: {len(sequences)} replies, {made} new tokens in {took:.0f}s ({made / max(took, 1e-9):.0f} "
+            f"tokens/s)"
         )

@@ -82,7 +82,8 @@ def init_draft(target: Loaded, layer_ids: tuple[int, ...]) -> torch.nn.Module:
 
 
 def _check_head(model: torch.nn.Module) -> None:
-    """The loss computes logits as head(last hidden state) on target positions only: make sure that is the model's own rule."""
+    """The loss computes logits as head(last hidden state) on target positions only: make sure that is the model's own
+    rule."""
     ids = torch.arange(8, device=model.device).view(1, 8) % model.config.vocab_size
     with torch.no_grad():
         full = model(input_ids=ids).logits
