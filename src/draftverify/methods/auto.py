@@ -11,7 +11,7 @@ step) when nothing pays. The candidates are those the engine has:
   there is a head;
 - `draft`: the draft model's chain under the cost policy (`speculative` with a draft model),
   by default only when there is no head (on the default model the head drafts better and at a
-  tenth of the cost);
+  fraction of the cost: docs/benchmarks);
 - `context`: the request's own n-grams (`lookahead:context`), free to look up, so asked every
   round and priced at what it offers;
 - `lookup`: prompt lookup (`prompt-lookup`), off by default (it offers what `context` does);
@@ -20,7 +20,8 @@ step) when nothing pays. The candidates are those the engine has:
 
 In a batch (`serve`, `Engine.generate_batch`) a draft is priced by the rows it adds to the shared
 forward, so drafts shrink as the batch grows and stop where the forward's cost turns linear.
-Self-speculative decoding is not a candidate: on the CPU cost curve it never paid (docs/benchmarks).
+Self-speculative decoding is not a candidate: on a CPU's cost curve it has not paid in any run
+(docs/benchmarks/smollm2-self-speculative).
 Lossless like every method: switching changes who drafts, never what is accepted. The stats say
 which drafter produced each round's tokens (`Stats.extra["auto_chunks"]`; `generate --explain`).
 """
@@ -56,8 +57,8 @@ class AutoConfig:
        verified in one forward and priced by figures of its own.
     depth, width: the head's tree (`speculative`'s k and width): at most `depth` tokens deep, `width` children per
        expanded node (1 = a chain); its size still follows the cost curve. A chain by default: in auto's rounds
-       it was as fast or faster than the tree on the dev prompts (a tree's wider expansions cost drafting time
-       that its extra candidates rarely repay on this CPU), see the module docstring.
+       a tree's wider expansions cost drafting time that its extra candidates must repay, which on a CPU's steep
+       cost curve they rarely do (the runs in docs/benchmarks/smollm2-auto).
     margin: plain decoding drafts nothing only where it is faster than every candidate by more than this
        fraction of its rate: a drafted round tells auto what its drafter is worth now, a plain round tells it
        nothing, and a drafter that sat out pays a catch-up when it comes back.

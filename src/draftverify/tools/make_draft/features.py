@@ -7,7 +7,7 @@ the target's own distribution: more data from the same prompts). Its last hidden
 the final norm: what its LM head reads) at every position comes out of the same decoding, no
 second forward. Where the target runs on the static path (`static.py`), the replies are decoded
 together by the engine's batch (`batch.Batch`: one stacked forward per step; `Recorder` keeps
-the states), on a CPU faster than `model.generate` (in-process, 64 prompts: 7 s against 27 s),
+the states): the static path's forward with no `generate` overhead per step,
 and the same greedy tokens as `draftverify generate`; elsewhere by a batched `model.generate`.
 A `Sequence` stores the token ids and those features in fp16; feature t predicts token t + 1
 through the LM head.
