@@ -94,8 +94,7 @@ W_REJ = typer.Option(
 )
 EPOCHS = typer.Option(
     7,
-    help="Passes over the training positions (the default pair over-fitted after 7: watch the held-out column of the "
-    "report).",
+    help="Passes over the training positions (more can over-fit: watch the held-out column of the report).",
 )
 LR = typer.Option(1e-3, help="AdamW learning rate.")
 BATCH_SIZE = typer.Option(256, help="Training positions per optimiser step.")
