@@ -380,10 +380,15 @@ def search_layers_command(
         raise DraftVerifyError(
             f"interrupted: the best skip set so far is in {out}; continue with the same command and --resume"
         ) from None
+    typer.echo(describe_result(result, out, 2 * len(decoder_layers(target.model))))
+
+
+def describe_result(result: SearchResult, out: Path, sub_layers: int) -> str:
+    """The search's closing lines: the best skip set, its speed against autoregressive, where it was written."""
     m = result.measured
-    typer.echo(
+    return (
         f"best of {result.trials} trials: skip {result.skip.describe()} ({result.skip.size} of "
-        f"{2 * len(decoder_layers(target.model))} sub-layers)\n"
+        f"{sub_layers} sub-layers)\n"
         f"{m.ms_per_token:.1f} ms/token vs {result.autoregressive_ms_per_token:.1f} autoregressive "
         f"({result.speedup:.2f}x), "
         f"acceptance {m.acceptance if m.acceptance is None else round(m.acceptance, 3)}, tokens/step "
