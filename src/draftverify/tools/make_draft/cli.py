@@ -1,5 +1,5 @@
 """`draftverify make-draft`: build a draft for a target: a small draft model (distillation) or a
-feature draft head (`--kind head`, trained on the target's own replies and hidden states)."""
+feature head (`--kind head`, trained on the target's own replies and hidden states)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ OUT = typer.Option(
 )
 KIND = typer.Option(
     "model",
-    help="model: a small draft model (some of the target's layers, distilled); head: a feature draft head "
+    help="model: a small draft model (some of the target's layers, distilled); head: a feature head "
     "(EAGLE-style, reads the target's hidden states; needs --prompts).",
 )
 PROMPTS = typer.Option(
@@ -124,7 +124,7 @@ def make_draft(
 ):
     """Build a draft for a target. `--kind model`: its embeddings and a few of its layers, distilled on the
     target's own replies and Python stdlib text (a transformers folder with a model card). `--kind head`:
-    a feature draft head trained on the target's replies to --prompts and its hidden states."""
+    a feature head trained on the target's replies to --prompts and its hidden states."""
     from draftverify.errors import require
     from draftverify.models import load_model
 

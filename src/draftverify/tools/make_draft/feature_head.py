@@ -1,4 +1,4 @@
-"""`make-draft --kind head`: the target's replies and features -> a trained feature draft head.
+"""`make-draft --kind head`: the target's replies and features -> a trained feature head (EAGLE-style).
 
 Training (EAGLE with HASS / EAGLE-3's training-time test): at position t the head reads the
 target's feature f_t and token t + 1 and predicts f_{t+1}; the loss is the cross-entropy
