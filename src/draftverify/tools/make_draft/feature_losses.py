@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from draftverify.feature_draft import FeatureDraft
+from draftverify.tools.make_draft.feature_settings import HeadTraining
 from draftverify.tools.make_draft.features import Sequence
-
-if TYPE_CHECKING:
-    from draftverify.tools.make_draft.feature_head import HeadTraining
 
 
 def frequent_vocab(sequences: list[Sequence], n: int, always: tuple[int, ...]) -> list[int]:
