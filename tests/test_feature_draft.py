@@ -17,8 +17,9 @@ from draftverify.feature_head_cache import HeadCache
 from draftverify.loading import load_draft
 from draftverify.models import Runner
 from draftverify.sampling import Sampling
+from draftverify.tools.make_draft.feature_head import HeadTraining, build_head
+from draftverify.tools.make_draft.feature_losses import head_losses, rollout, rollout_mask
 from draftverify.tools.make_draft.features import FeatureCache, FeaturePlan, generate
-from draftverify.tools.make_draft.head import HeadTraining, build_head, head_losses, rollout, rollout_mask
 
 WORDS = ["apple", "river", "stone", "cloud", "green", "quick", "seven", "paper"]
 TINY = dict(

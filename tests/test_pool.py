@@ -79,6 +79,9 @@ def test_refinement_replaces_in_place(inserted, refinements):
         assert len(set(pool.get(key))) == len(pool.get(key)) <= CAP
 
 
+POOL = '{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": '
+
+
 def test_refinement_keeps_the_recency_slot():
     pool = PhrasePool(3, 3)
     for rest in ([1, 1], [2, 2], [3, 3]):
@@ -110,10 +113,10 @@ def test_inspiration_takes_only_matches_after_the_correction(draft, data):
 
 def test_inspiration_hand_case():
     # Ouroboros v1, Figure 1: the draft went wrong at W, but KLMN matched the target's predictions.
-    E, F, G, H, I, J, W, K, L, M, Nn, O = range(12)
-    draft = [E, F, G, H, I, W, K, L, M, Nn]
-    predicted = [E, F, G, H, I, J, K, L, M, Nn, O]  # the target's token at each draft position, and after
-    assert inspirations(draft, predicted, accepted=5, n=4) == [(K, L, M, Nn), (L, M, Nn, O)]
+    E, F, G, H, Ii, J, W, K, L, M, Nn, Oo = range(12)  # Ii, Nn, Oo: I, N, O
+    draft = [E, F, G, H, Ii, W, K, L, M, Nn]
+    predicted = [E, F, G, H, Ii, J, K, L, M, Nn, Oo]  # the target's token at each draft position, and after
+    assert inspirations(draft, predicted, accepted=5, n=4) == [(K, L, M, Nn), (L, M, Nn, Oo)]
     assert inspirations(draft, predicted, accepted=5, n=6) == []  # no 5 matching tokens after the correction
 
 
@@ -155,7 +158,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
         ("[1, 2, 3]", "not a draftverify phrase pool"),
         ('{"format": "draftverify-phrase-pool", "version": 7}', "version 7"),
         (
-            '{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "other", "n": 3, "cap": 4, "phrases": {}}',
+            POOL.replace('"abc"', '"other"') + "{}}",
             "another tokenizer",
         ),
         (
@@ -163,23 +166,23 @@ def test_save_is_atomic(tmp_path, monkeypatch):
             "N=5",
         ),
         (
-            '{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": []}',
+            POOL + "[]}",
             "no phrase table",
         ),
         (
-            '{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": {"1": [[2]]}}',
+            POOL + '{"1": [[2]]}}',
             "bad phrase",
         ),
         (
-            '{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": {"1": [[2, -4]]}}',
+            POOL + '{"1": [[2, -4]]}}',
             "bad phrase",
         ),
         (
-            '{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": {"1": [[2, 999]]}}',
+            POOL + '{"1": [[2, 999]]}}',
             "bad phrase",
         ),
         (
-            '{"format": "draftverify-phrase-pool", "version": 1, "tokenizer": "abc", "n": 3, "cap": 4, "phrases": {"x": [[2, 3]]}}',
+            POOL + '{"x": [[2, 3]]}}',
             "bad entry",
         ),
     ],

@@ -20,8 +20,8 @@ import pytest
 pytest.importorskip("ray.serve", reason="the ray extra is not installed: pip install 'draftverify[ray]'")
 
 from draftverify import Engine  # noqa: E402
-from draftverify.methods.spec import parse_spec  # noqa: E402
 from draftverify.loading import load_draft, load_model  # noqa: E402
+from draftverify.methods.spec import parse_spec  # noqa: E402
 from draftverify.serve import ray_deploy  # noqa: E402
 from draftverify.serve.app import ServeConfig, parse_methods  # noqa: E402
 

@@ -16,23 +16,14 @@ from phrase_sampling import broken_rule
 from scipy.stats import chisquare
 
 from draftverify import Engine
-from draftverify.drafters.head import AcceptanceHead, AcceptanceHeadPolicy, load_head, save_head
+from draftverify.drafters.acceptance_head import AcceptanceHead, AcceptanceHeadPolicy, load_head, save_head
 from draftverify.errors import DraftVerifyError
 from draftverify.loading import Loaded
+from draftverify.prompt_files import read_prompts
 from draftverify.sampling import Sampling
-from draftverify.tools.train_head import (
-    SHIPPED_PROMPTS,
-    Examples,
-    TrainSettings,
-    acceptance_labels,
-    calibration,
-    fit_head,
-    label_responses,
-    mix_tokens,
-    read_prompts,
-    train_head,
-    weighted_bce,
-)
+from draftverify.tools.acceptance_data import Examples, acceptance_labels, label_responses, mix_tokens
+from draftverify.tools.acceptance_fit import TrainSettings, calibration, fit_head, weighted_bce
+from draftverify.tools.train_acceptance_head import SHIPPED_PROMPTS, train_acceptance_head
 
 
 def random_head(path: Path, target: Loaded, draft: Loaded, depth: int = 1, seed: int = 0) -> Path:
@@ -169,7 +160,7 @@ def test_head_trains_on_a_tiny_pair(tiny):
     prompts = [
         (f"{w} {i}", False) for i, w in enumerate(["cats", "dogs", "rain", "sun", "code", "tea", "maps", "wind"] * 3)
     ]
-    head = train_head(
+    head = train_acceptance_head(
         target,
         draft,
         prompts,
@@ -213,7 +204,7 @@ def test_labelled_positions_are_the_draft_positions(tiny):
 
 
 def test_answers_are_cached_and_resume_after_an_interruption(tiny, tmp_path, monkeypatch):
-    from draftverify.tools.train_head import answer_prompts
+    from draftverify.tools.acceptance_data import answer_prompts
 
     target = tiny("llama", seed=0, layers=2, hidden=32)
     prompts = [[5, 6], [7, 8, 9], [10], [11, 12, 13, 14]]
@@ -246,7 +237,7 @@ def test_answers_are_cached_and_resume_after_an_interruption(tiny, tmp_path, mon
 def test_greedy_labels_need_no_target_forward(tiny):
     """With greedy answers and greedy settings, P_i = [Y_i == X_i]: the shortcut gives the same examples."""
     from draftverify.models import Runner
-    from draftverify.tools.train_head import target_answers
+    from draftverify.tools.acceptance_data import target_answers
 
     target = tiny("llama", seed=0, layers=2, hidden=32)
     draft = noisy_copy(target, 0.5)
@@ -279,6 +270,14 @@ def test_read_prompts(tmp_path):
     jsonl.write_text('{"text": "no prompt field"}\n')
     with pytest.raises(DraftVerifyError, match="prompt field"):
         read_prompts(jsonl)
+    jsonl.write_text('{"prompt": "  "}\n')
+    with pytest.raises(DraftVerifyError, match="non-empty prompt"):
+        read_prompts(jsonl)
+    jsonl.write_text('{"prompt": "only one"}\n')
+    with pytest.raises(DraftVerifyError, match="holds 1 prompts: this needs 2 or more"):
+        read_prompts(jsonl, at_least=2)
+    with pytest.raises(DraftVerifyError, match="does not exist"):
+        read_prompts(tmp_path / "missing.jsonl")
 
 
 def test_shipped_prompts_are_disjoint_from_the_benchmark_sets():
@@ -518,7 +517,7 @@ def test_unknown_shipped_head_name_is_refused(tiny):
 # -- the command ----------------------------------------------------------------------------
 
 
-def test_train_head_command(tiny, tmp_path, monkeypatch):
+def test_train_acceptance_head_command(tiny, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from draftverify.cli import app
@@ -534,7 +533,7 @@ def test_train_head_command(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "heads" / "h.safetensors"
     args = [
-        "train-head",
+        "train-acceptance-head",
         "--target",
         str(folders["target"]),
         "--draft",
@@ -570,6 +569,17 @@ def test_train_head_command(tiny, tmp_path, monkeypatch):
         Engine(t, d).generate([5, 6, 7], method="specdec-pp", max_new_tokens=10, eos_token_id=[], head=str(out)).tokens
         == Engine(t, d).generate([5, 6, 7], method="autoregressive", max_new_tokens=10, eos_token_id=[]).tokens
     )
+
+
+def test_the_old_train_head_name_still_runs_but_is_hidden():
+    from typer.testing import CliRunner
+
+    from draftverify.cli import app
+
+    listing = CliRunner().invoke(app, ["--help"]).output
+    assert "train-acceptance-head" in listing and "train-head " not in listing
+    old = CliRunner().invoke(app, ["train-head", "--help"])
+    assert old.exit_code == 0 and "acceptance head" in old.output
 
 
 # -- the Pareto view of a bench run ------------------------------------------------------------

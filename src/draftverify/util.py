@@ -5,11 +5,13 @@
 - `same_weights` / `describe_identity`: is a file made for one model (a skip set, an
   acceptance head, a draft without embeddings) used with that model? One rule, one tolerance;
 - `eos_ids`: the tokens that end a model's reply;
-- `cache_root`: where converted models, compiled kernels and training caches are kept.
+- `cache_root`: where converted models, compiled kernels and training caches are kept;
+- `optional_import`: a dependency of one extra (plots, the tools, the server), imported where it is used.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import secrets
@@ -18,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-# The same weights in fp32, bf16 or fp16 give embedding fingerprints (`models.model_identity`:
+# The same weights in fp32, bf16 or fp16 give embedding fingerprints (`loading.model_identity`:
 # a sum over 64 embedding rows, rounded to 3 decimals) this close; other weights do not.
 FINGERPRINT_REL_TOL = 1e-2
 FINGERPRINT_ABS_TOL = 0.05
@@ -77,7 +79,7 @@ def cache_root() -> Path:
 
 
 def same_weights(a: dict, b: dict) -> bool:
-    """Do two model identities (`models.model_identity`, `Loaded.identity`) name the same weights?
+    """Do two model identities (`loading.model_identity`, `Loaded.identity`) name the same weights?
 
     Both must give the architecture, the depth and the embedding fingerprint, and every key both
     give must agree (the identity a method sees has no tokenizer key; a file's may have one).
@@ -105,16 +107,32 @@ def same_weights(a: dict, b: dict) -> bool:
 def describe_identity(identity: dict) -> str:
     """An identity in words, for the error that refuses a file made for another model."""
     return (
-        f"{identity.get('model_type')}, {identity.get('num_hidden_layers')} layers, hidden {identity.get('hidden_size')}, "
+        f"{identity.get('model_type')}, {identity.get('num_hidden_layers')} layers, hidden "
+        f"{identity.get('hidden_size')}, "
         f"fingerprint {identity.get('embedding_fingerprint')}"
     )
 
 
 def eos_ids(loaded) -> tuple[int, ...]:
-    """The tokens that end a reply of `loaded` (a `models.Loaded`): the EOS ids of its generation
+    """The tokens that end a reply of `loaded` (a `loading.Loaded`): the EOS ids of its generation
     config and of its tokenizer, sorted."""
     ids = set()
     for source in (loaded.model.generation_config.eos_token_id, loaded.tokenizer.eos_token_id):
         if source is not None:
             ids.update(source if isinstance(source, (list, tuple)) else [source])
     return tuple(sorted(ids))
+
+
+# -- optional dependencies ----------------------------------------------------------------------
+
+
+def optional_import(module: str, extra: str):
+    """`module`, imported; where it is missing, a one-line error naming the extra that installs it. The runtime
+    needs only what decoding needs: plots, the search's optimiser and the server come with extras."""
+    from draftverify.errors import DraftVerifyError
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        top = module.split(".")[0]
+        raise DraftVerifyError(f"{top} is not installed: pip install 'draftverify[{extra}]'") from exc

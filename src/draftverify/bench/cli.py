@@ -9,6 +9,15 @@ from typing import Optional
 
 import typer
 
+from draftverify.cli_options import (
+    backend_option,
+    device_option,
+    draft_option,
+    dtype_option,
+    seed_option,
+    target_option,
+)
+
 DEFAULT_METHODS = "autoregressive,speculative,hf-assisted,hf-prompt-lookup"
 DEFAULT_MAX_NEW_TOKENS = 256  # replies long enough that the prompt's forward does not dominate the time
 
@@ -56,19 +65,15 @@ REPEATS = typer.Option(
 TEMPERATURE = typer.Option(0.0, help="0 = greedy (and the exactness check); > 0 samples.")
 TOP_K = typer.Option(0, help="Sampling: keep the k most likely tokens (0 = off).")
 TOP_P = typer.Option(1.0, help="Sampling: nucleus probability (1 = off).")
-SEED = typer.Option(0, help="Sampling: base seed (each prompt and repeat gets seed + its index; all methods alike).")
+SEED = seed_option("sampling: each prompt and repeat gets seed + its index, all methods alike")
 PROMPT_FORMAT = typer.Option(
     "auto", help="auto: each set's own format (chat template; raw completion for HumanEval); chat; raw."
 )
-DTYPE = typer.Option(
-    "auto",
-    help="The target's arithmetic, passed to the target's load as is (see `draftverify generate --help`): "
-    "auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16, or any other the engine offers. The report names it.",
-)
-DEVICE = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N.")
-BACKEND = typer.Option(
-    "auto", help="Forward path of draftverify's methods: auto, static or eager (see `draftverify generate --help`)."
-)
+DTYPE = dtype_option("The target's arithmetic (the report names it)")
+DEVICE = device_option()
+BACKEND = backend_option("Forward path of draftverify's methods")
+TARGET = target_option()
+DRAFT = draft_option("Draft model for the methods that need one")
 OUT = typer.Option(
     Path("runs/bench"), "--out", help="Output folder; rerunning the same command there resumes an interrupted run."
 )
@@ -101,15 +106,8 @@ def bench(
     top_p: float = TOP_P,
     seed: int = SEED,
     prompt_format: str = PROMPT_FORMAT,
-    target: Optional[str] = typer.Option(
-        None, "--target", "-t", help="Target model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct."
-    ),
-    draft: Optional[str] = typer.Option(
-        None,
-        "--draft",
-        "-d",
-        help="Draft model for the methods that need one (see `draftverify generate --help`). Default: the shipped draft, else self:layers=8.",
-    ),
+    target: Optional[str] = TARGET,
+    draft: Optional[str] = DRAFT,
     dtype: str = DTYPE,
     device: str = DEVICE,
     backend: str = BACKEND,

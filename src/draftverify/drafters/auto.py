@@ -10,12 +10,12 @@ with t the target's measured cost curve at the request's context (`costs.curve`,
 long prompts make wide forwards dearer) and `scale` the running ratio of the
 measured verification time to it (so load on the machine moves every candidate alike). Plain
 autoregressive decoding scores (1 - margin) / (scale * t(1)): it wins only where every candidate
-is slower by more than `margin` (`auto`'s default 0.1), because a drafted round tells auto what
+is slower by more than `margin` (`AutoConfig.margin`), because a drafted round tells auto what
 its drafter is worth now and a plain round tells it nothing, and because a drafter that sat out
-pays a catch-up when it comes back; on the dev prompts a margin of 0.1 or 0.2 was 4-5% faster
-overall than none, with the feature head's chain. In a batch (`batch`), t is the time the
+pays a catch-up when it comes back (docs/benchmarks/smollm2-auto: auto's runs). In a batch (`batch`), t is the time the
 request's rows *add* to the shared forward (`costs.marginal_time` after the other requests'
-rows): drafts pay while the curve is flat and stop paying where it turns linear. A *free* drafter (`Drafter.free`: a pool or
+rows): drafts pay while the curve is flat and stop paying where it turns linear. A *free* drafter (`Drafter.free`: a
+pool or
 prompt lookup, no model run) is asked every round, and is a candidate only when it has
 something, priced at its actual number of nodes. A model-run drafter and a free one that has something also make a
 *merged* candidate (`head+context`): the model's candidates and the free offer verified as one
@@ -30,7 +30,7 @@ did not pay (its tokens per second, priced as above, below plain decoding's) dou
 candidate's wait for its next probe (up to `MAX_BACKOFF` times), and a probe that paid, or a
 round chosen on price that got something accepted, resets it: where a drafter does not pay, its
 probes stop costing every `probe`-th round. The running means carry over to the next requests
-(warm start; they start from an optimistic prior in a fresh process); the waits are each
+(warm start, through the method's `Figures`; they start from an optimistic prior in a fresh one); the waits are each
 request's own, so a request unlike the earlier ones gets its probes early.
 
 Two things keep the figures from misleading it. A drafter that sat out catches up on the
@@ -43,9 +43,7 @@ accepts 0 or 2 where the head expected 0.8, and a probe judged by the count alon
 out a head that pays on average. That expectation is scaled by how it fared in this request
 (tokens accepted over tokens expected in the drafter's rounds so far, `CALIBRATION_PRIOR`
 expected tokens counted as right to start): the head is calibrated on its training replies, and
-a request's text may be harder (on the long summary prompts of the dev set it expected about a
-third more than it got) or easier. Interleaved on the dev, demo and stdlib prompts, the scaling
-moved `auto` from 1.068x to 1.089x and from 1.077x to 1.082x autoregressive decoding (two runs).
+a request's text may be harder or easier than those (docs/benchmarks/smollm2-auto: auto's runs).
 
 Every candidate is told every round (`observe` with its own proposal when it drafted, an empty
 one otherwise), so the feature head queues the target's features and the pools take the new
@@ -57,7 +55,7 @@ proposal depends only on the tokens so far and its own draws (`verify.verify_tre
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from draftverify.costs import at_context, forward_time, marginal_time
 from draftverify.drafters.base import Drafter, Proposal, Step, add
@@ -71,7 +69,7 @@ CALIBRATION_PRIOR = 4.0  # tokens: a drafter's own expectation counts as right u
 
 
 @dataclass
-class Record:
+class CandidateRecord:
     """Running means of what one candidate earned per round it drafted (`decay`: the old rounds' weight)."""
 
     accepted: float = 1.0  # candidate tokens accepted (the prior is optimistic, so every candidate is tried)
@@ -88,21 +86,30 @@ class Record:
         self.nodes = decay * self.nodes + (1 - decay) * nodes
 
 
-class Auto(Drafter):
+@dataclass
+class Figures:
+    """What auto has learnt, owned by the method instance: kept across its requests (warm start) and shared by
+    the slots of a batch, never by two instances (so two engines in one process do not steer each other)."""
+
+    records: dict[str, CandidateRecord] = field(default_factory=dict)  # per candidate (merged ones included)
+    scale: float = 1.0  # running ratio of the measured verification time to the cost curve's (load on the machine)
+
+
+class AutoDrafter(Drafter):
     def __init__(
         self,
         candidates: dict[str, Drafter],
         costs: dict,
-        records: dict[str, Record],
-        scale: list[float],
+        figures: Figures,
         probe: int = 8,
         decay: float = 0.7,
         merge: bool = True,
         margin: float = 0.0,
     ):
-        """`records` (per candidate) and `scale` (a one-element list) are the caller's, kept across requests.
+        """`figures` are the caller's, updated in place round by round.
         `merge`: also offer each model-run drafter's candidates merged with each free drafter's offer."""
-        self.candidates, self.costs, self.records, self.scale = candidates, costs, records, scale
+        self.candidates, self.costs, self.figures = candidates, costs, figures
+        self.records = figures.records
         self.needs_hidden = any(d.needs_hidden for d in candidates.values())
         self.probe, self.decay, self.margin = probe, decay, margin
         model_run = [name for name, d in candidates.items() if not d.free]
@@ -111,7 +118,7 @@ class Auto(Drafter):
             {f"{m}+{f}": (m, f) for m in model_run for f in free} if merge else {}
         )  # name -> (model-run, free)
         for name in [*candidates, *self.merged]:
-            records.setdefault(name, Record())
+            self.records.setdefault(name, CandidateRecord())
         self.calibration = {
             name: [CALIBRATION_PRIOR, CALIBRATION_PRIOR] for name in candidates
         }  # this request's accepted, expected
@@ -136,7 +143,7 @@ class Auto(Drafter):
             d.start(s, seq, hidden if d.needs_hidden else None)
 
     def verify_time(self, costs: dict, nodes: float, others: int) -> float:
-        return self.scale[0] * marginal_time(costs, round(1 + nodes), others)
+        return self.figures.scale * marginal_time(costs, round(1 + nodes), others)
 
     def plain_rate(self, costs: dict, others: int) -> float:
         return (1 - self.margin) / self.verify_time(costs, 0, others)
@@ -189,9 +196,8 @@ class Auto(Drafter):
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
         verify_s = time.perf_counter() - self.sent_at
         if not s.others:  # alone: the measured verification against the curve (in a batch it holds the others' rows)
-            self.scale[0] = self.decay * self.scale[0] + (1 - self.decay) * verify_s / forward_time(
-                self.costs_now, step.tree.size
-            )
+            measured = verify_s / forward_time(self.costs_now, step.tree.size)
+            self.figures.scale = self.decay * self.figures.scale + (1 - self.decay) * measured
         for name, d in self.candidates.items():
             d.observe(s, seq, self.parts.get(name, Proposal()), step)
         if self.chosen != AR:

@@ -14,8 +14,8 @@ they pay. Every round's suffixes are scored whether or not they were verified, o
 tokens settle them: the tokens they would have added (the most of one suffix that the target's
 tokens follow, where the whole draft was accepted; else none). Their running mean, times a target
 forward, must beat the time their rows add to the verifying forward (the cost curve's marginal
-times). On this CPU a row costs a sixth of a step or more, and unpriced suffixes made Ouroboros over
-the head slower than the head alone (docs/benchmarks/smollm2-feature-head). Without `costs` (a
+times). Where a row is not nearly free (a CPU's cost curve), unpriced suffixes can make Ouroboros over
+the head slower than the head alone (the runs in docs/benchmarks/smollm2-feature-head). Without `costs` (a
 draft model's phrase drafting, the papers' method) they always ride along.
 """
 

@@ -66,7 +66,7 @@ def ngrams(tokens: Sequence[int], n: int) -> list[tuple[int, ...]]:
     return [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
 
 
-class Lookahead(Drafter):
+class LookaheadDrafter(Drafter):
     free = True  # a pool lookup; the window's rows are built, not run
 
     def __init__(self, pool: PhrasePool, W: int, N: int, G: int, context: bool):

@@ -136,11 +136,13 @@ class PhrasePool:
         )
         require(
             data.get("tokenizer") == tokenizer,
-            f"pool file {path} was made with another tokenizer: {fix} (pools only fit the model family they were built with)",
+            f"pool file {path} was made with another tokenizer: {fix} (pools only fit the model family they were "
+            f"built with)",
         )
         require(
             data.get("n") == n,
-            f"pool file {path} holds phrases of N={data.get('n')} tokens but the method uses N={n}: {fix} or set N={data.get('n')}",
+            f"pool file {path} holds phrases of N={data.get('n')} tokens but the method uses N={n}: {fix} or set "
+            f"N={data.get('n')}",
         )
         pool = cls(n, cap)
         phrases = data.get("phrases")

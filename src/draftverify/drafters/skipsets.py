@@ -67,7 +67,8 @@ class SkipSet:
         for kind, layers in (("attention", self.attention), ("mlp", self.mlp)):
             require(
                 not layers or layers[-1] < n_layers,
-                f"skip set names {kind} layer {layers[-1] if layers else 0} but the model has {n_layers} layers (0..{n_layers - 1}): "
+                f"skip set names {kind} layer {layers[-1] if layers else 0} but the model has {n_layers} layers "
+                f"(0..{n_layers - 1}): "
                 "use a skip set made for this model",
             )
 
@@ -135,7 +136,8 @@ def make_skip_set(
     if strategy == "searched":
         require(
             searched is not None,
-            f"no searched skip set for this {model.config.model_type} model: run `draftverify search-layers --model PATH "
+            f"no searched skip set for this {model.config.model_type} model: run `draftverify search-layers --model "
+            f"PATH "
             "--out skip.json` and pass -o skip_file=skip.json, or pick -o strategy=heuristic",
         )
         return searched
@@ -191,7 +193,8 @@ def load_skip_set(path: str | Path, identity: dict | None = None) -> SkipSet:
     if identity is not None:
         require(
             same_weights(made_for, identity),
-            f"skip file {path} was made for another model ({describe_identity(made_for)}; this one is {describe_identity(identity)}): "
+            f"skip file {path} was made for another model ({describe_identity(made_for)}; this one is "
+            f"{describe_identity(identity)}): "
             "run `draftverify search-layers` for this model",
         )
         skip.check(identity["num_hidden_layers"])

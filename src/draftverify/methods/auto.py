@@ -3,7 +3,7 @@
 Which method wins depends on the text (code and summaries repeat their prompt, open chat needs
 a draft that predicts the model), on the hardware's cost curve and on load; no user should have
 to know that. `auto` drafts, each round, with the candidate that promises the most tokens per
-second (`drafters.auto.Auto`: the measured cost curve, and each candidate's acceptance and draft
+second (`drafters.auto.AutoDrafter`: the measured cost curve, and each candidate's acceptance and draft
 time so far in this request, starting from the earlier requests'), or with none (a plain target
 step) when nothing pays. The candidates are those the engine has:
 
@@ -11,7 +11,7 @@ step) when nothing pays. The candidates are those the engine has:
   there is a head;
 - `draft`: the draft model's chain under the cost policy (`speculative` with a draft model),
   by default only when there is no head (on the default model the head drafts better and at a
-  tenth of the cost);
+  fraction of the cost: docs/benchmarks);
 - `context`: the request's own n-grams (`lookahead:context`), free to look up, so asked every
   round and priced at what it offers;
 - `lookup`: prompt lookup (`prompt-lookup`), off by default (it offers what `context` does);
@@ -20,7 +20,8 @@ step) when nothing pays. The candidates are those the engine has:
 
 In a batch (`serve`, `Engine.generate_batch`) a draft is priced by the rows it adds to the shared
 forward, so drafts shrink as the batch grows and stop where the forward's cost turns linear.
-Self-speculative decoding is not a candidate: on the CPU cost curve it never paid (docs/benchmarks).
+Self-speculative decoding is not a candidate: on a CPU's cost curve it has not paid in any run
+(docs/benchmarks/smollm2-self-speculative).
 Lossless like every method: switching changes who drafts, never what is accepted. The stats say
 which drafter produced each round's tokens (`Stats.extra["auto_chunks"]`; `generate --explain`).
 """
@@ -30,16 +31,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftverify.costs import curve
-from draftverify.drafters.auto import Auto as AutoDrafter
-from draftverify.drafters.auto import Record
+from draftverify.drafters.auto import AutoDrafter, Figures
 from draftverify.drafters.base import Drafter
 from draftverify.drafters.draft_model import DraftModel
 from draftverify.drafters.feature import TREE_WIDTHS, FeatureHeadDrafter
-from draftverify.drafters.lookahead import Lookahead
-from draftverify.drafters.pool import PhrasePool
 from draftverify.drafters.prompt_lookup import PromptLookup, PromptLookupConfig
 from draftverify.errors import require
 from draftverify.methods.base import Method, register
+from draftverify.methods.lookahead import Lookahead, lookahead_drafter
+from draftverify.methods.speculative import Speculative
 from draftverify.models import Runner
 from draftverify.policies import make_policy
 from draftverify.session import Session
@@ -57,8 +57,8 @@ class AutoConfig:
        verified in one forward and priced by figures of its own.
     depth, width: the head's tree (`speculative`'s k and width): at most `depth` tokens deep, `width` children per
        expanded node (1 = a chain); its size still follows the cost curve. A chain by default: in auto's rounds
-       it was as fast or faster than the tree on the dev prompts (a tree's wider expansions cost drafting time
-       that its extra candidates rarely repay on this CPU), see the module docstring.
+       a tree's wider expansions cost drafting time that its extra candidates must repay, which on a CPU's steep
+       cost curve they rarely do (the runs in docs/benchmarks/smollm2-auto).
     margin: plain decoding drafts nothing only where it is faster than every candidate by more than this
        fraction of its rate: a drafted round tells auto what its drafter is worth now, a plain round tells it
        nothing, and a drafter that sat out pays a catch-up when it comes back.
@@ -78,7 +78,8 @@ class AutoConfig:
         unknown = next((c for c in self.names() if c not in CANDIDATES), None)
         require(
             unknown is None,
-            f"unknown auto candidate {unknown!r}: use some of {', '.join(CANDIDATES)} joined by '+', e.g. use=head+context",
+            f"unknown auto candidate {unknown!r}: use some of {', '.join(CANDIDATES)} joined by '+', e.g. "
+            f"use=head+context",
         )
         require(self.probe >= 1, f"probe={self.probe} must be at least 1")
         require(0 <= self.decay < 1, f"decay={self.decay} must lie in [0, 1)")
@@ -101,11 +102,10 @@ class Auto(Method):
 
     def __init__(self, target: Runner, draft=None, config=None, head=None):
         super().__init__(target, draft, config, head)
-        self.records: dict[str, Record] = {}  # per candidate, kept across requests (warm start)
-        self.scale = [1.0]  # measured verification time / the cost curve's
+        self.figures = Figures()  # what this instance learnt: kept across its requests (warm start)
 
     def share(self, first: "Auto") -> None:
-        self.records, self.scale = first.records, first.scale  # one set of figures for every batch slot
+        self.figures = first.figures  # one set of figures for every batch slot
 
     def candidates(self, s: Session) -> dict[str, Drafter]:
         has_draft = isinstance(self.draft, Runner)
@@ -114,9 +114,10 @@ class Auto(Method):
         if "head" in use and self.head is not None:
             out["head"] = FeatureHeadDrafter(self.head, self.target, depth=self.config.depth, width=self.config.width)
         if "draft" in use and has_draft:
-            out["draft"] = DraftModel(self.draft, make_policy("cost", 8, 0.4, self.target, self.draft))
+            c = Speculative.make_config()  # the draft model's chain as `speculative` drafts it by default
+            out["draft"] = DraftModel(self.draft, make_policy(c.policy, c.k, c.threshold, self.target, self.draft))
         if "context" in use:
-            out["context"] = Lookahead(PhrasePool(5, 2), W=0, N=5, G=2, context=True)  # lookahead:context
+            out["context"] = lookahead_drafter(Lookahead.make_config("context"))
         if "lookup" in use:
             out["lookup"] = PromptLookup(PromptLookupConfig())
         return out
@@ -125,8 +126,7 @@ class Auto(Method):
         return AutoDrafter(
             self.candidates(s),
             curve(self.target, widths=TREE_WIDTHS),
-            self.records,
-            self.scale,
+            self.figures,
             self.config.probe,
             self.config.decay,
             self.config.merge,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftverify.drafters.base import Drafter
-from draftverify.drafters.lookahead import Lookahead as LookaheadDrafter
+from draftverify.drafters.lookahead import LookaheadDrafter
 from draftverify.drafters.pool import PhrasePool
 from draftverify.errors import require
 from draftverify.loading import tokenizer_fingerprint
@@ -134,5 +134,9 @@ class Lookahead(PoolMethod):
     }
 
     def pool_drafter(self, s: Session, pool: PhrasePool) -> LookaheadDrafter:
-        c = self.config
-        return LookaheadDrafter(pool, c.W, c.N, c.G, c.context)
+        return lookahead_drafter(self.config, pool)
+
+
+def lookahead_drafter(c: LookaheadConfig, pool: PhrasePool | None = None) -> LookaheadDrafter:
+    """The drafter of settings `c`, over `pool` (None: a fresh pool of `c`'s N and G)."""
+    return LookaheadDrafter(PhrasePool(c.N, c.G) if pool is None else pool, c.W, c.N, c.G, c.context)

@@ -79,7 +79,8 @@ class SelfSpeculativeConfig:
 class SelfSpeculative(Method):
     name = "self-speculative"
     Config = SelfSpeculativeConfig
-    presets = {  # Draft & Verify, Table 6 (alpha per task), Table 3 (fixed K), Table 4 (static gamma), App. D (strategies)
+    # Draft & Verify, Table 6 (alpha per task), Table 3 (fixed K), Table 4 (static gamma), App. D (strategies)
+    presets = {
         "code": {"alpha": 0.9},
         "chat": {"alpha": 0.85},
         "summarization": {"alpha": 0.9},

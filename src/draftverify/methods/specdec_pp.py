@@ -4,7 +4,7 @@ Huang et al. 2024, "SpecDec++: Boosting Speculative Decoding via Adaptive Candid
 Method `specdec-pp`, also reachable as `specdec++` (`+` is not allowed in bench method specs). Each round is the
 `speculative` round (the draft model drafts a chain, the shared round verifies it) with one change:
 1. after each drafted token the head reads the draft's hidden state and predicts p_hat, the
-   chance that the previous draft is accepted (drafters/head.py, `AcceptanceHeadPolicy`);
+   chance that the previous draft is accepted (drafters/acceptance_head.py, `AcceptanceHeadPolicy`);
 2. drafting stops as soon as 1 - prod(p_hat) > h, or at the hard cap of 20 tokens;
 3. verification is unchanged, so output stays identical (greedy) or exactly distributed (sampling).
 
@@ -12,7 +12,7 @@ Method `ouroboros-pp` is Ouroboros with the same head as its drafting stop rule:
 phrase-by-phrase sentence draft ends at the first drafted token where 1 - prod(p_hat) > h
 (checked per token, also inside a phrase), instead of at gamma tokens.
 
-The head is trained per draft/target pair (`draftverify train-head`); `head=default` takes the
+The head is trained per draft/target pair (`draftverify train-acceptance-head`); `head=default` takes the
 head shipped for the default pair, and a head made for another pair is refused.
 """
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftverify.drafters.acceptance_head import DEFAULT_CAP, DEFAULT_H, AcceptanceHead, AcceptanceHeadPolicy, load_head
 from draftverify.drafters.draft_model import DraftModel
-from draftverify.drafters.head import DEFAULT_CAP, DEFAULT_H, AcceptanceHead, AcceptanceHeadPolicy, load_head
 from draftverify.errors import require
 from draftverify.loading import model_identity
 from draftverify.methods.base import Method, register
@@ -38,7 +38,7 @@ THRESHOLD_PRESETS = {f"h0.{h}": {"h": h / 10} for h in (1, 3, 5, 7, 9)}  # the p
 class SpecDecPPConfig:
     """h: stop drafting once the predicted chance that a drafted token is rejected exceeds h.
     cap: hard cap on drafted tokens per round (20 in the paper).
-    head: a head file made by `draftverify train-head`, or the name of a head shipped in
+    head: a head file made by `draftverify train-acceptance-head`, or the name of a head shipped in
           assets/specdec-heads/ (`default`: the one for the default target and draft)."""
 
     h: float = DEFAULT_H
@@ -114,6 +114,6 @@ def resolve_head(name: str) -> Path:
     require(
         name in heads,
         f"no shipped acceptance head named {name!r} (shipped: {', '.join(heads) or 'none'}): "
-        "pass head=PATH to a file made by `draftverify train-head`",
+        "pass head=PATH to a file made by `draftverify train-acceptance-head`",
     )
     return heads[name]

@@ -8,17 +8,12 @@ from typing import Optional
 
 import typer
 
+from draftverify.cli_options import backend_option, device_option, draft_option, dtype_option, target_option
+
 
 def serve(
-    target: Optional[str] = typer.Option(
-        None, "--target", "-t", help="Target model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct."
-    ),
-    draft: Optional[str] = typer.Option(
-        None,
-        "--draft",
-        "-d",
-        help="Draft model for the methods that need one (see `draftverify generate --help`). Default: the shipped draft, else self:layers=8.",
-    ),
+    target: Optional[str] = target_option(),
+    draft: Optional[str] = draft_option("Draft model for the methods that need one"),
     methods: str = typer.Option(
         "auto",
         "--methods",
@@ -51,15 +46,13 @@ def serve(
         None,
         help="Phrase pool file of the one loaded pool method (ouroboros, lookahead): loaded at start if it exists, shared by all requests, saved after each and on shutdown.",
     ),
-    dtype: str = typer.Option("auto", help="Weights dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16."),
-    device: str = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N."),
+    dtype: str = dtype_option(),
+    device: str = device_option(),
     device_map: Optional[str] = typer.Option(
         None,
         help="Spread the target over several GPUs with accelerate, e.g. 'auto' (then --device is ignored for the target).",
     ),
-    backend: str = typer.Option(
-        "auto", help="Forward path: auto, static or eager (see `draftverify generate --help`)."
-    ),
+    backend: str = backend_option(),
     log_level: str = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug."),
 ):
     """Serve the target behind an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming, /metrics)."""

@@ -32,6 +32,7 @@ from urllib.parse import urlparse
 import typer
 
 from draftverify.bench.metrics import percentile
+from draftverify.cli_options import draft_option, target_option
 from draftverify.errors import require
 from draftverify.util import atomic_write
 
@@ -363,12 +364,8 @@ def load_command(
     spawn: bool = typer.Option(
         False, help="Start `draftverify serve` with --methods on a free loopback port, and stop it after."
     ),
-    target: Optional[str] = typer.Option(
-        None, "--target", "-t", help="--spawn: the target model (default: SmolLM2-135M-Instruct)."
-    ),
-    draft: Optional[str] = typer.Option(
-        None, "--draft", "-d", help="--spawn: the draft (see `draftverify generate --help`)."
-    ),
+    target: Optional[str] = target_option("--spawn: the target model"),
+    draft: Optional[str] = draft_option("--spawn: the draft model"),
     methods: str = typer.Option(
         "autoregressive,auto",
         help="Methods to load, comma-separated method specs; each request names one (the server must have it).",

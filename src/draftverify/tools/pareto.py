@@ -19,6 +19,8 @@ from typing import Optional
 
 import typer
 
+from draftverify.util import optional_import
+
 RATES = ("target_forwards_per_token", "discarded_per_token")
 
 
@@ -101,7 +103,8 @@ def to_markdown(tables: dict[str, list[dict]], source: str) -> str:
         ]
         for r in sorted(rows, key=lambda r: r["verification_rate"]):
             out.append(
-                f"| `{r['label']}` | {r['verification_rate']:.3f} | {r['discard_rate']:.3f} | {fmt(r['tokens_per_s'], '.1f')} | "
+                f"| `{r['label']}` | {r['verification_rate']:.3f} | {r['discard_rate']:.3f} | "
+                f"{fmt(r['tokens_per_s'], '.1f')} | "
                 f"{fmt(r['speedup'], '.2f')}x | {'*' if r['frontier'] else ''} |"
             )
     return "\n".join(out) + "\n"
@@ -109,8 +112,7 @@ def to_markdown(tables: dict[str, list[dict]], source: str) -> str:
 
 def pareto_plot(tables: dict[str, list[dict]]) -> bytes:
     """One panel per data set: discard rate (x) against verification rate (y), a line per series."""
-    import matplotlib
-
+    matplotlib = optional_import("matplotlib", "bench")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

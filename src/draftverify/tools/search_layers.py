@@ -24,10 +24,12 @@ from typing import Optional
 
 import typer
 
+from draftverify.cli_options import device_option, dtype_option, prompts_option, seed_option, target_option
 from draftverify.drafters.skipsets import SkipSet, save_skip_set
 from draftverify.errors import DraftVerifyError, require
 from draftverify.loading import Loaded, decoder_layers
-from draftverify.util import same_weights
+from draftverify.prompt_files import read_prompts
+from draftverify.util import optional_import, same_weights
 
 DEV_PROMPTS = Path(__file__).parent.parent / "assets" / "dev_prompts.jsonl"
 WARM_START_SCALES = (1.0, 0.5, 0.25, 0.1)  # densities of the paper-like first guesses (1.0 ~ 45% of the sub-layers)
@@ -116,7 +118,6 @@ def search_layers(
     A trial that runs `give_up` times slower than the best so far (or autoregressive) stops early
     and cannot become the best; None measures every trial in full.
     """
-    import optuna
     from tqdm import tqdm
 
     from draftverify.engine import Engine
@@ -126,19 +127,58 @@ def search_layers(
     require(trials is None or trials >= 1, f"--trials {trials} must be at least 1")
     require(prompts, "no development prompts: pass --prompts FILE with at least one prompt")
     method = dict(method or {})
+    settings = study_settings(prompts, max_new_tokens, clock, method)
+    study = open_study(target, out, settings, seed, resume)
+    engine = Engine(target)
+    engine.generate(prompts[0], method="autoregressive", max_new_tokens=4)  # warm-up
+    autoregressive = measure(engine, prompts, max_new_tokens, clock, method="autoregressive").ms_per_token
+    bar = tqdm(total=trials, unit="trial", desc="search-layers", disable=not progress, dynamic_ncols=True)
+    bar.set_postfix_str(f"autoregressive {autoregressive:.1f} ms/token")
+    n_layers = len(decoder_layers(target.model))
+    session = SearchSession(
+        study,
+        engine,
+        prompts,
+        out,
+        target.identity,
+        n_layers,
+        seed,
+        clock,
+        max_new_tokens,
+        method,
+        give_up,
+        autoregressive,
+        bar,
+    )
+    try:
+        study.optimize(session.objective, n_trials=trials, timeout=budget_s, callbacks=[session.after_trial])
+    finally:
+        bar.close()
+    require(session.best is not None, "no trial finished within the budget: give a larger --budget")
+    result = session.result_of(session.best)
+    session.write(result)  # again, to record the final trial count
+    return result
+
+
+def study_settings(prompts: list[list[int]], max_new_tokens: int, clock: str, method: dict) -> dict:
+    """What a study's trials were measured on: a resumed study must be measured alike."""
     require(
         "skip" not in method and "strategy" not in method and "skip_file" not in method,
         "the search chooses the skip set: drop skip, strategy and skip_file from the method options",
     )
-    n_layers = len(decoder_layers(target.model))
-    identity = target.identity
-    settings = {
+    return {
         "prompts_sha1": hashlib.sha1(repr(prompts).encode()).hexdigest()[:16],
         "max_new_tokens": max_new_tokens,
         "clock": clock,
         "method": {k: method[k] for k in sorted(method)},
     }
-    storage_path = study_path(out)
+
+
+def open_study(target: Loaded, out: Path, settings: dict, seed: int, resume: bool):
+    """The study kept next to `out` (a new one seeded with the heuristic skip sets), refused if it was made for
+    another model or with other prompts or settings."""
+    optuna = optional_import("optuna", "tools")
+    n_layers, identity, storage_path = len(decoder_layers(target.model)), target.identity, study_path(out)
     require(
         resume or not storage_path.exists(),
         f"a study already exists at {storage_path}: pass --resume to continue it, or delete it to start over",
@@ -149,7 +189,7 @@ def search_layers(
     done_before = sum(s.n_trials for s in optuna.get_all_study_summaries(storage) if s.study_name == STUDY_NAME)
     sampler = optuna.samplers.TPESampler(
         seed=seed + done_before, multivariate=True, n_startup_trials=len(WARM_START_SCALES) + 4
-    )
+    )  # a resumed session draws other trials than the sessions before it
     study = optuna.create_study(
         storage=storage, study_name=STUDY_NAME, sampler=sampler, direction="minimize", load_if_exists=True
     )
@@ -167,55 +207,68 @@ def search_layers(
         f"the study at {storage_path} measured other prompts or settings ({study.user_attrs['settings']}): "
         "resume with the same ones, or use another --out",
     )
+    return study
 
-    engine = Engine(target)
-    engine.generate(prompts[0], method="autoregressive", max_new_tokens=4)  # warm-up
-    autoregressive = measure(engine, prompts, max_new_tokens, clock, method="autoregressive").ms_per_token
-    finished = [
-        t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and not t.user_attrs["cut_short"]
-    ]
-    best = min(finished, key=lambda t: t.value, default=None)
 
-    def objective(trial: optuna.Trial) -> float:
-        skip = params_skip(
-            {name: trial.suggest_categorical(name, [False, True]) for name in skip_params(SkipSet(), n_layers)}
+@dataclass
+class SearchSession:
+    """One search session's objective and bookkeeping: the best finished trial so far (across sessions), written
+    to `out` whenever it improves; a trial slower than `give_up` times the best (or autoregressive) stops early."""
+
+    study: object  # the optuna study
+    engine: object  # the target's Engine
+    prompts: list[list[int]]
+    out: Path
+    identity: dict  # the target's
+    n_layers: int
+    seed: int
+    clock: str
+    max_new_tokens: int
+    method: dict  # the self-speculative options of every trial
+    give_up: float | None
+    autoregressive: float  # ms per token
+    bar: object  # the progress bar
+
+    def __post_init__(self):
+        done = [t for t in self.study.trials if t.state.name == "COMPLETE" and not t.user_attrs["cut_short"]]
+        self.best = min(done, key=lambda t: t.value, default=None)
+
+    def objective(self, trial) -> float:
+        names = skip_params(SkipSet(), self.n_layers)
+        skip = params_skip({name: trial.suggest_categorical(name, [False, True]) for name in names})
+        fastest = min(self.autoregressive, self.best.value if self.best is not None else self.autoregressive)
+        limit = None if self.give_up is None else self.give_up * fastest
+        m = measure(
+            self.engine,
+            self.prompts,
+            self.max_new_tokens,
+            self.clock,
+            limit,
+            method="self-speculative",
+            skip=skip,
+            **self.method,
         )
-        limit = (
-            None
-            if give_up is None
-            else give_up * min(autoregressive, best.value if best is not None else autoregressive)
-        )
-        m = measure(engine, prompts, max_new_tokens, clock, limit, method="self-speculative", skip=skip, **method)
         for key, value in asdict(m).items():
             trial.set_user_attr(key, value)
         return m.ms_per_token
 
-    bar = tqdm(total=trials, unit="trial", desc="search-layers", disable=not progress, dynamic_ncols=True)
-    bar.set_postfix_str(f"autoregressive {autoregressive:.1f} ms/token")
+    def after_trial(self, study, trial) -> None:
+        self.bar.update(1)
+        if trial.state.name == "COMPLETE" and not trial.user_attrs["cut_short"]:
+            if self.best is None or trial.value < self.best.value:
+                self.best = trial
+                self.write(self.result_of(trial))
+        if self.best is not None:
+            speedup = self.autoregressive / self.best.value
+            self.bar.set_postfix_str(f"best {self.best.value:.1f} ms/token ({speedup:.2f}x autoregressive)")
 
-    def after_trial(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        nonlocal best
-        bar.update(1)
-        if trial.state == optuna.trial.TrialState.COMPLETE and not trial.user_attrs["cut_short"]:
-            if best is None or trial.value < best.value:
-                best = trial
-                write_result(out, result_of(best), identity, seed, clock)
-        if best is not None:
-            bar.set_postfix_str(f"best {best.value:.1f} ms/token ({autoregressive / best.value:.2f}x autoregressive)")
-
-    def result_of(trial: optuna.trial.FrozenTrial) -> SearchResult:
+    def result_of(self, trial) -> SearchResult:
         m = Measured(**{k: trial.user_attrs[k] for k in ("ms_per_token", "acceptance", "tokens_per_step", "cut_short")})
-        finished = [t for t in study.trials if t.state.is_finished()]  # not the warm starts still queued
-        return SearchResult(params_skip(trial.params), m, autoregressive, len(finished))
+        finished = [t for t in self.study.trials if t.state.is_finished()]  # not the warm starts still queued
+        return SearchResult(params_skip(trial.params), m, self.autoregressive, len(finished))
 
-    try:
-        study.optimize(objective, n_trials=trials, timeout=budget_s, callbacks=[after_trial])
-    finally:
-        bar.close()
-    require(best is not None, "no trial finished within the budget: give a larger --budget")
-    result = result_of(best)
-    write_result(out, result, identity, seed, clock)  # again, to record the final trial count
-    return result
+    def write(self, result: SearchResult) -> None:
+        write_result(self.out, result, self.identity, self.seed, self.clock)
 
 
 def study_path(out: Path) -> Path:
@@ -245,60 +298,59 @@ def write_result(out: Path, result: SearchResult, identity: dict, seed: int, clo
 # -- the command ---------------------------------------------------------------------------
 
 
+# -- the options of `search_layers_command` ---------------------------------------
+
+OUT = typer.Option(
+    ..., "--out", help="Where to write the skip set (JSON); the study is kept next to it in OUT.study.journal."
+)
+BUDGET = typer.Option(10.0, "--budget", "-b", help="Time budget in minutes; the running trial finishes after it.")
+TRIALS = typer.Option(None, "--trials", help="Stop after this many trials in this session (default: only the budget).")
+RESUME = typer.Option(False, help="Continue the study kept next to OUT (same model, prompts and settings).")
+LIMIT = typer.Option(None, help="Use only the first N prompts (each trial decodes them all).")
+MAX_NEW_TOKENS = typer.Option(32, "--max-new-tokens", "-n", help="New tokens per prompt and trial.")
+CHAT = typer.Option(True, help="Wrap prompts in the chat template unless their JSONL row says otherwise.")
+CLOCK = typer.Option(
+    "wall", help="wall: elapsed time; cpu: this process's CPU time (steadier on a busy machine, CPU only)."
+)
+THREADS = typer.Option(None, help="torch CPU threads while searching (1 with --clock cpu on a shared machine).")
+GIVE_UP_OPTION = typer.Option(
+    GIVE_UP,
+    help="Stop measuring a trial once it runs this many times slower than the best so far (0 = measure every trial in "
+    "full).",
+)
+OPTION = typer.Option(
+    [],
+    "--option",
+    "-o",
+    help="A self-speculative option as key=value for every trial, e.g. -o policy=constant -o k=4. Repeatable.",
+)
+
+
 def search_layers_command(
-    out: Path = typer.Option(
-        ..., "--out", help="Where to write the skip set (JSON); the study is kept next to it in OUT.study.journal."
-    ),
-    model: Optional[str] = typer.Option(
-        None,
-        "--model",
-        "--target",
-        "-t",
-        help="The model: a local HF folder or a .gguf file. Default: SmolLM2-135M-Instruct.",
-    ),
-    prompts: Path = typer.Option(
-        DEV_PROMPTS,
-        "--prompts",
-        "-p",
-        help="Development prompts: .jsonl with a prompt field (and optional chat: bool) or .txt, one per line. Keep them disjoint from your benchmark prompts.",
-    ),
-    budget: float = typer.Option(
-        10.0, "--budget", "-b", help="Time budget in minutes; the running trial finishes after it."
-    ),
-    trials: Optional[int] = typer.Option(
-        None, "--trials", help="Stop after this many trials in this session (default: only the budget)."
-    ),
-    seed: int = typer.Option(0, help="Seed of the TPE sampler."),
-    resume: bool = typer.Option(False, help="Continue the study kept next to OUT (same model, prompts and settings)."),
-    limit: Optional[int] = typer.Option(None, help="Use only the first N prompts (each trial decodes them all)."),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="New tokens per prompt and trial."),
-    chat: bool = typer.Option(True, help="Wrap prompts in the chat template unless their JSONL row says otherwise."),
-    clock: str = typer.Option(
-        "wall", help="wall: elapsed time; cpu: this process's CPU time (steadier on a busy machine, CPU only)."
-    ),
-    threads: Optional[int] = typer.Option(
-        None, help="torch CPU threads while searching (1 with --clock cpu on a shared machine)."
-    ),
-    give_up: float = typer.Option(
-        GIVE_UP,
-        help="Stop measuring a trial once it runs this many times slower than the best so far (0 = measure every trial in full).",
-    ),
-    option: list[str] = typer.Option(
-        [],
-        "--option",
-        "-o",
-        help="A self-speculative option as key=value for every trial, e.g. -o policy=constant -o k=4. Repeatable.",
-    ),
-    dtype: str = typer.Option("auto", help="Weights dtype: auto, fp32, bf16 or fp16."),
-    device: str = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N."),
+    out: Path = OUT,
+    model: Optional[str] = target_option("The model", "--model"),
+    prompts: Path = prompts_option(DEV_PROMPTS, "Development prompts"),
+    budget: float = BUDGET,
+    trials: Optional[int] = TRIALS,
+    seed: int = seed_option("the TPE sampler"),
+    resume: bool = RESUME,
+    limit: Optional[int] = LIMIT,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    chat: bool = CHAT,
+    clock: str = CLOCK,
+    threads: Optional[int] = THREADS,
+    give_up: float = GIVE_UP_OPTION,
+    option: list[str] = OPTION,
+    dtype: str = dtype_option(),
+    device: str = device_option(),
 ):
-    """Search which attention / MLP sub-layers self-speculative decoding skips (Bayesian optimisation, time-boxed, resumable)."""
+    """Search which attention / MLP sub-layers self-speculative decoding skips (Bayesian optimisation, time-boxed,
+    resumable)."""
     import torch
 
     from draftverify.engine import Engine
     from draftverify.loading import load_model
     from draftverify.methods.spec import parse_options
-    from draftverify.tools.train_head import read_prompts
 
     require(out.suffix == ".json", f"--out {out} must end in .json")
     require(limit is None or limit >= 1, f"--limit {limit} must be at least 1")
@@ -328,10 +380,18 @@ def search_layers_command(
         raise DraftVerifyError(
             f"interrupted: the best skip set so far is in {out}; continue with the same command and --resume"
         ) from None
+    typer.echo(describe_result(result, out, 2 * len(decoder_layers(target.model))))
+
+
+def describe_result(result: SearchResult, out: Path, sub_layers: int) -> str:
+    """The search's closing lines: the best skip set, its speed against autoregressive, where it was written."""
     m = result.measured
-    typer.echo(
-        f"best of {result.trials} trials: skip {result.skip.describe()} ({result.skip.size} of {2 * len(decoder_layers(target.model))} sub-layers)\n"
-        f"{m.ms_per_token:.1f} ms/token vs {result.autoregressive_ms_per_token:.1f} autoregressive ({result.speedup:.2f}x), "
-        f"acceptance {m.acceptance if m.acceptance is None else round(m.acceptance, 3)}, tokens/step {m.tokens_per_step if m.tokens_per_step is None else round(m.tokens_per_step, 2)}\n"
+    return (
+        f"best of {result.trials} trials: skip {result.skip.describe()} ({result.skip.size} of "
+        f"{sub_layers} sub-layers)\n"
+        f"{m.ms_per_token:.1f} ms/token vs {result.autoregressive_ms_per_token:.1f} autoregressive "
+        f"({result.speedup:.2f}x), "
+        f"acceptance {m.acceptance if m.acceptance is None else round(m.acceptance, 3)}, tokens/step "
+        f"{m.tokens_per_step if m.tokens_per_step is None else round(m.tokens_per_step, 2)}\n"
         f"wrote {out}; use it with `draftverify generate -m self-speculative --skip-file {out}`"
     )

@@ -25,7 +25,7 @@ from draftverify.errors import require
 from draftverify.loading import DRAFT_META_FILE, Loaded, tokenizer_fingerprint
 from draftverify.models import Runner
 from draftverify.tools.make_draft.data import DataCache, DataPlan, load_checked
-from draftverify.tools.make_draft.prompts import TEXT_LICENSE
+from draftverify.tools.make_draft.draft_card import model_card
 from draftverify.tools.make_draft.train import (
     batches,
     choose_layers,
@@ -104,41 +104,14 @@ def build_draft(
     )
     torch.manual_seed(config.seed)
     plan = DataPlan(target.identity, config.seed, config.topk)
-    cache = DataCache(work, plan)
-    if config.data_share > 0 or not cache.shards():
-        cache.fill(
-            target,
-            start + config.budget_minutes * 60 * config.data_share,
-            config.heldout_prompts,
-            config.gen_batch,
-            config.max_new_tokens,
-            DATA_SOURCES[config.data],
-            config.max_shards,
-            log,
-        )
-    records, data_summary = cache.records()
-    heldout = cache.heldout()
-    require(
-        records, f"no training data was made within the budget: raise --budget-minutes (data cache: {cache.folder})"
-    )
-
+    records, data_summary, heldout = _training_data(target, DataCache(work, plan), config, start, log)
     state = load_checked(checkpoint_path, "checkpoint") if checkpoint_path.exists() else None
     if state is not None:
         require(
             state.get("plan") == asdict(plan) and state.get("layers") == config.layers,
             f"checkpoint {checkpoint_path} belongs to another target or settings: delete {work} or use another --work",
         )
-        layer_ids, layer_scores = tuple(state["layer_ids"]), state["layer_scores"]
-    elif config.layer_ids is not None:
-        layer_ids, layer_scores = tuple(config.layer_ids), {}
-    else:
-        layer_ids, layer_scores = choose_layers(
-            target, config.layers, heldout[: config.eval_sequences], config.batch_tokens, config.max_len
-        )
-        log(
-            "layer choice (held-out KL before training): "
-            + ", ".join(f"{k} {v['layers']} {v['kl']:.3f}" for k, v in layer_scores.items())
-        )
+    layer_ids, layer_scores = _layers(target, config, state, heldout, log)
     model = init_draft(target, layer_ids)
     state = train(
         model, records, heldout, config, layer_ids, layer_scores, plan, checkpoint_path, state, deadline, log, progress
@@ -154,9 +127,7 @@ def build_draft(
         "layer_choice": layer_scores,
         "steps": state["step"],
         "train_seconds": round(state["train_seconds"]),
-        "device": str(target.device)
-        if target.device.type != "cpu"
-        else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "device": _device_name(target),
         "data": data_summary,
         "heldout": {"sequences": len(heldout), **final},
         "history": state["history"],
@@ -166,9 +137,54 @@ def build_draft(
     }
     write_folder(model, target, out, facts, share_embeddings, save_dtype)
     log(
-        f"draft written to {out}: held-out greedy agreement {final['agreement']:.3f}, forward cost {cost['ratio']:.2f}x the target's"
+        f"draft written to {out}: held-out greedy agreement {final['agreement']:.3f}, forward cost "
+        f"{cost['ratio']:.2f}x the target's"
     )
     return facts
+
+
+def _device_name(target: Loaded) -> str:
+    """Where the draft was trained, for its model card (the CPU's name and threads, or the GPU)."""
+    if target.device.type != "cpu":
+        return str(target.device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _training_data(target: Loaded, cache: DataCache, config: DraftConfig, start: float, log):
+    """The training records (made until the data share of the budget, on top of the cached ones), the data's
+    summary and the held-out sequences."""
+    if config.data_share > 0 or not cache.shards():
+        cache.fill(
+            target,
+            start + config.budget_minutes * 60 * config.data_share,
+            config.heldout_prompts,
+            config.gen_batch,
+            config.max_new_tokens,
+            DATA_SOURCES[config.data],
+            config.max_shards,
+            log,
+        )
+    records, summary = cache.records()
+    require(
+        records, f"no training data was made within the budget: raise --budget-minutes (data cache: {cache.folder})"
+    )
+    return records, summary, cache.heldout()
+
+
+def _layers(target: Loaded, config: DraftConfig, state: dict | None, heldout, log) -> tuple[tuple[int, ...], dict]:
+    """Which target layers the draft copies: the checkpoint's, else --layer-ids, else the best by held-out KL."""
+    if state is not None:
+        return tuple(state["layer_ids"]), state["layer_scores"]
+    if config.layer_ids is not None:
+        return tuple(config.layer_ids), {}
+    layer_ids, layer_scores = choose_layers(
+        target, config.layers, heldout[: config.eval_sequences], config.batch_tokens, config.max_len
+    )
+    log(
+        "layer choice (held-out KL before training): "
+        + ", ".join(f"{k} {v['layers']} {v['kl']:.3f}" for k, v in layer_scores.items())
+    )
+    return layer_ids, layer_scores
 
 
 def learning_rate(config: DraftConfig, step: int, progress: float) -> float:
@@ -191,22 +207,15 @@ def train(
         model.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
     else:
-        state = {
-            "step": 0,
-            "train_seconds": 0.0,
-            "history": [{"step": 0, **evaluate(model, probe, config.batch_tokens, config.max_len)}],
-        }
+        state = {"step": 0, "train_seconds": 0.0}
+        state["history"] = [{"step": 0, **evaluate(model, probe, config.batch_tokens, config.max_len)}]
     state.update(plan=asdict(plan), layers=config.layers, layer_ids=list(layer_ids), layer_scores=layer_scores)
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
 
     def save() -> None:
-        params_state = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
-        with atomic_path(checkpoint_path) as tmp:
-            torch.save({**state, "model": params_state, "optimizer": optimizer.state_dict(), "names": names}, tmp)
+        _save_checkpoint(checkpoint_path, model, optimizer, state)
 
-    budget = max(
-        1e-9, deadline - time.monotonic() + state["train_seconds"]
-    )  # training seconds this build may spend in all
+    # training seconds this build may spend in all
+    budget = max(1e-9, deadline - time.monotonic() + state["train_seconds"])
     autocast = (
         torch.autocast("cuda", torch.bfloat16) if model.device.type == "cuda" else torch.autocast("cpu", enabled=False)
     )
@@ -234,11 +243,8 @@ def train(
             latest = {"step": state["step"], **evaluate(model, probe, config.batch_tokens, config.max_len)}
             state["history"].append(latest)
         bar.update(1)
-        bar.set_postfix(
-            loss=f"{loss.item():.3f}",
-            agree=f"{agreed.float().mean().item():.2f}",
-            heldout_agree=f"{latest['agreement']:.3f}",
-        )
+        agree, heldout_agree = f"{agreed.float().mean().item():.2f}", f"{latest['agreement']:.3f}"
+        bar.set_postfix(loss=f"{loss.item():.3f}", agree=agree, heldout_agree=heldout_agree)
         if time.monotonic() - last_save > config.checkpoint_minutes * 60:
             save()
             last_save = time.monotonic()
@@ -246,6 +252,14 @@ def train(
     save()
     log(f"trained {state['step']} steps in {state['train_seconds']:.0f}s")
     return state
+
+
+def _save_checkpoint(path: Path, model, optimizer, state: dict) -> None:
+    """The trainable weights, the optimiser and `state`, replaced atomically (a resumed build starts from it)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    weights = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    with atomic_path(path) as tmp:
+        torch.save({**state, "model": weights, "optimizer": optimizer.state_dict(), "names": names}, tmp)
 
 
 def _schedule(records, config):
@@ -280,7 +294,8 @@ def relative_cost(draft: torch.nn.Module, target: torch.nn.Module, reps: int = 3
 
 
 def write_folder(model, target: Loaded, out: Path, facts: dict, share_embeddings: bool, save_dtype: str) -> None:
-    """config, safetensors weights, tokenizer, generation config, draftverify.json and README.md, each replaced atomically."""
+    """config, safetensors weights, tokenizer, generation config, draftverify.json and README.md, each replaced
+    atomically."""
     from safetensors.torch import save_file
 
     from draftverify.loading import DTYPES
@@ -323,75 +338,3 @@ def write_folder(model, target: Loaded, out: Path, facts: dict, share_embeddings
 
 def _weight_name(model: torch.nn.Module, module: torch.nn.Module) -> str:
     return next(name for name, m in model.named_modules() if m is module) + ".weight"
-
-
-def model_card(f: dict) -> str:
-    """README.md of the draft folder; every number comes from `facts`."""
-    h = f["heldout"]
-    c = f["relative_forward_cost"]
-    data_rows = "\n".join(
-        f"| {kind} | {row['shards']} | {row['sequences']} | {row['positions']} |"
-        for kind, row in sorted(f["data"].items())
-    )
-    choice = (
-        "\n".join(
-            f"| {name} | {v['layers']} | {v['kl']:.3f} | {v['agreement']:.3f} |"
-            for name, v in f["layer_choice"].items()
-        )
-        or "| (given with --layer-ids) | | | |"
-    )
-    history = ", ".join(f"step {e['step']}: {e['agreement']:.3f}" for e in f["history"])
-    load = (
-        "The embedding and head weights are **not stored**: they are the target's, restored at load time by "
-        "`draftverify.models.load_draft(PATH, target)` (or `--draft PATH`), which refuses any other target."
-        if f["share_embeddings"]
-        else "This is a complete transformers folder: `AutoModelForCausalLM.from_pretrained(PATH)` loads it."
-    )
-    return f"""# Draft model for {f["target"]}
-
-A small causal LM that proposes tokens for lossless draft-then-verify decoding of
-**{f["target"]}** with draftverify (speculative decoding,
-Ouroboros, SpecDec++...). It shares the target's tokenizer. Made by `draftverify make-draft`;
-every number below was written by that tool.
-
-{load}
-
-## How it was made
-- Architecture: the target's ({f["target_identity"]["model_type"]}) with {len(f["layers"])} of its
-  {f["target_identity"]["num_hidden_layers"]} decoder layers: target layers {f["layers"]}, plus its
-  embeddings, final norm and head (frozen during training).
-- Layer choice: candidate layer sets scored by held-out KL before training; the lowest was kept.
-
-| candidate | target layers | held-out KL | greedy agreement |
-|---|---|---|---|
-{choice}
-
-- Training: distillation, loss KL(p || q) with p = the target's next-token distribution over its
-  top-{f["config"]["topk"]} tokens (renormalised) and q = the draft's; AdamW, lr {f["config"]["lr"]},
-  {f["steps"]} steps of about {f["config"]["batch_tokens"]} tokens, {f["train_seconds"]} s on {f["device"]}.
-- Command: `{f["command"]}`
-
-## Data and licenses
-| source | shards | sequences | target positions |
-|---|---|---|---|
-{data_rows}
-
-- `chat-greedy` / `chat-sampled`: the target's own greedy (sampled, T=0.8, top-p 0.95) replies to
-  chat prompts written from the project's templates (explain, write, tips, compare, questions,
-  code tasks, code completion, code review, summarise, translate, math, reasoning, role play,
-  extraction, documentation QA, chit-chat). No benchmark prompt was used. Outputs of
-  {f["target"]} are subject to that model's license (Apache-2.0 for SmolLM2).
-- `text`: conversations whose assistant turn is text of the Python standard library
-  (`pydoc_data/topics.py` and stdlib function sources), under the {TEXT_LICENSE}; the same
-  text fills the templates' passages, signatures and docstrings.
-
-## Size
-{f["parameters"]:,} parameters, {f["own_parameters"]:,} of them outside the (target's) embeddings and head; weights file {f["file_mb"]} MB ({f["save_dtype"]}).
-
-## Quality and cost
-- Held-out greedy agreement with the target (teacher-forced, {h["positions"]} positions of the
-  target's greedy replies to {h["sequences"]} held-out prompts): **{h["agreement"]:.3f}**; held-out KL {h["kl"]:.3f}.
-- During training (first {f["config"]["eval_sequences"]} held-out replies): {history}.
-- Forward cost of one token against a 64-token cache: draft {c["draft_s"] * 1000:.1f} ms, target
-  {c["target_s"] * 1000:.1f} ms, **{c["ratio"]:.2f}x** the target's (median of {c["reps"]}, same machine).
-"""

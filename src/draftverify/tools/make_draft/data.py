@@ -1,6 +1,6 @@
 """Distillation data: token sequences with the target's top-k next-token log-probabilities.
 
-Two sources, stored alike as `Record`s in shards on disk (written atomically, so an interrupted
+Two sources, stored alike as `TrainingRecord`s in shards on disk (written atomically, so an interrupted
 build keeps every finished shard and `--resume` never redoes them):
 - "chat": the target's own continuations (greedy, or sampled for one batch in four) of chat
   prompts written from templates (`prompts.py`), made with batched `model.generate`, whose raw
@@ -27,7 +27,7 @@ MAX_PROMPT_TOKENS = 256  # longer template prompts are skipped: padding them cos
 
 
 @dataclass
-class Record:
+class TrainingRecord:
     """One sequence; position `start + j` (predicting token `start + j + 1`) has target row j."""
 
     ids: torch.Tensor  # [T] int32 token ids
@@ -88,7 +88,7 @@ def left_padded(target: Loaded, prompts: list[list[int]]) -> tuple[torch.Tensor,
 @torch.inference_mode()
 def generated_records(
     target: Loaded, prompts: list[list[int]], max_new_tokens: int, k: int, sample: bool
-) -> list[Record]:
+) -> list[TrainingRecord]:
     """The target's continuations of `prompts` (one batched generate), with top-k targets per new token."""
     from transformers import GenerationConfig
 
@@ -117,12 +117,12 @@ def generated_records(
         g = ends[0] + 1 if ends else new.shape[1]
         logp, idx = topk_logprobs(logits[b, :g], k)
         ids = torch.tensor(p + new[b, :g].tolist(), dtype=torch.int32)
-        records.append(Record(ids, len(p) - 1, logp.cpu(), idx.cpu()))
+        records.append(TrainingRecord(ids, len(p) - 1, logp.cpu(), idx.cpu()))
     return records
 
 
 @torch.inference_mode()
-def forced_records(target: Loaded, sequences: list[list[int]], k: int) -> list[Record]:
+def forced_records(target: Loaded, sequences: list[list[int]], k: int) -> list[TrainingRecord]:
     """Targets at every position of fixed `sequences` (one right-padded forward of the target)."""
     width = max(len(s) for s in sequences)
     input_ids = torch.zeros(len(sequences), width, dtype=torch.long)  # [B, T]
@@ -135,11 +135,11 @@ def forced_records(target: Loaded, sequences: list[list[int]], k: int) -> list[R
     records = []
     for b, s in enumerate(sequences):
         logp, idx = topk_logprobs(logits[b, : len(s) - 1], k)
-        records.append(Record(torch.tensor(s, dtype=torch.int32), 0, logp.cpu(), idx.cpu()))
+        records.append(TrainingRecord(torch.tensor(s, dtype=torch.int32), 0, logp.cpu(), idx.cpu()))
     return records
 
 
-def record_dicts(records: list[Record]) -> list[dict]:
+def record_dicts(records: list[TrainingRecord]) -> list[dict]:
     return [asdict(r) for r in records]
 
 
@@ -196,14 +196,14 @@ class ShardFolder:
 class DataCache(ShardFolder):
     """The distillation data of a draft-model build (`work/data`)."""
 
-    subfolder, key, item, what = "data", "records", Record, "the data cache"
+    subfolder, key, item, what = "data", "records", TrainingRecord, "the data cache"
 
-    def records(self) -> tuple[list[Record], dict]:
+    def records(self) -> tuple[list[TrainingRecord], dict]:
         """Every cached training record, and per kind of shard: shards, sequences and target positions."""
         records, summary = [], {}
         for path in self.shards():
             data = self.read(path)
-            part = [Record(**r) for r in data["records"]]
+            part = [TrainingRecord(**r) for r in data["records"]]
             row = summary.setdefault(data.get("kind", "unknown"), {"shards": 0, "sequences": 0, "positions": 0})
             row["shards"] += 1
             row["sequences"] += len(part)

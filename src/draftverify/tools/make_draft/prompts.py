@@ -15,6 +15,20 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftverify.tools.make_draft.prompt_words import (
+    AUDIENCES,
+    CODE_LANGUAGES,
+    CODE_TASKS,
+    FORMS,
+    ITEMS,
+    LANGUAGES,
+    NAMES,
+    QUESTIONS,
+    ROLES,
+    SENTENCES,
+    TOPICS,
+)
+
 TEXT_LICENSE = "Python Software Foundation License Version 2 (text of the Python standard library and its pydoc topics)"
 
 # Stdlib modules read as source (parsed with `ast`, never imported).
@@ -92,227 +106,6 @@ STDLIB_FILES = (
     "selectors.py",
 )
 
-TOPICS = (
-    "photosynthesis",
-    "the water cycle",
-    "black holes",
-    "the French Revolution",
-    "compound interest",
-    "vaccines",
-    "climate change",
-    "the immune system",
-    "machine learning",
-    "blockchain",
-    "the stock market",
-    "volcanoes",
-    "the Roman Empire",
-    "plate tectonics",
-    "DNA replication",
-    "supply and demand",
-    "renewable energy",
-    "the internet",
-    "quantum computing",
-    "the theory of evolution",
-    "inflation",
-    "meditation",
-    "sleep",
-    "the solar system",
-    "electric cars",
-    "recycling",
-    "the printing press",
-    "democracy",
-    "artificial intelligence",
-    "the human heart",
-    "earthquakes",
-    "coffee",
-    "jazz music",
-    "the Great Wall of China",
-    "honey bees",
-    "the Olympic Games",
-    "social media",
-    "time management",
-    "public speaking",
-    "healthy eating",
-    "gravity",
-    "the moon landing",
-    "the Renaissance",
-    "cryptography",
-    "rainforests",
-    "ocean tides",
-    "antibiotics",
-    "the Industrial Revolution",
-    "photography",
-    "chess",
-    "gardening",
-    "remote work",
-    "the speed of light",
-    "operating systems",
-    "databases",
-    "version control with git",
-    "unit testing",
-    "recursion",
-    "hash tables",
-    "sorting algorithms",
-    "the TCP/IP model",
-    "encryption",
-    "cloud computing",
-    "neural networks",
-    "probability",
-    "prime numbers",
-    "the Pythagorean theorem",
-    "statistics",
-    "linear algebra",
-    "calculus",
-    "the periodic table",
-    "chemical reactions",
-    "magnetism",
-    "nutrition",
-    "exercise",
-    "friendship",
-    "leadership",
-    "negotiation",
-    "budgeting",
-    "learning a new language",
-    "writing a resume",
-    "job interviews",
-    "traveling on a budget",
-    "urban planning",
-    "bridges",
-    "airplanes",
-    "the history of writing",
-    "mythology",
-    "the Cold War",
-)
-FORMS = (
-    "poem",
-    "short story",
-    "blog post",
-    "email",
-    "speech",
-    "product description",
-    "haiku",
-    "limerick",
-    "letter",
-    "diary entry",
-    "news article",
-    "advertisement",
-    "dialogue",
-    "song",
-    "review",
-    "tweet",
-)
-AUDIENCES = ("a five-year-old", "a high school student", "a beginner", "an expert", "a busy manager", "my grandmother")
-LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese", "Chinese", "Japanese", "Russian")
-ROLES = (
-    "a pirate captain",
-    "a medieval knight",
-    "a travel guide",
-    "a chef",
-    "a detective",
-    "a teacher",
-    "a doctor",
-    "a startup founder",
-    "a museum curator",
-    "an astronaut",
-    "a librarian",
-    "a personal trainer",
-)
-NAMES = ("Alice", "Bob", "Maria", "John", "Priya", "Chen", "Fatima", "Lucas", "Emma", "Omar", "Sofia", "Liam")
-ITEMS = ("apple", "notebook", "pencil", "cookie", "ticket", "book", "shirt", "cupcake", "toy car", "plant")
-CODE_TASKS = (
-    "reverses a string",
-    "checks whether a number is prime",
-    "returns the n-th Fibonacci number",
-    "counts the vowels in a string",
-    "merges two sorted lists",
-    "removes duplicates from a list while keeping order",
-    "finds the largest element of a list",
-    "checks whether a string is a palindrome",
-    "computes the factorial of n",
-    "flattens a nested list",
-    "returns the most common word in a text",
-    "converts Celsius to Fahrenheit",
-    "sorts a list of dictionaries by a key",
-    "computes the greatest common divisor of two numbers",
-    "checks whether two strings are anagrams",
-    "returns all prime numbers below n",
-    "implements binary search",
-    "reads a CSV file and returns its rows",
-    "counts the lines of a file",
-    "transposes a matrix",
-    "finds the second largest number in a list",
-    "capitalizes every word of a sentence",
-    "computes the mean and median",
-    "validates an email address",
-    "returns the sum of the digits of an integer",
-    "rotates a list by k positions",
-    "groups words by their first letter",
-    "implements a stack class",
-    "implements a queue with two stacks",
-    "finds the longest common prefix of a list of strings",
-    "converts a Roman numeral to an integer",
-    "computes the running sum of a list",
-    "checks whether brackets in a string are balanced",
-    "returns the intersection of two lists",
-    "computes the power set of a list",
-    "converts a number to binary",
-    "finds all pairs in a list that sum to a target",
-    "returns the length of the longest word",
-    "computes the dot product of two vectors",
-    "chunks a list into pieces of size n",
-)
-CODE_LANGUAGES = ("Python", "Python", "Python", "JavaScript", "C", "Java", "Rust", "Go", "SQL", "Bash")
-QUESTIONS = (
-    "Why is the sky blue?",
-    "How do airplanes stay in the air?",
-    "What causes the seasons?",
-    "How does a refrigerator work?",
-    "Why do we dream?",
-    "What is the difference between weather and climate?",
-    "How do vaccines work?",
-    "What is the capital of Australia and why was it chosen?",
-    "How does the internet work?",
-    "Why do cats purr?",
-    "What is a black hole?",
-    "How do I make a good cup of tea?",
-    "What is the meaning of life?",
-    "How are rainbows formed?",
-    "What is the difference between a virus and a bacterium?",
-    "How does a computer store numbers?",
-    "Who invented the telephone?",
-    "Why is exercise good for you?",
-    "How do I learn to code?",
-    "What is an API?",
-    "What is the difference between a list and a tuple in Python?",
-    "How can I improve my memory?",
-    "Why do leaves change color in autumn?",
-    "What is the tallest mountain in the world?",
-    "How do magnets work?",
-    "What are the benefits of reading books?",
-    "How do I stay motivated?",
-    "What is the largest planet?",
-    "How do birds know where to migrate?",
-    "What is a good way to save money?",
-)
-SENTENCES = (
-    "The weather is beautiful today.",
-    "I would like to order a cup of coffee, please.",
-    "Where is the train station?",
-    "My brother is learning to play the guitar.",
-    "We are going to the beach this weekend.",
-    "This book is very interesting.",
-    "Can you help me find my keys?",
-    "The meeting has been moved to Thursday.",
-    "She works as a nurse at the hospital.",
-    "I have been living in this city for five years.",
-    "The children are playing in the garden.",
-    "Please turn off the lights when you leave.",
-    "How much does this jacket cost?",
-    "The museum opens at nine o'clock.",
-    "He forgot his umbrella at home.",
-    "Learning a new language takes time and patience.",
-)
-
 TEMPLATES = (  # (weight, kind): which builder below renders the user turn
     (3, "explain"),
     (2, "write"),
@@ -376,8 +169,19 @@ class Stdlib:
 
 
 def make_prompt(kind: str, rng: random.Random, lib: Stdlib) -> str:
-    """One user turn of the given template kind, with random fillers."""
+    """One user turn of the given template kind, with random fillers. The draws' order is the data's identity
+    (a seed gives the same prompts in every version): every kind after `code_task` draws a stdlib function."""
     topic = rng.choice(TOPICS)
+    general = _general_prompt(kind, rng, topic)
+    if general is not None:
+        return general
+    function = rng.choice(lib.functions)
+    text = _text_prompt(kind, rng, lib, function)
+    return text if text is not None else _reasoning_prompt(kind, rng, topic)
+
+
+def _general_prompt(kind: str, rng: random.Random, topic: str) -> str | None:
+    """Explain, write, tips, compare, question and code-task turns (None for the other kinds)."""
     if kind == "explain":
         return rng.choice(
             (
@@ -406,7 +210,12 @@ def make_prompt(kind: str, rng: random.Random, lib: Stdlib) -> str:
                 "Implement a function in {l} that {t}. Include a short example.",
             )
         ).format(l=lang, t=rng.choice(CODE_TASKS))
-    name, header, source = rng.choice(lib.functions)
+    return None
+
+
+def _text_prompt(kind: str, rng: random.Random, lib: Stdlib, function: tuple[str, str, str]) -> str | None:
+    """Turns that quote stdlib text or code (None for the other kinds)."""
+    name, header, source = function
     if kind == "complete_code":
         return (
             rng.choice(
@@ -434,19 +243,34 @@ def make_prompt(kind: str, rng: random.Random, lib: Stdlib) -> str:
     if kind == "translate":
         sentence = rng.choice(SENTENCES)
         return f"Translate the following sentence into {rng.choice(LANGUAGES)}: {sentence}"
+    if kind == "extract":
+        return f"List the key terms mentioned in the following text.\n\n{lib.passage(rng, 800)}"
+    if kind == "doc_qa":
+        short = name.rsplit(".", 1)[-1]
+        question = f"what does `{short}` do, and when would I use it?"
+        return f"Here is the documentation of `{name}`:\n\n{header}\n\nQuestion: {question}"
+    return None
+
+
+def _reasoning_prompt(kind: str, rng: random.Random, topic: str) -> str:
+    """Math, reasoning and role-play turns, and plain chat for every other kind."""
     if kind == "math":
         a, b, c = rng.randint(2, 60), rng.randint(2, 25), rng.randint(2, 9)
         who, item = rng.choice(NAMES), rng.choice(ITEMS)
         return rng.choice(
             (
-                f"{who} buys {a} {item}s for ${b} each and pays with a ${a * b + rng.randint(1, 50)} bill. How much change does {who} get?",
+                f"{who} buys {a} {item}s for ${b} each and pays with a ${a * b + rng.randint(1, 50)} bill. "
+                f"How much change does {who} get?",
                 f"A train travels {a * 10} km in {c} hours. What is its average speed?",
                 f"What is {a} times {b}, plus {c * 7}?",
                 f"Solve for x: {c}x + {b} = {c * a + b}.",
-                f"{who} has {a} {item}s and gives away {min(a, b)}. Then {who} buys {c} more. How many {item}s does {who} have now?",
+                f"{who} has {a} {item}s and gives away {min(a, b)}. Then {who} buys {c} more. "
+                f"How many {item}s does {who} have now?",
                 f"A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
-                f"If a shirt costs ${a * 3} and is on sale for {rng.choice((10, 20, 25, 50))}% off, what is the sale price?",
-                f"{who} reads {b} pages a day. How many days does it take to read a book of {b * a} pages? Let's think step by step.",
+                f"If a shirt costs ${a * 3} and is on sale for {rng.choice((10, 20, 25, 50))}% off, "
+                "what is the sale price?",
+                f"{who} reads {b} pages a day. How many days does it take to read a book of {b * a} pages? "
+                "Let's think step by step.",
             )
         )
     if kind == "reason":
@@ -462,10 +286,6 @@ def make_prompt(kind: str, rng: random.Random, lib: Stdlib) -> str:
         )
     if kind == "roleplay":
         return f"Pretend you are {rng.choice(ROLES)}. Tell me about {topic}."
-    if kind == "extract":
-        return f"List the key terms mentioned in the following text.\n\n{lib.passage(rng, 800)}"
-    if kind == "doc_qa":
-        return f"Here is the documentation of `{name}`:\n\n{header}\n\nQuestion: what does `{name.rsplit('.', 1)[-1]}` do, and when would I use it?"
     return rng.choice(
         (
             "Hi! How are you today?",

@@ -20,7 +20,7 @@ import torch
 
 from draftverify.errors import require
 from draftverify.loading import Loaded, layer_prefix
-from draftverify.tools.make_draft.data import Record
+from draftverify.tools.make_draft.data import TrainingRecord
 
 
 def candidate_layer_sets(total: int, n: int) -> dict[str, tuple[int, ...]]:
@@ -82,7 +82,8 @@ def init_draft(target: Loaded, layer_ids: tuple[int, ...]) -> torch.nn.Module:
 
 
 def _check_head(model: torch.nn.Module) -> None:
-    """The loss computes logits as head(last hidden state) on target positions only: make sure that is the model's own rule."""
+    """The loss computes logits as head(last hidden state) on target positions only: make sure that is the model's own
+    rule."""
     ids = torch.arange(8, device=model.device).view(1, 8) % model.config.vocab_size
     with torch.no_grad():
         full = model(input_ids=ids).logits
@@ -98,7 +99,7 @@ def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 @dataclass
-class Batch:
+class TrainingBatch:
     ids: torch.Tensor  # [B, T] long, right-padded
     mask: torch.Tensor  # [B, T] 1 = real token
     rows: torch.Tensor  # [M] batch row of each target position
@@ -107,7 +108,7 @@ class Batch:
     idx: torch.Tensor  # [M, k] target top-k token ids
 
 
-def collate(records: list[Record], max_len: int, device) -> Batch:
+def collate(records: list[TrainingRecord], max_len: int, device) -> TrainingBatch:
     width = min(max_len, max(len(r.ids) for r in records))
     ids = torch.zeros(len(records), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -121,7 +122,7 @@ def collate(records: list[Record], max_len: int, device) -> Batch:
         cols.append(torch.arange(r.start, r.start + n))
         logp.append(r.logp[:n])
         idx.append(r.idx[:n])
-    return Batch(
+    return TrainingBatch(
         ids.to(device),
         mask.to(device),
         torch.cat(rows).to(device),
@@ -131,7 +132,7 @@ def collate(records: list[Record], max_len: int, device) -> Batch:
     )
 
 
-def batches(records: list[Record], token_budget: int, max_len: int, seed: int, epoch: int) -> list[list[int]]:
+def batches(records: list[TrainingRecord], token_budget: int, max_len: int, seed: int, epoch: int) -> list[list[int]]:
     """Record indices grouped into batches of at most `token_budget` tokens, in an order fixed by (seed, epoch)."""
     order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
     groups, current, used = [], [], 0
@@ -147,7 +148,7 @@ def batches(records: list[Record], token_budget: int, max_len: int, seed: int, e
     return groups
 
 
-def distill_loss(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+def distill_loss(model: torch.nn.Module, batch: TrainingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean KL(p || q) over target positions, agreements [M] bool)."""
     h = model.base_model(input_ids=batch.ids, attention_mask=batch.mask).last_hidden_state  # [B, T, H]
     logits = model.get_output_embeddings()(h[batch.rows, batch.cols]).float()  # [M, V]
@@ -158,7 +159,7 @@ def distill_loss(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, to
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, records: list[Record], token_budget: int, max_len: int) -> dict:
+def evaluate(model: torch.nn.Module, records: list[TrainingRecord], token_budget: int, max_len: int) -> dict:
     """Held-out mean KL and greedy agreement (fraction of positions where draft and target argmax agree)."""
     was_training = model.training
     model.eval()
@@ -174,7 +175,7 @@ def evaluate(model: torch.nn.Module, records: list[Record], token_budget: int, m
 
 
 def choose_layers(
-    target: Loaded, n: int, heldout: list[Record], token_budget: int, max_len: int
+    target: Loaded, n: int, heldout: list[TrainingRecord], token_budget: int, max_len: int
 ) -> tuple[tuple[int, ...], dict]:
     """The candidate layer set with the lowest held-out KL before training, and every candidate's score."""
     scores = {}

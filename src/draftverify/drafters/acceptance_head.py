@@ -122,8 +122,10 @@ def load_head(
     from safetensors import safe_open
 
     path = Path(path)
-    require(path.is_file(), f"acceptance head {path} does not exist: train one with `draftverify train-head`")
-    fix = "retrain it with `draftverify train-head`"
+    require(
+        path.is_file(), f"acceptance head {path} does not exist: train one with `draftverify train-acceptance-head`"
+    )
+    fix = "retrain it with `draftverify train-acceptance-head`"
     try:
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
@@ -142,8 +144,9 @@ def load_head(
             require(
                 same_weights(trained_for[role], identity),
                 f"acceptance head {path} was trained for another {role} model "
-                f"({describe_identity(trained_for[role])}, here {describe_identity(identity)}): train a head for this pair with "
-                "`draftverify train-head --target ... --draft ...`",
+                f"({describe_identity(trained_for[role])}, here {describe_identity(identity)}): train a head for this "
+                f"pair with "
+                "`draftverify train-acceptance-head --target ... --draft ...`",
             )
     head.trained_for = trained_for
     return head.eval().requires_grad_(False)

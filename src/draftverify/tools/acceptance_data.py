@@ -1,0 +1,288 @@
+"""Training data for the SpecDec++ acceptance head (Huang et al. 2024, section 3.3, steps 1-3).
+
+1. the target answers the training prompts: X_1..X_N (batched `generate`, cached on disk);
+2. on the target's prefix X_<i, the target gives p_i and the draft q_i; Y_i ~ q_i and its label is
+   the chance it would be accepted, P_i = min(1, p_i(Y_i) / q_i(Y_i)) (with greedy settings p and
+   q are one-hot, so P_i = 1 exactly when the draft's argmax is the target's);
+3. the draft reads a mixed response Z: Z_i = X_i for a fraction r of positions, Y_i for the rest
+   (the paper's BERT-style mixing, so the draft sees its own tokens as at inference); its final
+   hidden state e_i at each position reading a Y_i is one training input, with label P_i.
+The answers and the labelled examples are cached under a key of everything they depend on (written atomically).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draftverify.errors import require
+from draftverify.loading import Loaded
+from draftverify.models import Runner
+from draftverify.sampling import Sampling
+from draftverify.util import atomic_path, atomic_write
+from draftverify.verify import fit_vocab
+
+
+@dataclass
+class Examples:
+    """Training inputs: hidden states e [N, H], labels P [N] and the response each came from [N]."""
+
+    features: torch.Tensor
+    labels: torch.Tensor
+    response: torch.Tensor
+
+
+def target_answers(
+    target: Loaded,
+    prompts: list[tuple[str, bool]],
+    sampling: Sampling,
+    max_new_tokens: int,
+    answer_batch: int = 16,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Step 1: the prompts as token ids (chat template where asked) and the target's answers."""
+    from draftverify.engine import Engine
+
+    require(max_new_tokens >= 1, f"max_new_tokens={max_new_tokens} must be at least 1")
+    engine = Engine(target)
+    ids = [engine.encode(text, chat=chat) for text, chat in prompts]
+    return ids, answer_prompts(
+        target, ids, max_new_tokens, sampling, engine.eos_ids(), answer_batch, cache_dir, progress
+    )
+
+
+def answer_prompts(
+    target: Loaded,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: Sampling,
+    eos_ids: tuple[int, ...],
+    batch_size: int = 16,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+) -> list[list[int]]:
+    """The target's answers X to each prompt (token ids, cut after the first EOS), cached on disk.
+
+    Batched `generate` with left padding: a batch's step costs less than its rows' steps one by one
+    (the weights are read once per step). The answers are training data only, so padding's tiny numerical effects do not
+    matter. Finished batches are saved as they come, so an interrupted run resumes.
+    """
+    key = _key("answers", target.identity, prompts, max_new_tokens, _describe(sampling), eos_ids)
+    cached = _read_json(cache_dir, f"answers-{key}.json")
+    if cached is not None:
+        return cached
+    from tqdm import tqdm
+
+    model = target.model
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
+    device = target.device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    partial = _read_json(cache_dir, f"answers-{key}.partial.json") or {"batch_size": batch_size, "done": {}}
+    done = {int(i): a for i, a in partial["done"].items()} if partial["batch_size"] == batch_size else {}
+    todo = [rows for rows in batches if not all(i in done for i in rows)]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed((sampling.seed or 0) + len(batches) - len(todo))  # `generate` samples from the global one
+        already = len(batches) - len(todo)
+        for rows in tqdm(todo, "target answers", len(batches), disable=not progress, unit="batch", initial=already):
+            out = _generate([prompts[i] for i in rows], target, pad, eos_ids, max_new_tokens, sampling)
+            done.update(zip(rows, out))
+            _write_json(cache_dir, f"answers-{key}.partial.json", {"batch_size": batch_size, "done": done})
+    answers = [done[i] for i in range(len(prompts))]
+    _write_json(cache_dir, f"answers-{key}.json", answers)
+    if cache_dir is not None:
+        (cache_dir / f"answers-{key}.partial.json").unlink(missing_ok=True)
+    return answers
+
+
+def _generate(
+    prompts: list[list[int]],
+    target: Loaded,
+    pad: int,
+    eos_ids: tuple[int, ...],
+    max_new_tokens: int,
+    sampling: Sampling,
+) -> list[list[int]]:
+    """One left-padded batch through `generate`: each prompt's answer, cut after its first EOS."""
+    width, device = max(len(p) for p in prompts), target.device
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    sample = {"do_sample": False}
+    if not sampling.greedy:
+        sample = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or None}
+        sample["top_p"] = sampling.top_p
+    out = target.model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad,
+        eos_token_id=list(eos_ids) or None,
+        **sample,
+    )
+    return [_cut_after_eos(row[width:].tolist(), eos_ids) for row in out]
+
+
+def _cut_after_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
+    for n, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: n + 1]
+    return tokens
+
+
+# -- labels and mixing ------------------------------------------------------------------------
+
+
+def acceptance_labels(
+    p: torch.Tensor,  # [n, V] target distributions p_i on the target's prefix
+    q: torch.Tensor,  # [n, V] draft distributions q_i on the same prefix
+    y: torch.Tensor,  # [n] Y_i ~ q_i
+) -> torch.Tensor:
+    """P_i = min(1, p_i(Y_i) / q_i(Y_i)): the chance that speculative sampling accepts Y_i. [n]"""
+    py = p.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    qy = q.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    return (py / qy).clamp(max=1.0)
+
+
+def mix_tokens(
+    x: torch.Tensor,  # [n] the target's tokens X_i
+    y: torch.Tensor,  # [n] the draft's tokens Y_i
+    r: float,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Z [n] taking X_i with probability r and Y_i otherwise, and which positions hold Y_i [n] bool."""
+    from_draft = torch.rand(x.shape, generator=generator, device=generator.device) >= r
+    return torch.where(from_draft, y, x), from_draft
+
+
+def label_responses(
+    target: Runner,
+    draft: Runner,
+    prompts: list[list[int]],
+    answers: list[list[int]],
+    sampling: Sampling,
+    r: float,
+    seed: int,
+    progress: bool = True,
+    greedy_answers: bool = False,
+) -> Examples:
+    """Steps 2-3 for every (prompt, answer): the head's inputs e_i and labels P_i at the draft positions.
+
+    `greedy_answers`: the answers are the target's greedy output, so with greedy settings the
+    label is just whether Y_i (the draft's argmax) equals X_i, and the target is not run again.
+    """
+    from tqdm import tqdm
+
+    generator = torch.Generator(device=draft.device).manual_seed(seed)
+    features, labels, response = [], [], []
+    for index, (prompt, answer) in enumerate(
+        tqdm(list(zip(prompts, answers)), desc="labelling", unit="answer", disable=not progress)
+    ):
+        n = len(answer)
+        if n == 0:
+            continue
+        seq = prompt + answer
+        x = torch.tensor(answer, device=draft.device)  # [n] X_i
+        draft.reset()
+        q = sampling.probs(draft.forward(seq, last=n + 1).logits[:-1])  # [n, Vd]: q_i for position i
+        y = torch.multinomial(q, 1, generator=generator).squeeze(-1)  # [n] Y_i ~ q_i
+        if sampling.greedy and greedy_answers:  # p_i is one-hot at X_i = argmax p_i: no target forward needed
+            label = (y == x).float()
+        else:
+            target.reset()
+            p = sampling.probs(target.forward(seq, last=n + 1).logits[:-1]).to(draft.device)  # [n, V]: p_i judges X_i
+            vocab = max(p.shape[-1], q.shape[-1])  # a padded vocabulary on either side: zeros there
+            label = acceptance_labels(fit_vocab(p, vocab), fit_vocab(q, vocab), y)  # [n]
+        z, from_draft = mix_tokens(x, y, r, generator)
+        draft.reset()
+        e = draft.forward(prompt + z.tolist(), last=n, hidden=True).hidden  # [n, H]: e_i reads Z_i
+        features.append(e[from_draft].float().cpu())
+        labels.append(label[from_draft].float().cpu())
+        response.append(torch.full((int(from_draft.sum()),), index))
+    target.reset()
+    draft.reset()
+    require(features, "no training positions: the target's answers are empty (check the prompts and --max-new-tokens)")
+    return Examples(torch.cat(features), torch.cat(labels), torch.cat(response))
+
+
+def labelled_examples(
+    target: Loaded,
+    draft: Loaded,
+    ids: list[list[int]],
+    answers: list[list[int]],
+    sampling: Sampling,
+    r: float,
+    seed: int,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+) -> Examples:
+    """Steps 2-3 for the answers of step 1, cached under a key of the pair, the answers, the sampling, r and seed."""
+    key = _key("examples", target.identity, draft.identity, ids, answers, _describe(sampling), r, seed)
+    examples = _read_examples(cache_dir, f"examples-{key}.safetensors")
+    if examples is None:
+        examples = label_responses(
+            Runner(target.model),
+            Runner(draft.model),
+            ids,
+            answers,
+            sampling,
+            r,
+            seed,
+            progress,
+            greedy_answers=sampling.greedy,
+        )
+        _write_examples(cache_dir, f"examples-{key}.safetensors", examples)
+    return examples
+
+
+# -- caching -------------------------------------------------------------------------------
+
+
+def _describe(sampling: Sampling) -> list:
+    """What the data depend on: the seed matters only when sampling."""
+    return [sampling.temperature, sampling.top_k, sampling.top_p, None if sampling.greedy else sampling.seed]
+
+
+def _key(*parts) -> str:
+    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+
+
+def _read_json(cache_dir: Path | None, name: str):
+    if cache_dir is None or not (cache_dir / name).is_file():
+        return None
+    try:
+        return json.loads((cache_dir / name).read_text())
+    except json.JSONDecodeError:
+        return None  # a damaged cache entry is recomputed
+
+
+def _write_json(cache_dir: Path | None, name: str, value) -> None:
+    if cache_dir is None:
+        return
+    atomic_write(cache_dir / name, json.dumps(value))
+
+
+def _read_examples(cache_dir: Path | None, name: str) -> Examples | None:
+    from safetensors.torch import load_file
+
+    if cache_dir is None or not (cache_dir / name).is_file():
+        return None
+    try:
+        t = load_file(cache_dir / name)
+        return Examples(t["features"].float(), t["labels"], t["response"])
+    except Exception:
+        return None  # a damaged cache entry is recomputed
+
+
+def _write_examples(cache_dir: Path | None, name: str, examples: Examples) -> None:
+    from safetensors.torch import save_file
+
+    if cache_dir is None:
+        return
+    with atomic_path(cache_dir / name) as tmp:
+        save_file({"features": examples.features.half(), "labels": examples.labels, "response": examples.response}, tmp)

@@ -1,0 +1,78 @@
+"""The settings of a feature head's build (`make-draft --kind head`): what the loss, the batches and the
+schedule use, and which of them a resumed build must keep."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftverify.errors import require
+
+
+@dataclass(frozen=True)
+class HeadTraining:
+    vocab: int = 8192  # N: the head drafts the N most frequent reply tokens (FR-Spec)
+    rollout: int = 3  # training-time test depth (1 = plain teacher forcing, EAGLE-1)
+    epochs: float = 2.0
+    batch_tokens: int = 4096
+    max_len: int = 384
+    lr: float = 1e-3
+    warmup: int = 20
+    feature_weight: float = 0.1
+    seed: int = 0
+    budget_minutes: float = 110.0  # data + training wall clock
+    data_share: float = 0.6  # part of the budget for making data (the cached data is always used)
+    gen_batch: int = 64
+    max_new_tokens: int = 96
+    max_prompt_tokens: int = 256
+    sampled: int = 0  # replies per prompt sampled besides the greedy one (features.SAMPLED)
+    templates: int = (
+        0  # more prompts written from the project's stdlib templates (code, summaries, ...), answered greedily
+    )
+    heldout: int = 64
+    checkpoint_minutes: float = 3.0
+    steps: int | None = None  # stop after this many optimiser steps (the schedule still spans the epochs)
+    train_dtype: str = (
+        "auto"  # the training forward's matmuls: fp32, bf16 (autocast; weights, optimiser, norms fp32) or auto
+    )
+
+    def __post_init__(self):
+        require(self.vocab >= 16, f"--vocab {self.vocab} must be at least 16")
+        require(1 <= self.rollout <= 8, f"rollout={self.rollout} must lie in 1..8")
+        require(
+            self.epochs > 0 and self.lr > 0 and self.budget_minutes > 0, "epochs, lr and the budget must be positive"
+        )
+        require(0 <= self.data_share < 1, f"data_share={self.data_share} must lie in [0, 1)")
+        require(self.batch_tokens >= self.max_len >= 16, "batch_tokens must be >= max_len >= 16")
+        require(self.sampled >= 0, f"--sampled {self.sampled} must be 0 or more")
+        require(self.templates >= 0, f"--templates {self.templates} must be 0 or more")
+        require(
+            self.train_dtype in ("auto", "fp32", "bf16"),
+            f"--train-dtype {self.train_dtype!r} is unknown: use auto, fp32 or bf16",
+        )
+
+    def autocast_bf16(self) -> bool:
+        """Whether the training forward runs its matmuls in bf16: `auto` does where the CPU multiplies bf16 natively."""
+        return self.train_dtype == "bf16" or (self.train_dtype == "auto" and native_bf16())
+
+
+TRAINING_KEYS = (
+    "vocab",
+    "rollout",
+    "batch_tokens",
+    "max_len",
+    "lr",
+    "warmup",
+    "feature_weight",
+    "seed",
+)  # what a resumed build must keep
+SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX): only there is a bf16 matmul faster
+    than an fp32 one; elsewhere bf16 is emulated."""
+    from draftverify.kernels import cpu_flags
+
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
