@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 from phrase_sampling import broken_rule, second_token_pvalue
-from test_feature_draft import random_head
+from test_feature_head import random_head
 
 from draftverify import Engine
 from draftverify.costs import curve

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_feature_draft import random_head
+from test_feature_head import random_head
 
 from draftverify import Engine
 from draftverify.backend import Feed

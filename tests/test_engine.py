@@ -238,7 +238,7 @@ def test_demo_command_compares_methods(tmp_path, tiny):
 def test_two_engines_in_one_process_do_not_steer_each_other(tiny):
     """Cost curves, the feature head's calibration and packed weights belong to an engine (`models.Shared`):
     what one engine measures or learns is not what another one reads."""
-    from test_feature_draft import random_head
+    from test_feature_head import random_head
 
     from draftverify.costs import curve
     from draftverify.drafters.feature import acceptance

@@ -49,7 +49,6 @@ class Engine:
         draft: DraftSource | Loaded | FeatureHead | None = None,
         backend: str = "auto",
         feature_head: FeatureHead | None = None,
-        head: FeatureHead | None = None,
         shared: Shared | None = None,
     ):
         """`draft`: what drafts (a `loading.DraftSource`, as `load_draft_source` gives; a draft model or a feature
@@ -60,7 +59,6 @@ class Engine:
         cost curves, the feature head's calibration); another engine in the same process has its own, so two
         engines never steer each other. Pass another engine's `shared` to reuse what it built and learned.
         """
-        feature_head = feature_head if feature_head is not None else head  # `head`: the old name, kept for callers
         source = draft_source(draft)
         if source is not None and source.kind == "feature head":
             source, feature_head = None, source.feature_head
@@ -79,11 +77,6 @@ class Engine:
         )
         self._methods: dict[tuple, Method] = {}
         self._slots: list[tuple[Runner, Runner | None]] = [(self.target_runner, self.draft_runner)]
-
-    @property
-    def head(self) -> FeatureHead | None:
-        """The feature head (old name, kept for callers not yet renamed): use `feature_head`."""
-        return self.feature_head
 
     @classmethod
     def load(
@@ -132,7 +125,7 @@ class Engine:
             target, draft_runner = self.slot(slot)
             head = self.feature_head
             draft = head if cls.takes_head and head is not None else draft_runner
-            self._methods[key] = cls(target, draft, config, head=head)
+            self._methods[key] = cls(target, draft, config, feature_head=head)
             if slot:
                 self._methods[key].share(self.method(name, preset, 0, **options))
         return self._methods[key]

@@ -100,8 +100,8 @@ class Auto(Method):
     uses_draft = True
     presets = {"no-context": {"use": "head+draft"}, "context": {"use": "context"}}
 
-    def __init__(self, target: Runner, draft=None, config=None, head=None):
-        super().__init__(target, draft, config, head)
+    def __init__(self, target: Runner, draft=None, config=None, feature_head=None):
+        super().__init__(target, draft, config, feature_head)
         self.figures = Figures()  # what this instance learnt: kept across its requests (warm start)
 
     def share(self, first: "Auto") -> None:
@@ -109,10 +109,12 @@ class Auto(Method):
 
     def candidates(self, s: Session) -> dict[str, Drafter]:
         has_draft = isinstance(self.draft, Runner)
-        use = self.config.names() or ["head" if self.head is not None else "draft", "context"]
+        use = self.config.names() or ["head" if self.feature_head is not None else "draft", "context"]
         out: dict[str, Drafter] = {}
-        if "head" in use and self.head is not None:
-            out["head"] = FeatureHeadDrafter(self.head, self.target, depth=self.config.depth, width=self.config.width)
+        if "head" in use and self.feature_head is not None:
+            out["head"] = FeatureHeadDrafter(
+                self.feature_head, self.target, depth=self.config.depth, width=self.config.width
+            )
         if "draft" in use and has_draft:
             c = Speculative.make_config()  # the draft model's chain as `speculative` drafts it by default
             out["draft"] = DraftModel(self.draft, make_policy(c.policy, c.k, c.threshold, self.target, self.draft))

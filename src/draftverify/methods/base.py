@@ -48,8 +48,8 @@ class Method(ABC):
     uses_draft: ClassVar[bool] = False  # drafts with the engine's draft model or head when it has them, needing neither
     aliases: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, target: Runner, draft=None, config=None, head=None):
-        """`draft`: the draft (see `needs_draft`); `head`: the engine's feature head, if any, for a method that
+    def __init__(self, target: Runner, draft=None, config=None, feature_head=None):
+        """`draft`: the draft (see `needs_draft`); `feature_head`: the engine's feature head, if any, for a method that
         may use it beside a draft model (`auto`). The engine hands the feature head itself as `draft` to a method
         that `takes_head`: `draft_source` is then "feature head", else "model" (or None without a draft)."""
         require(
@@ -58,14 +58,9 @@ class Method(ABC):
         )
         self.target = target
         self.draft = draft
-        self.head = head
+        self.feature_head = feature_head
         self.config = config if config is not None else self.Config()
-        self.draft_source = None if draft is None else "feature head" if draft is head else "model"
-
-    @property
-    def feature_head(self):
-        """The engine's feature head (`head`), if any."""
-        return self.head
+        self.draft_source = None if draft is None else "feature head" if draft is feature_head else "model"
 
     @classmethod
     def loads_draft(cls) -> bool:

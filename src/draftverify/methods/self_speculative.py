@@ -97,8 +97,8 @@ class SelfSpeculative(Method):
         "heuristic": {"strategy": "heuristic"},
     }
 
-    def __init__(self, target: Runner, draft: Runner | None = None, config=None, head=None):
-        super().__init__(target, draft, config, head)
+    def __init__(self, target: Runner, draft: Runner | None = None, config=None, feature_head=None):
+        super().__init__(target, draft, config, feature_head)
         c = self.config
         if c.skip is not None:
             self.skip = c.skip
