@@ -19,7 +19,7 @@ from draftverify.drafters.skipsets import SkipSet
 from draftverify.models import Shared, forward_many
 from draftverify.sampling import Sampling
 
-ALL_ARCHS = ARCHS + ("qwen3",) + SLIDING_ARCHS[2:]  # mistral and qwen2-sliding are static archs too
+ALL_ARCHS = ARCHS + ("qwen3",) + SLIDING_ARCHS
 
 
 @pytest.mark.parametrize("arch", sorted(set(ALL_ARCHS + SLIDING_ARCHS)))
@@ -51,7 +51,7 @@ def random_tree(rng: random.Random, root: int, size: int) -> tuple[list[int], li
     return tokens, parents
 
 
-@pytest.mark.parametrize("arch", STATIC_ARCHS + SLIDING_ARCHS[2:])
+@pytest.mark.parametrize("arch", STATIC_ARCHS)
 @pytest.mark.parametrize("backend", ["eager", "static"])
 def test_random_trees_selects_and_crops_match_plain_forwards(tiny, arch, backend):
     """Rounds of tree forwards, a random accepted path kept with `select`, sometimes a `crop`: every
@@ -144,7 +144,7 @@ PROMPTS = ["Hello there, how are you doing", "def f(x):\n    return f(x - 1) + f
 METHODS = [("speculative", None), ("lookahead", None), ("lookahead", "context"), ("ouroboros", None)]
 
 
-@pytest.mark.parametrize("arch", STATIC_ARCHS + SLIDING_ARCHS[2:])
+@pytest.mark.parametrize("arch", STATIC_ARCHS)
 def test_every_method_on_every_backend_matches_eager_autoregressive(tiny, arch):
     """Greedy tokens of each method, on each backend the architecture has, equal plain autoregressive
     decoding on the stock model (and the static backend's own autoregressive decoding)."""
