@@ -1,4 +1,5 @@
-"""The fast forward path: a Llama-family decoder over a static KV cache with prepacked weights.
+"""The fast forward path: a decoder of the Llama shape (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3: the
+differences are data, backend/recipe.py) over a static KV cache with prepacked weights.
 
 `models.Runner(model, backend="static")` runs this instead of the stock transformers model. It reads
 the stock model's own modules (no copy of its code, no change to the model), as its architecture's
@@ -38,7 +39,8 @@ from draftverify.backend.ops import cpu_kernels, gated, layer_windows, rms_norm,
 from draftverify.backend.recipe import RECIPES, Recipe, activation, unsupported_reason
 from draftverify.backend.spans import Spans
 
-ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # head sizes the attention kernel (cpu.cpp) takes
+# head sizes the attention kernel (attention.cpp) takes; others (Gemma's 256) attend with SDPA
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
 
 
 class _Layer:
