@@ -21,10 +21,11 @@ def _threads(request):
 
 ARCHS = ("llama", "gpt2", "qwen2", "gpt_neox")
 # Sliding-window and hybrid (sliding + full layers) decoders, windows far shorter than the test
-# sequences; plus Qwen3 (per-head q/k norms). Used by test_backends.py.
+# sequences (Phi-3: fused qkv and gate/up, one window for every layer); plus Qwen3 (per-head q/k norms).
+# Used by test_backends.py and test_recipes.py.
 WINDOW = 6
-SLIDING_ARCHS = ("mistral", "qwen2-sliding", "gemma2", "gemma3")
-STATIC_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2-sliding")
+SLIDING_ARCHS = ("mistral", "qwen2-sliding", "gemma2", "gemma3", "phi3")
+STATIC_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2-sliding", "gemma2", "gemma3", "phi3")
 CHARS = string.ascii_letters + string.digits + " .,;:!?'\"-\n()[]{}=+*/<>#_"
 
 
@@ -55,6 +56,7 @@ def make_model(
         GPTNeoXConfig,
         LlamaConfig,
         MistralConfig,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
     )
@@ -109,6 +111,8 @@ def make_model(
             **attn,
             **common,
         )
+    elif arch == "phi3":  # fused qkv_proj and gate_up_proj; every layer slides
+        cfg = Phi3Config(sliding_window=window, **attn, **common)
     elif arch == "gpt_neox":
         cfg = GPTNeoXConfig(
             hidden_size=hidden,
@@ -126,9 +130,11 @@ def make_model(
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=torch.float32)
     # Random init gives near-uniform logits; sharpen them so greedy argmaxes are well separated.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.mul_(3.0)
+            elif "norm" in name and arch in ("gemma2", "gemma3", "phi3"):  # norms off their init (Gemma: 1 + w)
+                p.add_(0.3 * torch.randn_like(p))
     model.eval().requires_grad_(False)
     model.generation_config.pad_token_id = 0
     return model

@@ -8,8 +8,10 @@ and writes the new keys and values at slots past..past+n-1 of the sequence's cac
 2. few new tokens otherwise (Qwen3's normed q and k): rotate here, then the attention kernel;
 3. a prefill: the attention kernel over `PREFILL_ROWS` query rows a call (a call's partial sums grow
    with its rows times their key chunks; docs/backends.md compares the chunk sizes and SDPA);
-4. without the kernels: one query over every key as three small ops, else SDPA with the mask.
-Each token's row is computed alone on the kernel paths, so a row's bits do not depend on the others.
+4. without the kernels: one query over every key as three small ops, else SDPA with the mask;
+5. soft-capped scores (Gemma 2), which no kernel caps: `capped`, batched products in Python.
+Each token's row is computed alone on the kernel paths and, for few new tokens, in `capped`, so a row's bits do
+not depend on the others.
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ def attend(dec, i: int, layer, qkv: torch.Tensor, cos, sin, part: Part) -> torch
     mask, past, n = part.masks[dec.windows[i]], part.past, part.n
     keys, values = part.cache.keys[i], part.cache.values[i]
     no_mask = dec.no_mask if mask is None else mask
-    if dec.rope_attention is not None and layer.q_norm is None and n <= QUANT_ROWS:  # 1.
+    if dec.rope_attention is not None and layer.q_norm is None and layer.softcap is None and n <= QUANT_ROWS:  # 1.
         return dec.rope_attention(qkv, cos[:, 0], sin[:, 0], keys, values, past, dec.n_heads, no_mask, layer.scaling)
     q, k, v = rotated(dec, layer, qkv, cos, sin)
     keys[:, past : past + n] = k.transpose(0, 1)
     values[:, past : past + n] = v.transpose(0, 1)
+    if layer.softcap is not None:  # 5.
+        return capped(dec, layer, q, keys[:, : past + n], values[:, : past + n], mask)
     if dec.attention_kernel is not None and n <= QUANT_ROWS:  # 2.
         return dec.attention_kernel(q, keys, values, past + n, no_mask, layer.scaling)
     if dec.attention_kernel is not None:  # 3. (n > 1, so a mask)
@@ -74,6 +78,28 @@ def attend(dec, i: int, layer, qkv: torch.Tensor, cos, sin, part: Part) -> torch
         enable_gqa=dec.n_heads != dec.n_kv,
     )  # [1, heads, n, d]
     return out[0].transpose(0, 1).reshape(n, dec.n_heads * dec.head_dim)
+
+
+def capped(dec, layer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
+    """Soft-capped attention (Gemma 2), as transformers' eager attention computes it: s = q k^T * scaling, then
+    cap * tanh(s / cap), then the mask and an fp32 softmax. q [n, heads, d]; keys, values [kv heads, S, d] (the
+    slots in use); mask [n, S] bool or None. Few new tokens go one row a product (a row's sums then do not depend
+    on the rows beside it); a prefill `PREFILL_ROWS` rows a product. -> [n, heads * d]."""
+    n, (kv, length, d) = q.shape[0], keys.shape
+    group = dec.n_heads // kv  # query head h reads kv head h // group
+    step = 1 if n <= QUANT_ROWS else PREFILL_ROWS
+    keys_t = keys.transpose(1, 2)  # [kv, d, S]
+    outs = []
+    for r in range(0, n, step):
+        m = min(step, n - r)
+        qg = q[r : r + m].reshape(m, kv, group, d).transpose(0, 1).reshape(kv, m * group, d)
+        scores = torch.tanh(torch.bmm(qg, keys_t).mul_(layer.scaling).div_(layer.softcap)).mul_(layer.softcap)
+        if mask is not None:  # [kv, m * group, S]: row i's heads share mask row r + i
+            hidden = ~mask[r : r + m].view(1, m, 1, length)
+            scores = scores.view(kv, m, group, length).masked_fill(hidden, float("-inf")).view(kv, m * group, length)
+        out = torch.bmm(scores.softmax(-1, dtype=torch.float32).to(q.dtype), values)  # [kv, m * group, d]
+        outs.append(out.view(kv, m, group, d).transpose(0, 1).reshape(m, dec.n_heads * d))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def rotated(dec, layer, qkv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""The fast forward path: a Llama-family decoder over a static KV cache with prepacked weights.
+"""The fast forward path: a decoder of the Llama shape (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3: the
+differences are data, backend/recipe.py) over a static KV cache with prepacked weights.
 
 `models.Runner(model, backend="static")` runs this instead of the stock transformers model. It reads
 the stock model's own modules (no copy of its code, no change to the model), as its architecture's
@@ -34,34 +35,56 @@ from draftverify.backend.attention import Part, attend
 from draftverify.backend.cache import StaticCache
 from draftverify.backend.feed import Feed, Forward
 from draftverify.backend.linear import QUANT_ROWS, Packs, layer_weights
-from draftverify.backend.ops import cpu_kernels, layer_windows, rms_norm, silu_mul, window_masks
-from draftverify.backend.recipe import RECIPES, Recipe, unsupported_reason
+from draftverify.backend.ops import cpu_kernels, gated, layer_windows, rms_norm, softcap, window_masks
+from draftverify.backend.recipe import RECIPES, Recipe, activation, unsupported_reason
 from draftverify.backend.spans import Spans
 
-ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # head sizes the attention kernel (cpu.cpp) takes
+# head sizes the attention kernel (attention.cpp) takes; others (Gemma's 256) attend with SDPA
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
 
 
 class _Layer:
     """One decoder layer's weights, read from the stock module as its recipe says."""
 
-    def __init__(self, layer: torch.nn.Module, recipe: Recipe, eps: float, draft: bool, packs: Packs):
+    def __init__(self, layer: torch.nn.Module, recipe: Recipe, cfg, eps: float, draft: bool, packs: Packs):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = packs.linear([getattr(attn, name) for name in recipe.qkv], draft)
+        self.qkv = packs.linear([getattr(attn, name) for name in recipe.qkv], draft)  # one name: already fused
         self.o = packs.linear([getattr(attn, recipe.out)], draft)
         self.gate_up = packs.linear([getattr(mlp, name) for name in recipe.gate_up], draft)
         self.down = packs.linear([getattr(mlp, recipe.down)], draft)
-        self.q_size, self.kv_size = getattr(attn, recipe.qkv[0]).out_features, getattr(attn, recipe.qkv[1]).out_features
-        norm_in, norm_post = getattr(layer, recipe.norm_in), getattr(layer, recipe.norm_post)
-        self.norm_in, self.norm_post = norm_in.weight.detach(), norm_post.weight.detach()
-        self.eps = getattr(norm_in, "variance_epsilon", eps)
-        q_norm, k_norm = (
-            (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if recipe.qk_norm else (None, None)
+        self.q_size = cfg.num_attention_heads * attn.head_dim
+        self.kv_size = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.kv_size *= attn.head_dim
+        offset = recipe.norm_offset
+        self.norm_in, self.eps = norm_weight(getattr(layer, recipe.norm_in), offset), _eps(layer, recipe.norm_in, eps)
+        self.norm_mlp = norm_weight(getattr(layer, recipe.norm_mlp), offset)
+        # Gemma's sandwich norms: on the attention's and the MLP's outputs, (weight, eps) or None
+        self.norm_attn_out, self.norm_mlp_out = (
+            None if name is None else (norm_weight(getattr(layer, name), offset), _eps(layer, name, eps))
+            for name in (recipe.norm_attn_out, recipe.norm_mlp_out)
         )
-        self.q_norm = None if q_norm is None else (q_norm.weight.detach(), getattr(q_norm, "variance_epsilon", eps))
-        self.k_norm = None if k_norm is None else (k_norm.weight.detach(), getattr(k_norm, "variance_epsilon", eps))
-        self.scaling = float(getattr(attn, "scaling", attn.head_dim**-0.5))
-        # no q/k norms: a few rows may go through the kernels' one-call layer
-        self.fused = layer_weights(self.qkv, self.o, self.gate_up, self.down) if self.q_norm is None else None
+        self.q_norm = self.k_norm = None  # per-head norms of q and k (Qwen3, Gemma 3), (weight, eps)
+        if recipe.qk_norm:
+            self.q_norm = (norm_weight(attn.q_norm, offset), _eps(attn, "q_norm", eps))
+            self.k_norm = (norm_weight(attn.k_norm, offset), _eps(attn, "k_norm", eps))
+        self.scaling = float(getattr(attn, "scaling", attn.head_dim**-0.5))  # Gemma: query_pre_attn_scalar ** -0.5
+        self.softcap = getattr(cfg, "attn_logit_softcapping", None) if recipe.attn_softcap else None
+        self.activation = activation(cfg)
+        # a plain pre-norm SiLU layer: a few rows may go through the kernels' one-call layer
+        plain = recipe.llama_shaped and self.activation == "silu"
+        self.fused = layer_weights(self.qkv, self.o, self.gate_up, self.down) if plain else None
+
+
+def norm_weight(norm: torch.nn.Module, offset: float) -> torch.Tensor:
+    """An RMSNorm's scale as `ops.rms_norm` takes it: the weight, or Gemma's offset + weight formed in fp32 (as
+    transformers' Gemma RMSNorm forms it)."""
+    weight = norm.weight.detach()
+    return weight if not offset else offset + weight.float()
+
+
+def _eps(owner: torch.nn.Module, name: str, default: float) -> float:
+    norm = getattr(owner, name)
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", default)))
 
 
 class StaticDecoder:
@@ -78,14 +101,17 @@ class StaticDecoder:
         self.model, self.embed, self.rotary = model, inner.embed_tokens, inner.rotary_emb
         eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         with torch.no_grad():
-            self.layers = [_Layer(layer, recipe, eps, draft, packs) for layer in inner.layers[: cfg.num_hidden_layers]]
-            self.norm = inner.norm.weight.detach()
-            self.norm_eps = getattr(inner.norm, "variance_epsilon", eps)
+            layers = inner.layers[: cfg.num_hidden_layers]
+            self.layers = [_Layer(layer, recipe, cfg, eps, draft, packs) for layer in layers]
+            self.norm, self.norm_eps = norm_weight(inner.norm, recipe.norm_offset), _eps(inner, "norm", eps)
             self.head = packs.linear([model.get_output_embeddings()], draft)
+        self.final_cap = getattr(cfg, "final_logit_softcapping", None) if recipe.final_softcap else None
         self.head_dim = inner.layers[0].self_attn.head_dim
         self.n_heads = self.layers[0].q_size // self.head_dim
         self.n_kv = self.layers[0].kv_size // self.head_dim
         self.windows = layer_windows(cfg)
+        types = getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers)
+        self.rope_keys = [t if recipe.rope_per_type else None for t in types[: len(self.layers)]]  # rotary per layer
         self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
         self.max_length = getattr(cfg, "max_position_embeddings", None)
         fast = self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim in ATTENTION_HEAD_DIMS
@@ -112,27 +138,36 @@ class StaticDecoder:
         """
         skip = feeds[0].skip
         parts, tokens, positions = self._stack(caches, feeds)
-        cos, sin = self.rotary(self.embed.weight[:1].unsqueeze(0), positions.view(1, -1))
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [rows, 1, head_dim]
-        h = self.embed(tokens)  # [rows, H]
+        ropes = self._ropes(positions)
+        h = self.embed(tokens)  # [rows, H] (the stock module: Gemma's scaling included)
         skip_attn = set(skip.attention) if skip is not None else ()
         skip_mlp = set(skip.mlp) if skip is not None else ()
         spans = Spans([(p.first, p.n) for p in parts], self.device)
         # one short sequence: each layer with nothing skipped in one kernel call (`layer`: the same kernels as below)
         one = parts[0] if len(parts) == 1 and parts[0].n <= QUANT_ROWS and self.layer_kernel is not None else None
         for i, layer in enumerate(self.layers):
+            cos, sin = ropes[self.rope_keys[i]]
             if one is not None and layer.fused is not None and i not in skip_attn and i not in skip_mlp:
                 h = self._fused_layer(i, layer, h, cos[:, 0], sin[:, 0], one)
                 continue
             if i not in skip_attn:
                 qkv = spans(layer.qkv, rms_norm(h, layer.norm_in, layer.eps))
                 outs = [attend(self, i, layer, qkv[p.first : p.first + p.n], *_rows(cos, sin, p), p) for p in parts]
-                h = h + spans(layer.o, outs[0] if len(outs) == 1 else torch.cat(outs))
+                h = h + _post(spans(layer.o, outs[0] if len(outs) == 1 else torch.cat(outs)), layer.norm_attn_out)
             if i not in skip_mlp:
-                h = h + spans(layer.down, silu_mul(spans(layer.gate_up, rms_norm(h, layer.norm_post, layer.eps))))
+                up = gated(spans(layer.gate_up, rms_norm(h, layer.norm_mlp, layer.eps)), layer.activation)
+                h = h + _post(spans(layer.down, up), layer.norm_mlp_out)
         for p in parts:
             p.cache.length = p.past + p.n
         return self._outputs(h, parts, feeds)
+
+    def _ropes(self, positions: torch.Tensor) -> dict:
+        """The stock rotary module's cos, sin [rows, 1, head_dim] per rotary key (None, or Gemma 3's layer types)."""
+        x, ids, ropes = self.embed.weight[:1].unsqueeze(0), positions.view(1, -1), {}
+        for key in set(self.rope_keys):
+            cos, sin = self.rotary(x, ids) if key is None else self.rotary(x, ids, key)
+            ropes[key] = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        return ropes
 
     def _stack(self, caches: list[StaticCache], feeds: list[Feed]) -> tuple[list[Part], torch.Tensor, torch.Tensor]:
         """Each sequence's `Part` of the stacked rows, and the stacked tokens [rows] and positions [rows]."""
@@ -158,7 +193,7 @@ class StaticDecoder:
         mask = part.masks[self.windows[i]]
         cache = part.cache
         return self.layer_kernel(
-            h, layer.norm_in, layer.norm_post, layer.eps, *layer.fused, cos, sin, cache.keys[i], cache.values[i],
+            h, layer.norm_in, layer.norm_mlp, layer.eps, *layer.fused, cos, sin, cache.keys[i], cache.values[i],
             part.past, self.n_heads, self.no_mask if mask is None else mask, layer.scaling,
         )  # fmt: skip
 
@@ -172,23 +207,32 @@ class StaticDecoder:
         if len(feeds) == 1 and state_rows[0] in (None, out_rows[0]):  # normalise only the rows that need logits
             b, m = out_rows[0]
             states = rms_norm(h[b : b + m], self.norm, self.norm_eps)
-            return [Forward(self.head(states), states if state_rows[0] else None)]
+            return [Forward(self._head(states), states if state_rows[0] else None)]
         states = rms_norm(h, self.norm, self.norm_eps)
         if len(feeds) == 1:
             b, m = out_rows[0]
-            logits = [self.head(states[b : b + m])]
+            logits = [self._head(states[b : b + m])]
         else:
             counts = [m for _, m in out_rows]
             index = torch.cat([torch.arange(b, b + m, device=self.device) for b, m in out_rows])
             stacked = Spans(list(zip(itertools.accumulate([0, *counts[:-1]]), counts)), self.device)
-            logits = stacked(self.head, states[index]).split(counts)
+            logits = softcap(stacked(self.head, states[index]), self.final_cap).split(counts)
         return [Forward(lg, None if s is None else states[s[0] : s[0] + s[1]]) for lg, s in zip(logits, state_rows)]
+
+    def _head(self, states: torch.Tensor) -> torch.Tensor:
+        """Logits [m, V] of final states [m, H], soft-capped where the model caps them (Gemma)."""
+        return softcap(self.head(states), self.final_cap)
 
     def _masks(self, positions, tree_mask, causal: bool, past: int, n: int) -> dict:
         """`window_masks` per window size; None = attend everything (one causal token within every window)."""
         if causal and n == 1 and all(w is None or past < w for w in set(self.windows)):
             return {w: None for w in set(self.windows)}
         return window_masks(positions, tree_mask, past, self.windows)
+
+
+def _post(x: torch.Tensor, norm: tuple | None) -> torch.Tensor:
+    """A sub-layer's output before its residual add: normed by Gemma's sandwich norm (weight, eps), else itself."""
+    return x if norm is None else rms_norm(x, *norm)
 
 
 def _rows(cos: torch.Tensor, sin: torch.Tensor, part: Part) -> tuple[torch.Tensor, torch.Tensor]:

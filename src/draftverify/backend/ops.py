@@ -1,5 +1,5 @@
-"""Small shared operations of the static path: the compiled kernels, RMSNorm, SiLU(gate) * up, rotary
-halves, and the attention masks every path (static, eager, feature head) builds alike."""
+"""Small shared operations of the static path: the compiled kernels, RMSNorm, the gated MLP's act(gate) * up,
+soft-capping, rotary halves, and the attention masks every path (static, eager, feature head) builds alike."""
 
 from __future__ import annotations
 
@@ -8,12 +8,22 @@ import torch.nn.functional as F
 
 from draftverify.kernels import cpu as cpu_kernels  # compiled once per process (functools.cache); None if it cannot be
 
-__all__ = ["cpu_kernels", "layer_windows", "rms_norm", "rotate_half", "silu_mul", "window_masks"]
+__all__ = [
+    "cpu_kernels",
+    "gated",
+    "layer_windows",
+    "rms_norm",
+    "rotate_half",
+    "silu_mul",
+    "softcap",
+    "window_masks",
+]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: normalise in fp32, scale in the input dtype (one fused op in fp32,
-    where both orders of rounding agree; our one-pass kernel on a CPU)."""
+    where both orders of rounding agree; our one-pass kernel on a CPU). An fp32 `weight` for a lower-precision
+    `x` is Gemma's order: scale in fp32, then round (`decoder.norm_weight` makes Gemma's 1 + w in fp32)."""
     dtype = x.dtype
     if dtype == torch.float32 and weight.dtype == torch.float32:
         kernels = cpu_kernels() if x.device.type == "cpu" and x.is_contiguous() else None
@@ -22,6 +32,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.rms_norm(x, weight.shape, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (x32 * weight).to(dtype)
     return weight * x32.to(dtype)
 
 
@@ -33,6 +45,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return kernels.silu_mul(gate_up.contiguous())
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gated(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up of a gated MLP's [m, 2 I] gate | up product (transformers' ACT2FN of the config's name)."""
+    if activation == "silu":
+        return silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "gelu_pytorch_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    raise ValueError(f"activation {activation!r} is not implemented by the static path")
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma's logit soft-capping, in transformers' order of ops); x itself when cap is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
