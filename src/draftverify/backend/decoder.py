@@ -33,9 +33,10 @@ import torch
 from draftverify.backend.attention import Part, attend
 from draftverify.backend.cache import StaticCache
 from draftverify.backend.feed import Feed, Forward
-from draftverify.backend.linear import QUANT_ROWS, Packs, layer_weights
+from draftverify.backend.linear import QUANT_ROWS, BlockLinear, Packs, layer_weights
 from draftverify.backend.ops import cpu_kernels, layer_windows, rms_norm, silu_mul, window_masks
 from draftverify.backend.recipe import RECIPES, Recipe, unsupported_reason
+from draftverify.backend.source import source_layer
 from draftverify.backend.spans import Spans
 
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # head sizes the attention kernel (cpu.cpp) takes
@@ -73,20 +74,19 @@ class StaticDecoder:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(reason)
-        cfg, inner = model.config, model.model
+        cfg = model.config
         recipe, packs = RECIPES[cfg.model_type], packs if packs is not None else Packs()
-        self.model, self.embed, self.rotary = model, inner.embed_tokens, inner.rotary_emb
         eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
-        with torch.no_grad():
-            self.layers = [_Layer(layer, recipe, eps, draft, packs) for layer in inner.layers[: cfg.num_hidden_layers]]
-            self.norm = inner.norm.weight.detach()
-            self.norm_eps = getattr(inner.norm, "variance_epsilon", eps)
-            self.head = packs.linear([model.get_output_embeddings()], draft)
-        self.head_dim = inner.layers[0].self_attn.head_dim
+        if getattr(model, "weight_source", None) is not None:
+            self._from_source(model, recipe, eps)  # a GGUF file's blocks (loading.gguf_model)
+        else:
+            self._from_module(model, recipe, eps, draft, packs)
         self.n_heads = self.layers[0].q_size // self.head_dim
         self.n_kv = self.layers[0].kv_size // self.head_dim
         self.windows = layer_windows(cfg)
-        self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        if getattr(model, "weight_source", None) is None:  # a stock module: where its weights are (a file's: CPU fp32)
+            self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
         self.max_length = getattr(cfg, "max_position_embeddings", None)
         fast = self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim in ATTENTION_HEAD_DIMS
         kernels = cpu_kernels() if fast else None
@@ -94,6 +94,27 @@ class StaticDecoder:
         self.rope_attention = kernels.rope_attention if kernels is not None else None
         self.layer_kernel = kernels.layer if kernels is not None else None
         self.no_mask = torch.empty(0, dtype=torch.bool)
+        self._rope_probe = torch.zeros(1, 1, 1, dtype=self.dtype, device=self.device)  # the rotary's dtype, device
+
+    def _from_module(self, model, recipe: Recipe, eps: float, draft: bool, packs: Packs) -> None:
+        inner = model.model
+        self.model, self.embed, self.rotary = model, inner.embed_tokens, inner.rotary_emb
+        with torch.no_grad():
+            layers = inner.layers[: model.config.num_hidden_layers]
+            self.layers = [_Layer(layer, recipe, eps, draft, packs) for layer in layers]
+            self.norm = inner.norm.weight.detach()
+            self.norm_eps = getattr(inner.norm, "variance_epsilon", eps)
+            self.head = packs.linear([model.get_output_embeddings()], draft)
+        self.head_dim = inner.layers[0].self_attn.head_dim
+
+    def _from_source(self, model, recipe: Recipe, eps: float) -> None:
+        """Every product a BlockLinear over the file's blocks (a draft's too: the blocks are the cheap copy)."""
+        cfg, source = model.config, model.weight_source
+        self.model, self.embed, self.rotary = model, model.get_input_embeddings(), model.rotary
+        self.layers = [source_layer(source, i, recipe, cfg, eps) for i in range(cfg.num_hidden_layers)]
+        self.norm, self.norm_eps = source.vector("norm"), eps
+        self.head = BlockLinear([source.head])
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     def new_cache(self) -> StaticCache:
         return StaticCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device, self.max_length)
@@ -112,7 +133,7 @@ class StaticDecoder:
         """
         skip = feeds[0].skip
         parts, tokens, positions = self._stack(caches, feeds)
-        cos, sin = self.rotary(self.embed.weight[:1].unsqueeze(0), positions.view(1, -1))
+        cos, sin = self.rotary(self._rope_probe, positions.view(1, -1))
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [rows, 1, head_dim]
         h = self.embed(tokens)  # [rows, H]
         skip_attn = set(skip.attention) if skip is not None else ()

@@ -71,6 +71,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return f"layer types {unsupported_layer_types(cfg)} are not supported by the static path"
     if getattr(cfg, "hidden_act", "silu") != recipe.activation:
         return f"activation {cfg.hidden_act!r} is not supported by the static path"
+    if getattr(model, "weight_source", None) is not None:  # read from a file by logical names (loading.gguf_model)
+        return None
     inner = getattr(model, "model", None)
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if inner is None or not all(hasattr(inner, name) for name in needed) or model.get_output_embeddings() is None:
