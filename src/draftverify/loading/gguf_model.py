@@ -59,6 +59,9 @@ class GGUFModel(torch.nn.Module):
         self.embed = RowEmbedding(source, "embed_tokens")
         self.head = self.embed if source.tied else RowEmbedding(source, "lm_head")
         self.rotary = rotary_embedding(self.config)
+        # One empty placeholder per decoder layer, so that code which counts the layers (`decoder_layers`, skip
+        # sets) finds them; the weights themselves are in `weight_source`.
+        self.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(self.config.num_hidden_layers))
         self._stock: torch.nn.Module | None = None
 
     def get_input_embeddings(self) -> RowEmbedding:
