@@ -103,10 +103,11 @@ class Runner:
         self, model: torch.nn.Module, backend: str = "auto", draft: bool = False, shared: Shared | None = None
     ):
         check_runnable(model)
-        self.model = model
-        self.device = model.get_input_embeddings().weight.device
-        self.dtype = model.get_input_embeddings().weight.dtype
         self.backend, self.fallback_reason = choose_backend(model, backend)
+        if self.backend == "eager" and hasattr(model, "stock"):  # a GGUF model read from its file: eager needs
+            model = model.stock()  # the stock module (loading.gguf_model)
+        self.model = model
+        self.device, self.dtype = _device_dtype(model)
         self.draft = draft
         self.shared = shared if shared is not None else Shared()
         self.decoder = (
@@ -172,6 +173,13 @@ class Runner:
         """`feed` with its tokens as a [n] long tensor on the model's device."""
         tokens = torch.as_tensor(feed.tokens, dtype=torch.long, device=self.device).view(-1)
         return dataclasses.replace(feed, tokens=tokens)
+
+
+def _device_dtype(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
+    if getattr(model, "weight_source", None) is not None:  # a GGUF model: fp32 on the CPU, nothing to look at
+        return torch.device("cpu"), torch.float32
+    weight = model.get_input_embeddings().weight
+    return weight.device, weight.dtype
 
 
 def forward_many(runners: list[Runner], feeds: list[Feed]) -> list[Forward]:

@@ -34,9 +34,10 @@ import torch
 from draftverify.backend.attention import Part, attend
 from draftverify.backend.cache import StaticCache
 from draftverify.backend.feed import Feed, Forward
-from draftverify.backend.linear import QUANT_ROWS, Packs, layer_weights
+from draftverify.backend.linear import QUANT_ROWS, BlockLinear, Packs, layer_weights
 from draftverify.backend.ops import cpu_kernels, gated, layer_windows, rms_norm, softcap, window_masks
 from draftverify.backend.recipe import RECIPES, Recipe, activation, unsupported_reason
+from draftverify.backend.source import source_layer
 from draftverify.backend.spans import Spans
 
 # head sizes the attention kernel (attention.cpp) takes; others (Gemma's 256) attend with SDPA
@@ -96,23 +97,22 @@ class StaticDecoder:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(reason)
-        cfg, inner = model.config, model.model
+        cfg = model.config
         recipe, packs = RECIPES[cfg.model_type], packs if packs is not None else Packs()
-        self.model, self.embed, self.rotary = model, inner.embed_tokens, inner.rotary_emb
         eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
-        with torch.no_grad():
-            layers = inner.layers[: cfg.num_hidden_layers]
-            self.layers = [_Layer(layer, recipe, cfg, eps, draft, packs) for layer in layers]
-            self.norm, self.norm_eps = norm_weight(inner.norm, recipe.norm_offset), _eps(inner, "norm", eps)
-            self.head = packs.linear([model.get_output_embeddings()], draft)
+        if getattr(model, "weight_source", None) is not None:
+            self._from_source(model, recipe, eps)  # a GGUF file's blocks (loading.gguf_model)
+        else:
+            self._from_module(model, recipe, eps, draft, packs)
         self.final_cap = getattr(cfg, "final_logit_softcapping", None) if recipe.final_softcap else None
-        self.head_dim = inner.layers[0].self_attn.head_dim
         self.n_heads = self.layers[0].q_size // self.head_dim
         self.n_kv = self.layers[0].kv_size // self.head_dim
         self.windows = layer_windows(cfg)
         types = getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers)
         self.rope_keys = [t if recipe.rope_per_type else None for t in types[: len(self.layers)]]  # rotary per layer
-        self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        if getattr(model, "weight_source", None) is None:  # a stock module: where its weights are (a file's: CPU fp32)
+            self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
         self.max_length = getattr(cfg, "max_position_embeddings", None)
         fast = self.device.type == "cpu" and self.dtype == torch.float32 and self.head_dim in ATTENTION_HEAD_DIMS
         kernels = cpu_kernels() if fast else None
@@ -120,6 +120,26 @@ class StaticDecoder:
         self.rope_attention = kernels.rope_attention if kernels is not None else None
         self.layer_kernel = kernels.layer if kernels is not None else None
         self.no_mask = torch.empty(0, dtype=torch.bool)
+        self._rope_probe = torch.zeros(1, 1, 1, dtype=self.dtype, device=self.device)  # the rotary's dtype, device
+
+    def _from_module(self, model, recipe: Recipe, eps: float, draft: bool, packs: Packs) -> None:
+        inner = model.model
+        self.model, self.embed, self.rotary = model, inner.embed_tokens, inner.rotary_emb
+        with torch.no_grad():
+            layers = inner.layers[: model.config.num_hidden_layers]
+            self.layers = [_Layer(layer, recipe, model.config, eps, draft, packs) for layer in layers]
+            self.norm, self.norm_eps = norm_weight(inner.norm, recipe.norm_offset), _eps(inner, "norm", eps)
+            self.head = packs.linear([model.get_output_embeddings()], draft)
+        self.head_dim = inner.layers[0].self_attn.head_dim
+
+    def _from_source(self, model, recipe: Recipe, eps: float) -> None:
+        """Every product a BlockLinear over the file's blocks (a draft's too: the blocks are the cheap copy)."""
+        cfg, source = model.config, model.weight_source
+        self.model, self.embed, self.rotary = model, model.get_input_embeddings(), model.rotary
+        self.layers = [source_layer(source, i, recipe, cfg, eps) for i in range(cfg.num_hidden_layers)]
+        self.norm, self.norm_eps = source.vector("norm"), eps
+        self.head = BlockLinear([source.head])
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     def new_cache(self) -> StaticCache:
         return StaticCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device, self.max_length)
@@ -163,7 +183,7 @@ class StaticDecoder:
 
     def _ropes(self, positions: torch.Tensor) -> dict:
         """The stock rotary module's cos, sin [rows, 1, head_dim] per rotary key (None, or Gemma 3's layer types)."""
-        x, ids, ropes = self.embed.weight[:1].unsqueeze(0), positions.view(1, -1), {}
+        x, ids, ropes = self._rope_probe, positions.view(1, -1), {}
         for key in set(self.rope_keys):
             cos, sin = self.rotary(x, ids) if key is None else self.rotary(x, ids, key)
             ropes[key] = cos[0].unsqueeze(1), sin[0].unsqueeze(1)

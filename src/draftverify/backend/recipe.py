@@ -92,6 +92,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     reason = _rope_reason(cfg)
     if reason is not None:
         return reason
+    if getattr(model, "weight_source", None) is not None:  # read from a file by logical names (loading.gguf_model)
+        return None
     inner = getattr(model, "model", None)
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if inner is None or not all(hasattr(inner, name) for name in needed) or model.get_output_embeddings() is None:

@@ -13,7 +13,7 @@ from draftverify.loading.drafts import (
     load_draft_source,
     truncated_copy,
 )
-from draftverify.loading.hf import DTYPES, Loaded, load_model, model_identity
+from draftverify.loading.hf import DTYPES, Loaded, load_model, model_identity, stock_model
 from draftverify.loading.tokenizers import check_same_tokenizer, tokenizer_fingerprint
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "load_model",
     "model_identity",
     "shipped_draft_path",
+    "stock_model",
     "tokenizer_fingerprint",
     "truncated_copy",
 ]

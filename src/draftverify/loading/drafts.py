@@ -145,6 +145,8 @@ def truncated_copy(target: Loaded, n_layers: int) -> Loaded:
         1 <= n_layers < total,
         f"self:layers={n_layers} is impossible: the target has {total} layers, use 1..{total - 1}",
     )
+    if hasattr(target.model, "truncated"):  # a GGUF model: the same packed weights, fewer layers
+        return Loaded(target.model.truncated(n_layers), target.tokenizer, name=f"{target.name}[:{n_layers} layers]")
     config = copy.deepcopy(target.model.config)
     config.num_hidden_layers = n_layers
     if isinstance(getattr(config, "layer_types", None), list):

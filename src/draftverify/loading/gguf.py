@@ -1,4 +1,12 @@
-"""GGUF files, converted once into a safetensors folder that transformers loads quickly."""
+"""GGUF files: config and tokenizer read once and cached, the direct static-path model, and the fp32 conversion.
+
+- `gguf_metadata(path)`: the transformers config and tokenizer of a GGUF file, converted once and cached under
+  `~/.cache/draftverify/gguf-meta/` (keyed by the file's path, size and mtime; written atomically), so a repeated
+  load reads two small JSON files;
+- `GGUFModel` (loading/gguf_model.py) is what a GGUF target loads as: the static path multiplies the file's own
+  blocks (`gguf_weights.GGUFWeights`); the stock transformers module is built only when something asks for it;
+- `gguf_to_folder(path)`: the fp32 safetensors conversion the stock module loads from (the eager path, tools).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +20,30 @@ import torch
 from draftverify.util import atomic_path, cache_root
 
 
+def file_key(path: Path) -> str:
+    """What names a file's caches: its resolved path, size and mtime (a new download gets a new key)."""
+    stat = path.stat()
+    return hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def gguf_metadata(path: Path):
+    """(config, generation config, tokenizer) of a GGUF file, from its cached conversion (made on first use)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder = cache_root() / "gguf-meta" / f"{path.stem}-{file_key(path)}"
+    if not (folder / "config.json").is_file():
+        with atomic_path(folder, folder=True) as tmp:
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            tokenizer.save_pretrained(tmp)
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
+            config.save_pretrained(tmp)  # last: its presence marks a complete folder
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    generation = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    return config, generation, tokenizer
+
+
 def gguf_to_folder(path: Path) -> Path:
     """Convert a GGUF file once into a safetensors folder in the user cache and return it.
 
@@ -22,9 +54,7 @@ def gguf_to_folder(path: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    stat = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = cache_root() / "gguf" / f"{path.stem}-{key}"
+    folder = cache_root() / "gguf" / f"{path.stem}-{file_key(path)}"
     if (folder / "model.safetensors").is_file():
         return folder
     started = time.monotonic()

@@ -9,7 +9,7 @@ import torch
 
 from draftverify.errors import DraftVerifyError, require
 from draftverify.loading.defaults import default_model_path
-from draftverify.loading.gguf import gguf_to_folder
+from draftverify.loading.gguf import gguf_metadata, gguf_to_folder
 from draftverify.loading.tokenizers import tokenizer_fingerprint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,13 +37,17 @@ class Loaded:
 def model_identity(model: torch.nn.Module) -> dict:
     """`Loaded.identity` without the tokenizer, for code that holds only the model (a method's Runner)."""
     cfg = model.config
-    emb = model.get_input_embeddings().weight
-    probe = emb[: min(64, emb.shape[0])].float().sum().item()  # cheap weight fingerprint
+    emb = model.get_input_embeddings()
+    if hasattr(emb, "rows"):  # a GGUF model's embedding (loading.gguf_model): only the rows probed are dequantized
+        first, vocab = emb.rows(64), emb.num_embeddings
+    else:
+        first, vocab = emb.weight[: min(64, emb.weight.shape[0])], emb.weight.shape[0]
+    probe = first.float().sum().item()  # cheap weight fingerprint
     return {
         "model_type": cfg.model_type,
         "num_hidden_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
-        "vocab_size": emb.shape[0],
+        "vocab_size": vocab,
         "embedding_fingerprint": round(probe, 3),
     }
 
@@ -85,6 +89,8 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, device)
     if path.is_file():
         require(path.suffix == ".gguf", f"{path} is a file but not .gguf: pass a HF model folder or a .gguf file")
+        if direct_gguf(path, device, torch_dtype, device_map, attn_implementation):
+            return load_gguf_direct(path)
         folder = gguf_to_folder(path)
     else:
         require((path / "config.json").is_file(), f"{path} has no config.json: pass a HF model folder")
@@ -104,3 +110,29 @@ def load_model(
         model.to(device)
     model.eval().requires_grad_(False)
     return Loaded(model, tokenizer, name=path.name, source=path)
+
+
+def direct_gguf(path: Path, device: str, dtype: torch.dtype, device_map, attn_implementation: str) -> bool:
+    """Whether a GGUF file loads on the direct path (its blocks multiplied in place, `GGUFModel`): an architecture
+    the static path reads, on a CPU in fp32, on one device."""
+    from draftverify.kernels.gguf_file import GGUFFile
+    from draftverify.loading.gguf_weights import DIRECT_ARCHITECTURES
+
+    plain = device == "cpu" and dtype == torch.float32 and device_map is None and attn_implementation == "sdpa"
+    return plain and GGUFFile(path).value("general.architecture") in DIRECT_ARCHITECTURES
+
+
+def load_gguf_direct(path: Path) -> Loaded:
+    """A GGUF file as a `GGUFModel` (loading/gguf_model.py): config and tokenizer from the cached metadata, the
+    weights packed from the mapped file on first use; the stock module only if something asks (`stock()`)."""
+    from draftverify.loading.gguf_model import GGUFModel
+    from draftverify.loading.gguf_weights import GGUFWeights
+
+    config, generation, tokenizer = gguf_metadata(path)
+    model = GGUFModel(GGUFWeights(path, config, tokenizer), generation)
+    return Loaded(model, tokenizer, name=path.name, source=path)
+
+
+def stock_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The stock transformers module of `model`: itself, or a GGUF model's fp32 conversion (built once)."""
+    return model.stock() if hasattr(model, "stock") else model

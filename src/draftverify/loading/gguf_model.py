@@ -1,0 +1,98 @@
+"""`GGUFModel`: a GGUF target as the static path runs it, straight from the file's blocks.
+
+It stands where the stock transformers module stands (a `Runner`'s model, `Loaded.model`) and answers what
+the code above the backends asks of a model: `config`, `generation_config`, `get_input_embeddings()` /
+`get_output_embeddings()` (a `RowEmbedding`: a lookup dequantizes only the rows asked for; `.weight`, the whole
+fp32 table, is built on first use and shared), and `weight_source` (the `GGUFWeights` the static decoder packs
+from). The stock module is built only by `stock()`, for what needs one (the eager path, the tools), from the
+fp32 conversion (loading/gguf.py), and kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import torch
+
+from draftverify.loading.gguf_weights import GGUFWeights, rows_of
+
+
+class RowEmbedding(torch.nn.Module):
+    """An embedding (or a tied head) read from the file: `forward(ids)` dequantizes only those rows (exact)."""
+
+    def __init__(self, source: GGUFWeights, name: str):
+        super().__init__()
+        self.source, self.name = source, name
+        self.num_embeddings, self.embedding_dim = source.linear(name).shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
+        return rows_of(self.source.linear(self.name), ids.reshape(-1).cpu()).view(*ids.shape, self.embedding_dim)
+
+    def rows(self, n: int) -> torch.Tensor:
+        """The first n rows, fp32 [n, H] (what `model_identity` fingerprints)."""
+        return rows_of(self.source.linear(self.name), torch.arange(min(n, self.num_embeddings)))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table, fp32 [V, H], dequantized once per source (the feature head reads it)."""
+        tables = self.source.__dict__.setdefault("_tables", {})
+        if self.name not in tables:
+            tables[self.name] = self.source.linear(self.name).dequantize()
+        return tables[self.name]
+
+
+class GGUFModel(torch.nn.Module):
+    """A GGUF target on the static path (see the module docstring). `layers`: keep only the first N decoder
+    layers (a `self:layers=N` draft sharing the target's packed weights)."""
+
+    def __init__(self, source: GGUFWeights, generation_config, layers: int | None = None):
+        super().__init__()
+        self.weight_source = source
+        self.config = copy.deepcopy(source.config)
+        if layers is not None:
+            self.config.num_hidden_layers = layers
+            if isinstance(getattr(self.config, "layer_types", None), list):
+                self.config.layer_types = self.config.layer_types[:layers]
+        self.config._attn_implementation = "sdpa"  # what the stock module is loaded with (`stock()`)
+        self.generation_config = generation_config
+        self.embed = RowEmbedding(source, "embed_tokens")
+        self.head = self.embed if source.tied else RowEmbedding(source, "lm_head")
+        self.rotary = rotary_embedding(self.config)
+        # One empty placeholder per decoder layer, so that code which counts the layers (`decoder_layers`, skip
+        # sets) finds them; the weights themselves are in `weight_source`.
+        self.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(self.config.num_hidden_layers))
+        self._stock: torch.nn.Module | None = None
+
+    def get_input_embeddings(self) -> RowEmbedding:
+        return self.embed
+
+    def get_output_embeddings(self) -> RowEmbedding:
+        return self.head
+
+    def truncated(self, layers: int) -> "GGUFModel":
+        """The first `layers` layers, final norm and head, on the same source (nothing packed twice)."""
+        return GGUFModel(self.weight_source, self.generation_config, layers)
+
+    def stock(self) -> torch.nn.Module:
+        """The stock transformers module of these weights (fp32, from the cached conversion), built once."""
+        if self._stock is None:
+            from transformers import AutoModelForCausalLM
+
+            from draftverify.loading.gguf import gguf_to_folder
+
+            folder = gguf_to_folder(self.weight_source.path)
+            n = self.config.num_hidden_layers
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.float32, local_files_only=True, attn_implementation="sdpa", num_hidden_layers=n
+            )
+            self._stock = model.eval().requires_grad_(False)
+        return self._stock
+
+
+def rotary_embedding(config) -> torch.nn.Module:
+    """The architecture's own rotary embedding module (transformers'), built from the config alone."""
+    kind = config.model_type
+    module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    cls = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding") and not n.startswith("_"))
+    return cls(config=config)

@@ -1,0 +1,142 @@
+"""A GGUF file as a weight source for the static path: its blocks packed straight from the memory-mapped file.
+
+`GGUFWeights(path)` gives, by the recipe's logical names (those of the stock transformers module, e.g.
+"layers.3.self_attn.q_proj"), `linear(name)` a `kernels.blocks.PackedWeight` (the file's blocks, never an fp32
+copy of a quantized weight; a type with no block kernel is dequantized to fp32 and named once on stderr),
+`bias(name)` / `vector(name)` fp32 tensors, `embed_rows(ids)` the token embedding's rows (only those rows
+dequantized), `head` the output head's PackedWeight (the embedding's when tied), plus `config` (a transformers
+config) and `tokenizer`.
+
+Exactness: every PackedWeight dequantizes to the bits gguf's dequantization gives (kernels/blocks.py), which is
+what transformers' GGUF loader feeds the stock model; the q and k rows of a "llama" file are permuted as that
+loader permutes them (`_rope_rows`), and a row permutation moves whole rows of blocks, so it changes no bits.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from draftverify.errors import require
+from draftverify.kernels.blocks import PackedWeight, pack
+from draftverify.kernels.gguf_file import GGUFFile
+
+# Logical name (inside a layer) -> GGUF tensor name (inside "blk.N.").
+LAYER_TENSORS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+TOP_TENSORS = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF architectures whose blocks the static path reads directly
+
+
+def gguf_name(name: str, suffix: str = "weight") -> str:
+    """The GGUF tensor name of a logical one: "layers.3.mlp.up_proj" -> "blk.3.ffn_up.weight"."""
+    if name.startswith("layers."):
+        _, index, rest = name.split(".", 2)
+        require(rest in LAYER_TENSORS, f"no GGUF tensor is known for {name!r}: extend loading.gguf_weights")
+        return f"blk.{index}.{LAYER_TENSORS[rest]}.{suffix}"
+    require(name in TOP_TENSORS, f"no GGUF tensor is known for {name!r}: extend loading.gguf_weights")
+    return f"{TOP_TENSORS[name]}.{suffix}"
+
+
+class GGUFWeights:
+    """The weights of one GGUF file by logical name (see the module docstring). Packs each weight once, on first
+    use, and shares it with every decoder built from this source (a truncated draft of the target included)."""
+
+    def __init__(self, path: str | Path, config, tokenizer=None):
+        self.path = Path(path)
+        self.file = GGUFFile(self.path)
+        self.config = config
+        self.tokenizer = tokenizer
+        self.architecture = self.file.value("general.architecture")
+        require(
+            self.architecture in DIRECT_ARCHITECTURES,
+            f"{self.path.name}: architecture {self.architecture!r} is not read directly (the static path reads "
+            f"{', '.join(DIRECT_ARCHITECTURES)}): load it with backend='eager'",
+        )
+        self.tied = "output.weight" not in self.file.tensors
+        self._packed: dict[str, PackedWeight] = {}
+        self._said: set[str] = set()
+
+    def has(self, name: str, suffix: str = "weight") -> bool:
+        return gguf_name(name, suffix) in self.file.tensors
+
+    def linear(self, name: str) -> PackedWeight:
+        """The weight [out, in] of the logical linear `name`, packed from the file's blocks (once)."""
+        if name == "lm_head" and self.tied:
+            name = "embed_tokens"
+        found = self._packed.get(name)
+        if found is None:
+            info = self._tensor(gguf_name(name))
+            found = pack(info.raw, info.ggml_type, info.shape)
+            if found.reason is not None and found.reason not in self._said:
+                self._said.add(found.reason)
+                print(f"draftverify: {self.path.name}: {found.reason}", file=sys.stderr, flush=True)
+            rows = self._rope_rows(name, found.shape[0])
+            self._packed[name] = found = found if rows is None else permute_rows(found, rows)
+        return found
+
+    def bias(self, name: str) -> torch.Tensor | None:
+        return self._dense(gguf_name(name, "bias")) if self.has(name, "bias") else None
+
+    def vector(self, name: str) -> torch.Tensor:
+        """A 1-D fp32 weight (a norm's scale)."""
+        return self._dense(gguf_name(name))
+
+    @property
+    def head(self) -> PackedWeight:
+        return self.linear("lm_head")
+
+    @cached_property
+    def embedding(self) -> PackedWeight:
+        return self.linear("embed_tokens")
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of token ids [n] -> fp32 [n, H], only those rows dequantized (exact)."""
+        return rows_of(self.embedding, ids.view(-1).cpu())
+
+    def _tensor(self, full: str):
+        info = self.file.tensors.get(full)
+        require(info is not None, f"{self.path.name} has no tensor {full}: the file is incomplete or not this model")
+        return info
+
+    def _dense(self, full: str) -> torch.Tensor:
+        info = self._tensor(full)
+        return torch.from_numpy(np.array(info.raw.view(np.float32).reshape(info.shape), copy=True))
+
+    def _rope_rows(self, name: str, out: int) -> np.ndarray | None:
+        """The row order transformers' GGUF loader gives q and k of a "llama" file (llama.cpp's converter
+        interleaves each head's rotary halves; the loader undoes it), or None for every other weight."""
+        if self.architecture != "llama" or not name.endswith(("q_proj", "k_proj")):
+            return None
+        heads = self.config.num_attention_heads if name.endswith("q_proj") else self.config.num_key_value_heads
+        dim = out // heads // 2
+        return np.arange(out).reshape(heads, dim, 2).swapaxes(2, 1).reshape(out)
+
+
+def permute_rows(w: PackedWeight, rows: np.ndarray) -> PackedWeight:
+    """`w` with its output rows in the order `rows` (whole rows of blocks move: exact)."""
+    index = torch.from_numpy(rows)
+    pick = lambda t: t[index].contiguous() if t.numel() else t  # noqa: E731
+    return PackedWeight(w.type_name, w.shape, w.layout, w.sub, pick(w.codes), pick(w.d), pick(w.m), w.reason)
+
+
+def rows_of(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of `w`'s dequantized weight, fp32 [n, in]: the same bits as `w.dequantize()[ids]`."""
+    pick = lambda t: t[ids] if t.numel() else t  # noqa: E731
+    part = PackedWeight(w.type_name, (ids.shape[0], w.shape[1]), w.layout, w.sub, pick(w.codes), pick(w.d), pick(w.m))
+    return part.dequantize()
