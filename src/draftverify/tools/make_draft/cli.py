@@ -136,7 +136,7 @@ def make_draft(
     given = dict(budget_minutes=budget_minutes, data_share=data_share, batch_tokens=batch_tokens, lr=lr)
     given |= dict(gen_batch=gen_batch, max_new_tokens=max_new_tokens, seed=seed)
     given = {k: v for k, v in given.items() if v is not None}  # the rest: the kind's own defaults
-    loaded = load_model(target, dtype=dtype, device=device)
+    loaded = load_model(target, dtype=dtype, device=device, direct=False)
     command = "draftverify make-draft " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "make-draft")
     build = dict(work=work, resume=resume, command=command, log=_log, save_dtype=save_dtype)
     if kind == "head":
