@@ -19,6 +19,16 @@ def _threads(request):
     torch.set_num_threads(min(2, os.cpu_count() or 1) if "smollm" in request.fixturenames else 1)
 
 
+@pytest.fixture(autouse=True)
+def _no_curves_on_disk(monkeypatch):
+    """Engines measure their cost curves in each test instead of reading the user's cache (costs.cache_folder): a
+    curve measured on a busy machine would otherwise steer every later run's draft lengths. test_costs_cache.py
+    points the folder at a temporary one."""
+    from draftverify import costs
+
+    monkeypatch.setattr(costs, "cache_folder", lambda: None)
+
+
 ARCHS = ("llama", "gpt2", "qwen2", "gpt_neox")
 # Sliding-window and hybrid (sliding + full layers) decoders, windows far shorter than the test
 # sequences; plus Qwen3 (per-head q/k norms). Used by test_backends.py.

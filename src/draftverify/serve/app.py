@@ -67,7 +67,8 @@ def with_pool_file(specs: tuple[MethodSpec, ...], path: Path) -> tuple[MethodSpe
     names = ", ".join(s.label for s in specs)
     require(
         len(pooled) == 1,
-        f"--pool-file needs exactly one loaded method with a pool (ouroboros, lookahead), found {len(pooled)} among {names}",
+        f"--pool-file needs exactly one loaded method with a pool (ouroboros, lookahead), "
+        f"found {len(pooled)} among {names}",
     )
     spec = pooled[0]
     require(
@@ -171,7 +172,8 @@ class Service:
         if asked is not None and room is not None and asked > room:
             raise ApiError(
                 400,
-                f"{asked_field}={asked} is too large: the prompt has {len(ids)} tokens and the context {context}, so at most {room} new tokens fit",
+                f"{asked_field}={asked} is too large: the prompt has {len(ids)} tokens and the context {context}, "
+                f"so at most {room} new tokens fit",
                 param=asked_field,
                 code="context_length_exceeded",
             )
@@ -360,7 +362,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         text = service.metrics.render(service.scheduler.depth, service.config.max_queue, service.scheduler.busy)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 
