@@ -299,7 +299,8 @@ BAD = [  # (route, body: dict merged into a good one, or raw bytes), status, par
     (C, {"top_k": -1}, 400, "top_k"),
     (C, {"seed": -1}, 400, "seed"),
     (C, {"seed": 2**70}, 400, "seed"),
-    (C, {"n": 2}, 400, "n"),
+    (C, {"n": 0}, 400, "n"),
+    (C, {"n": 17}, 400, "n"),
     (C, {"n": True}, 400, "n"),
     (C, {"logprobs": 50}, 400, "logprobs"),  # at most 20
     (C, {"presence_penalty": 5}, 400, "presence_penalty"),  # in [-2, 2]
