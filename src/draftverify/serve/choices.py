@@ -2,10 +2,13 @@
 
 A request with `n` choices becomes `n` tickets (`choice_jobs`) that join the scheduler's batch like `n`
 requests would: they decode together, one target forward per step for all of them (and for the other
-requests running). Each choice is exactly what the same request with `n = 1` gives alone, under this
-seed rule: choice `i` of a request with `seed` s decodes with seed s + i (so choice 0 is the request's
-`n = 1` answer); without a seed every choice draws from fresh randomness; greedily (temperature 0)
-every choice is the one greedy answer. The line takes all `n` tickets at once or none (`Scheduler.submit`:
+requests running). Each choice is exact as any request is, under this seed rule: choice `i` of a request
+with `seed` s decodes with seed s + i (so choice 0 is the request's `n = 1` answer); without a seed every
+choice draws from fresh randomness; greedily (temperature 0) every choice is the one greedy answer. A
+seeded sampled choice is token-equal to the same request decoded alone when its draft lengths are the
+same (autoregressive, a constant draft length): the cost policies price a draft by the rows it adds to
+the batch's forward, and a different draft length draws the seed's random numbers differently (still
+exactly distributed as the target's samples). The line takes all `n` tickets at once or none (`Scheduler.submit`:
 429 when they do not fit), so they join the batch together when it has room.
 
 Non-streamed: the choices come back in index order, `usage` counts the prompt once and every choice's
