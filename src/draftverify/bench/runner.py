@@ -108,7 +108,9 @@ class Bench:
         require(specs and specs[0].is_baseline, "the autoregressive baseline must come first")
         for spec in specs:
             require(
-                engine.draft is not None or not spec.needs_draft or (engine.feature_head is not None and spec.takes_head),
+                engine.draft is not None
+                or not spec.needs_draft
+                or (engine.feature_head is not None and spec.takes_head),
                 f"method {spec.label!r} needs a draft model: pass --draft (e.g. self:layers=8) "
                 "or drop it from --methods",
             )
@@ -225,7 +227,11 @@ class Bench:
     def generate_ours(self, spec: BenchSpec, ids: list[int], max_new_tokens: int, sampling: Sampling) -> dict:
         """One generation of one of draftverify's methods; a fresh method instance when `warm=false`."""
         engine = self.engine
-        runner = engine if spec.warm else Engine(engine.target, engine.draft_source, engine.backend, feature_head=engine.feature_head)
+        runner = (
+            engine
+            if spec.warm
+            else Engine(engine.target, engine.draft_source, engine.backend, feature_head=engine.feature_head)
+        )
         result = runner.generate(
             ids,
             method=spec.name,
