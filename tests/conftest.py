@@ -19,6 +19,23 @@ def _threads(request):
     torch.set_num_threads(min(2, os.cpu_count() or 1) if "smollm" in request.fixturenames else 1)
 
 
+@pytest.fixture(scope="session")
+def _session_curves(tmp_path_factory):
+    return tmp_path_factory.mktemp("curves")
+
+
+@pytest.fixture(autouse=True)
+def _curves_of_this_session(monkeypatch, _session_curves):
+    """Engines keep their cost curves in a folder of this test session (costs.cache_folder), not the user's cache:
+    a curve measured on a busy machine would otherwise steer later runs' draft lengths. Within the session two
+    engines of one model read one curve, so a seeded sampled request draws its random numbers at the same draft
+    lengths in both (test_serve compares a server's engine with an offline one). test_costs_cache.py points the
+    folder at a temporary one of each test."""
+    from draftverify import costs
+
+    monkeypatch.setattr(costs, "cache_folder", lambda: _session_curves)
+
+
 ARCHS = ("llama", "gpt2", "qwen2", "gpt_neox")
 # Sliding-window and hybrid (sliding + full layers) decoders, windows far shorter than the test
 # sequences (Phi-3: fused qkv and gate/up, one window for every layer); plus Qwen3 (per-head q/k norms).

@@ -249,18 +249,26 @@ def test_models_health_metrics(live):
     assert samples['draftverify_acceptance_rate{method="speculative[k=4]"}'] == pytest.approx(
         samples['draftverify_accepted_tokens_total{method="speculative[k=4]"}'] / drafted, abs=1e-5
     )
+    at = {  # position -> verifications that accepted the drafted token there
+        int(name.split('position="')[1].split('"')[0]): v
+        for name, v in samples.items()
+        if name.startswith("draftverify_accepted_at_position_total{")
+    }
+    assert sum(at.values()) <= samples['draftverify_accepted_tokens_total{method="speculative[k=4]"}']
+    assert all(at[p] >= at.get(p + 1, 0) for p in at)  # a token is accepted only after the one before it
+    assert at.get(1, 0) <= samples['draftverify_verifications_total{method="speculative[k=4]"}']
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {sample name with labels: value}, checking every family has HELP and TYPE."""
-    samples, typed = {}, set()
-    for line in text.strip().splitlines():
-        if line.startswith("# TYPE "):
-            typed.add(line.split()[2])
-        elif not line.startswith("# HELP "):
-            name, value = line.rsplit(" ", 1)
-            assert name.split("{")[0] in typed, line
-            samples[name] = float(value)
+    """Prometheus text, read by prometheus_client's own parser -> {sample name with labels: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        assert family.documentation and family.type in ("counter", "gauge"), family
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))  # keys name labels in sorted order
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return samples
 
 
@@ -291,7 +299,8 @@ BAD = [  # (route, body: dict merged into a good one, or raw bytes), status, par
     (C, {"top_k": -1}, 400, "top_k"),
     (C, {"seed": -1}, 400, "seed"),
     (C, {"seed": 2**70}, 400, "seed"),
-    (C, {"n": 2}, 400, "n"),
+    (C, {"n": 0}, 400, "n"),
+    (C, {"n": 17}, 400, "n"),
     (C, {"n": True}, 400, "n"),
     (C, {"logprobs": 50}, 400, "logprobs"),  # at most 20
     (C, {"presence_penalty": 5}, 400, "presence_penalty"),  # in [-2, 2]
@@ -558,7 +567,7 @@ def test_a_failing_generation_is_its_own_500_and_the_server_goes_on(models, offl
         r = client.post(C, json=GOOD)  # the caches left mid-generation do not leak into the next request
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
         samples = parse_metrics(client.get("/metrics").text)
-        assert samples['draftverify_generations_total{method="speculative[k=4]",finish_reason="error"}'] == 2
+        assert samples['draftverify_generations_total{finish_reason="error",method="speculative[k=4]"}'] == 2
 
 
 # -- timeouts and shutdown ---------------------------------------------------------------------
@@ -613,7 +622,7 @@ def test_disconnect_frees_the_model(models):
                 gone.result()
         wait_for(lambda: not client.get("/health").json()["busy"], timeout_s=10)
         samples = parse_metrics(client.get("/metrics").text)
-        assert samples['draftverify_generations_total{method="speculative[k=4]",finish_reason="cancelled"}'] == 3
+        assert samples['draftverify_generations_total{finish_reason="cancelled",method="speculative[k=4]"}'] == 3
         assert samples['draftverify_generated_tokens_total{method="speculative[k=4]"}'] < 3 * 100
 
 

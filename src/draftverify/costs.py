@@ -12,15 +12,29 @@ wide forward after a long context costs more than after a short one (and one tok
 `Curve` holds the widths' times after a short context and how they grow per token of context
 (measured a second time after `FAR_CONTEXT` tokens); `at_context` gives the table for the context a
 decision is made at, so long prompts get smaller drafts.
+
+Measuring a curve takes seconds, paid by the first request of a process. An engine therefore keeps its
+curves on disk as well (`Shared.curve_folder`, `cache_folder()` under the cache root): one JSON file per
+key, the key naming what a forward's time depends on: the machine (CPU model and flags, the GPU's name,
+torch's thread count), the model's identity, its arithmetic (dtype), the kernel build and torch's version,
+the path (backend, draft rounding) and the widths. A file whose key matches in full is read instead of
+measuring; a change in any part is another file, measured afresh. A curve only steers draft lengths, never
+what is accepted, so a stale or foreign curve could cost speed but never exactness.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import platform
 import time
+from pathlib import Path
 
 import torch
 
 from draftverify.models import Runner
+from draftverify.util import atomic_write, cache_root
 
 WIDTHS = (1, 2, 4, 8, 16, 32)
 POLICY_CONTEXT = 64  # tokens of context before the policy's timed forwards
@@ -123,22 +137,117 @@ def context_slope(near: dict[int, float], far: dict[int, float], span: int) -> d
 def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> Curve:
     """The cost curve of `runner`'s model on its backend, measured once per engine (`runner.shared`; 3 runs a
     width), after `POLICY_CONTEXT` tokens and again after `FAR_CONTEXT` (or as many as the model's positions
-    allow)."""
+    allow); read from `runner.shared.curve_folder` instead when a file there has this curve's key."""
     key = (runner.backend, runner.draft, all_logits, tuple(widths))
     found = runner.shared.curves.setdefault(runner.model, {})
     if key not in found:
-        vocab = runner.model.get_input_embeddings().weight.shape[0]
-        limit = getattr(runner.model.config, "max_position_embeddings", None) or FAR_CONTEXT + max(widths)
-        far = min(FAR_CONTEXT, limit - max(widths))
-
-        def times(n: int) -> dict[int, float]:
-            context = [(7 * i + 3) % vocab for i in range(n)]
-            return forward_times(runner, context, widths, reps=3, all_logits=all_logits)
-
-        near = times(POLICY_CONTEXT)
-        slope = context_slope(near, times(far), far - POLICY_CONTEXT) if far >= 4 * POLICY_CONTEXT else None
-        found[key] = Curve(near, POLICY_CONTEXT, slope)
+        folder = getattr(runner.shared, "curve_folder", None)
+        disk_key = curve_key(runner, all_logits, widths) if folder is not None else None
+        found[key] = (load_curve(folder, disk_key) if folder is not None else None) or measure_curve(
+            runner, all_logits, widths
+        )
+        if folder is not None:
+            save_curve(folder, disk_key, found[key])
     return found[key]
+
+
+def measure_curve(runner: Runner, all_logits: bool, widths) -> Curve:
+    """Time `runner`'s forwards for `curve`: after `POLICY_CONTEXT` tokens, and after `FAR_CONTEXT` for the slope."""
+    vocab = runner.model.get_input_embeddings().weight.shape[0]
+    limit = getattr(runner.model.config, "max_position_embeddings", None) or FAR_CONTEXT + max(widths)
+    far = min(FAR_CONTEXT, limit - max(widths))
+
+    def times(n: int) -> dict[int, float]:
+        context = [(7 * i + 3) % vocab for i in range(n)]
+        return forward_times(runner, context, widths, reps=3, all_logits=all_logits)
+
+    near = times(POLICY_CONTEXT)
+    slope = context_slope(near, times(far), far - POLICY_CONTEXT) if far >= 4 * POLICY_CONTEXT else None
+    return Curve(near, POLICY_CONTEXT, slope)
+
+
+# -- curves on disk ------------------------------------------------------------------------------
+
+
+def cache_folder() -> Path:
+    """Where engines keep their measured curves: `<cache root>/curves`."""
+    return cache_root() / "curves"
+
+
+@functools.cache
+def machine() -> dict:
+    """What a forward's time depends on in the machine: the CPU's model name and flags (hashed: a long list)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    info: dict[str, str] = {}
+    for line in lines:  # the first core's lines: every core of a machine reports the same model and flags
+        name, _, value = line.partition(":")
+        info.setdefault(name.strip(), value.strip())
+    flags = " ".join(sorted(info.get("flags", "").split()))
+    return {
+        "cpu": info.get("model name") or platform.processor() or platform.machine(),
+        "cpu_flags": hashlib.sha1(flags.encode()).hexdigest()[:12],
+    }
+
+
+@functools.cache
+def kernel_build() -> str:
+    """The kernels' build tag (a hash of their sources) and torch's version: a rebuild can change any time."""
+    from draftverify.kernels import source_tag
+
+    return f"{source_tag()}-torch{torch.__version__}"
+
+
+def curve_key(runner: Runner, all_logits: bool, widths) -> dict:
+    """Everything a curve's measured times depend on (see the module's docstring), as JSON values."""
+    from draftverify.loading.hf import model_identity
+
+    device = runner.device
+    return {
+        **machine(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "threads": torch.get_num_threads(),
+        "model": model_identity(runner.model),
+        "arithmetic": str(getattr(runner, "arithmetic", None) or runner.dtype),
+        "kernels": kernel_build(),
+        "backend": runner.backend,
+        "draft": runner.draft,
+        "all_logits": all_logits,
+        "widths": list(widths),
+    }
+
+
+def _curve_file(folder: Path, key: dict) -> Path:
+    return Path(folder) / f"{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
+
+
+def load_curve(folder: Path, key: dict) -> Curve | None:
+    """The curve saved under `key` in `folder`, or None when there is none (or it is unreadable, or its key
+    differs: a hash collision is then re-measured, never trusted)."""
+    try:
+        data = json.loads(_curve_file(folder, key).read_text())
+        if data["key"] != json.loads(json.dumps(key)):
+            return None
+        times = {int(w): float(t) for w, t in data["times"].items()}
+        slope = {int(w): float(t) for w, t in data["slope"].items()} if data.get("slope") else None
+        return Curve(times, int(data["context"]), slope)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def save_curve(folder: Path, key: dict, measured: Curve) -> None:
+    """Write `measured` under `key` (atomically: a reader sees the old file or the new one). A folder that cannot
+    be written costs the next process a measurement, nothing else."""
+    path = _curve_file(folder, key)
+    if path.exists():
+        return
+    data = {"key": key, "times": dict(measured), "context": measured.context, "slope": measured.slope or None}
+    try:
+        atomic_write(path, json.dumps(data, indent=1) + "\n")
+    except OSError:
+        pass
 
 
 def forward_time(table: dict[int, float], width: int) -> float:

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from draftverify import costs
 from draftverify.errors import require
 from draftverify.feature_head import FeatureHead
 from draftverify.loading import DraftSource, Loaded, default_feature_head, draft_source, load_draft_source, load_model
@@ -67,7 +68,9 @@ class Engine:
         self.draft = source.model if source is not None else None
         self.feature_head = feature_head
         self.backend = backend
-        self.shared = shared if shared is not None else Shared()
+        # Cost curves measured by an earlier process on this machine, model, arithmetic and kernel build are read
+        # from disk (costs.curve), so a first request does not pay for measuring them.
+        self.shared = shared if shared is not None else Shared(curve_folder=costs.cache_folder())
         self.target_runner = Runner(target.model, backend, shared=self.shared)
         # A separate draft model may run on rounded weights (PackedLinear); the target drafting for itself does not.
         self.draft_runner = (

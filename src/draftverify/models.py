@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -72,11 +73,14 @@ class Shared:
     """What the runners of one engine share, built or learned once: the static path's packed weights (`packs`),
     the measured cost curves (`costs.curve`: per model) and the feature head's calibration
     (`drafters.feature.acceptance`: per head). An engine owns one and hands it to its runners (forks keep it);
-    nothing of it is process-wide, so two engines in one process never steer each other."""
+    nothing of it is process-wide, so two engines in one process never steer each other. `curve_folder`: where
+    the curves are also kept on disk between processes (`costs.cache_folder()` for an engine; None: measured
+    by every process)."""
 
     packs: Packs = field(default_factory=Packs)
     curves: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     calibration: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    curve_folder: Path | None = None
 
 
 class Runner:

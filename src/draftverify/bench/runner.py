@@ -86,7 +86,7 @@ class Settings:
         return self.temperature == 0
 
     def sampling(self, seed: int | None) -> Sampling:
-        return Sampling(self.temperature, self.top_k, self.top_p, seed)
+        return Sampling(self.temperature, self.top_k, self.top_p, seed=seed)
 
 
 def messages_for(prompt: Prompt, answers: list[str]) -> list[dict]:

@@ -27,22 +27,18 @@ from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError, require
 from draftverify.methods import METHODS
 from draftverify.methods.spec import MethodSpec, parse_specs
-from draftverify.serve.extras import check_format, knobs, logprobs_object
+from draftverify.serve.choices import choice_jobs, outcomes, stream_choices, whole_response
+from draftverify.serve.extras import check_format, knobs
 from draftverify.serve.http import CountRequests, read_body
 from draftverify.serve.metrics import Metrics
 from draftverify.serve.protocol import (
-    FINISH_REASONS,
     ApiError,
     ChatRequest,
     CompletionRequest,
     Reply,
-    TextStream,
     parse_request,
-    sse,
-    stats_object,
-    usage,
 )
-from draftverify.serve.scheduler import Chunk, Job, Outcome, Scheduler, Ticket, timeout_error
+from draftverify.serve.scheduler import Job, Outcome, Scheduler, Ticket, timeout_error
 
 log = logging.getLogger("draftverify.serve")
 
@@ -67,7 +63,8 @@ def with_pool_file(specs: tuple[MethodSpec, ...], path: Path) -> tuple[MethodSpe
     names = ", ".join(s.label for s in specs)
     require(
         len(pooled) == 1,
-        f"--pool-file needs exactly one loaded method with a pool (ouroboros, lookahead), found {len(pooled)} among {names}",
+        f"--pool-file needs exactly one loaded method with a pool (ouroboros, lookahead), "
+        f"found {len(pooled)} among {names}",
     )
     spec = pooled[0]
     require(
@@ -171,7 +168,8 @@ class Service:
         if asked is not None and room is not None and asked > room:
             raise ApiError(
                 400,
-                f"{asked_field}={asked} is too large: the prompt has {len(ids)} tokens and the context {context}, so at most {room} new tokens fit",
+                f"{asked_field}={asked} is too large: the prompt has {len(ids)} tokens and the context {context}, "
+                f"so at most {room} new tokens fit",
                 param=asked_field,
                 code="context_length_exceeded",
             )
@@ -265,55 +263,19 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
     async def generate(request: Request, kind: str):
         req = parse_request(await read_body(request, service.config.max_body_bytes), kind)
         job = service.job(req, kind)
-        ticket = Ticket(job, service.config.timeout_s)
-        service.scheduler.submit(ticket)
-        reply = Reply(kind, service.model_name)
+        tickets = [Ticket(one, service.config.timeout_s) for one in choice_jobs(job, req.n)]
+        service.scheduler.submit(*tickets)
+        reply, tokenizer = Reply(kind, service.model_name), engine.target.tokenizer
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return TicketStream(stream(reply, ticket, include_usage), ticket, service.scheduler)
-        outcome = None
-        async for event in service.follow(ticket, request):
-            outcome = event if isinstance(event, Outcome) else None
-        if outcome is None:  # the client is gone
+            events = stream_choices(reply, tickets, service.follow, tokenizer, include_usage)
+            return TicketStream(events, tickets, service.scheduler)
+        ended = await outcomes(tickets, lambda ticket: service.follow(ticket, request))
+        if any(outcome is None for outcome in ended):  # the client is gone
+            for ticket in tickets:
+                service.scheduler.withdraw(ticket)
             return Response(status_code=499)
-        if outcome.error is not None:
-            raise outcome.error
-        result = outcome.result
-        stats = stats_object(result.stats, job.method, ticket.started - ticket.submitted)
-        return JSONResponse(
-            reply.whole(
-                result.text,
-                FINISH_REASONS[result.stats.finish_reason],
-                usage(len(result.prompt_tokens), len(result.tokens)),
-                stats,
-                logprobs_object(kind, engine.target.tokenizer, result.logprobs),
-            )
-        )
-
-    async def stream(reply: Reply, ticket: Ticket, include_usage: bool):
-        text = TextStream(engine.target.tokenizer, list(ticket.job.stop))
-        if reply.kind == "chat":
-            yield sse(reply.chunk(first=True))
-        async for event in service.follow(ticket):
-            if isinstance(event, Chunk):
-                offset = len(text.sent)
-                delta = text.push(event.tokens)
-                logprobs = logprobs_object(reply.kind, engine.target.tokenizer, event.logprobs, offset)
-                if delta or logprobs is not None:
-                    yield sse(reply.chunk(delta, logprobs=logprobs))
-            elif event.error is not None:
-                yield sse(event.error.body())
-            else:
-                result = event.result
-                tail = text.finish(result.text)
-                if tail:
-                    yield sse(reply.chunk(tail))
-                stats = stats_object(result.stats, ticket.job.method, ticket.started - ticket.submitted)
-                finish = FINISH_REASONS[result.stats.finish_reason]
-                yield sse(reply.chunk(finish=finish, draftverify=stats, timings=stats.pop("timings")))
-                if include_usage:
-                    yield sse(reply.usage_chunk(usage(len(result.prompt_tokens), len(result.tokens)), stats))
-        yield sse("[DONE]")
+        return JSONResponse(whole_response(reply, tokenizer, tickets, ended))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -360,23 +322,24 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         text = service.metrics.render(service.scheduler.depth, service.config.max_queue, service.scheduler.busy)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 
 
 class TicketStream(StreamingResponse):
-    """Server-sent events that withdraw their ticket when the response ends, however it ends
-    (even if the client left before the first event was sent)."""
+    """Server-sent events that withdraw their tickets (a request's choices) when the response ends, however it
+    ends (even if the client left before the first event was sent)."""
 
-    def __init__(self, events, ticket: Ticket, scheduler: Scheduler):
+    def __init__(self, events, tickets: list[Ticket], scheduler: Scheduler):
         super().__init__(
             events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
-        self.ticket, self.scheduler = ticket, scheduler
+        self.tickets, self.scheduler = tickets, scheduler
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.scheduler.withdraw(self.ticket)
+            for ticket in self.tickets:
+                self.scheduler.withdraw(ticket)

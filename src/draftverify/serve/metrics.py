@@ -1,113 +1,121 @@
-"""Server counters in the Prometheus text format (version 0.0.4), served at GET /metrics.
+"""Server counters for Prometheus, through prometheus_client, served at GET /metrics (text format 0.0.4).
 
-Counters only grow; ratios are left to the query (`rate(accepted) / rate(drafted)`), but the
-lifetime acceptance rate and tokens per target forward are also given per method as gauges,
-present only once something was drafted (unknown is not 0).
+Counters only grow; ratios are left to the query (`rate(accepted) / rate(drafted)`), but the lifetime
+acceptance rate and tokens per target forward are also given per method as gauges, present only once
+something was drafted (unknown is not 0). The acceptance counters follow what other engines' users
+read (vLLM's `spec_decode_num_accepted_tokens_per_pos`): drafted and accepted tokens per method, and
+per draft position how many verifications accepted a token there, so
+`accepted_at_position_total{position="k"} / verifications_total` is the rate at which the k-th drafted
+token is accepted. Each app has a registry of its own (two apps in one process never mix counters).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter, defaultdict
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from draftverify.stats import Stats
 
-PER_METHOD = {  # counter name suffix -> (help, Stats attribute)
-    "prompt_tokens_total": ("Prompt tokens of finished generations.", "prompt_tokens"),
-    "generated_tokens_total": ("Tokens generated (sent or cut off by a cancel).", "new_tokens"),
-    "target_forwards_total": ("Forward passes of the target model.", "target_forwards"),
-    "draft_forwards_total": ("Forward passes of the draft model.", "draft_forwards"),
-    "drafted_tokens_total": ("Drafted tokens sent to verification.", "drafted"),
-    "accepted_tokens_total": ("Drafted tokens the target accepted.", "accepted"),
+PER_METHOD = {  # counter name (prometheus_client adds `_total`) -> (help, Stats attribute)
+    "prompt_tokens": ("Prompt tokens of finished generations.", "prompt_tokens"),
+    "generated_tokens": ("Tokens generated (sent or cut off by a cancel).", "new_tokens"),
+    "target_forwards": ("Forward passes of the target model.", "target_forwards"),
+    "draft_forwards": ("Forward passes of the draft model.", "draft_forwards"),
+    "drafted_tokens": ("Drafted tokens sent to verification.", "drafted"),
+    "accepted_tokens": ("Drafted tokens the target accepted.", "accepted"),
 }
+MAX_POSITION = 32  # positions counted one by one; a longer accepted run counts its first MAX_POSITION
 
 
 class Metrics:
-    """Thread-safe counters: the request handlers and the worker thread both write."""
+    """The server's counters in a registry of their own (prometheus_client's metrics are thread-safe: the request
+    handlers and the decoding thread both write)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self.requests: Counter = Counter()  # (route, status) -> count
-        self.generations: Counter = Counter()  # (method, finish reason) -> count
-        self.per_method: dict[str, Counter] = defaultdict(Counter)  # method -> {counter: value}
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.state = {"queue_depth": 0, "queue_capacity": 0, "busy": 0}  # read when scraped (`render`)
+        self.totals: dict[str, dict[str, float]] = {}  # method -> {drafted, accepted, new_tokens, forwards}
+        self.lock = threading.Lock()  # one generation's totals change together: a scrape never sees half of them
+
+        def counter(name: str, help_: str, labels=("method",)) -> Counter:
+            return Counter(f"draftverify_{name}", help_, labels, registry=self.registry)
+
+        self.requests = counter("requests", "HTTP requests answered, by route and status code.", ("route", "status"))
+        self.generations = counter(
+            "generations",
+            "Generations run, by method and finish reason (eos, stop, length, cancelled, error).",
+            ("method", "finish_reason"),
+        )
+        self.per_method = {name: counter(name, help_) for name, (help_, _) in PER_METHOD.items()}
+        self.verifications = counter("verifications", "Verifying target forwards (rounds that checked drafts).")
+        self.at_position = counter(
+            "accepted_at_position",
+            "Verifications that accepted the drafted token at this position (1 = the first drafted token).",
+            ("method", "position"),
+        )
+        self.seconds = counter("generation_seconds", "Seconds spent generating.")
+        self.queue_wait = counter("queue_wait_seconds", "Seconds requests waited in line before generating.")
+        for name, help_ in (
+            ("queue_depth", "Requests waiting for the model."),
+            ("queue_capacity", "The most requests that may wait (--max-queue)."),
+            ("busy", "1 while a generation runs."),
+        ):
+            Gauge(f"draftverify_{name}", help_, registry=self.registry).set_function(lambda n=name: self.state[n])
+        self.registry.register(_Ratios(self))
 
     def request(self, route: str, status: int) -> None:
-        with self._lock:
-            self.requests[(route, str(status))] += 1
+        self.requests.labels(route, str(status)).inc()
 
     def generation(self, method: str, stats: Stats | None, wall_s: float, queue_s: float = 0.0) -> None:
         """Record one finished generation (`stats=None`: it failed with an error)."""
-        with self._lock:
-            self.generations[(method, stats.finish_reason if stats else "error")] += 1
-            counters = self.per_method[method]
-            counters["generation_seconds_total"] += wall_s
-            counters["queue_wait_seconds_total"] += queue_s
-            for name, (_, attr) in PER_METHOD.items():
-                counters[name] += getattr(stats, attr) if stats else 0
+        self.generations.labels(method, stats.finish_reason if stats else "error").inc()
+        self.seconds.labels(method).inc(wall_s)
+        self.queue_wait.labels(method).inc(queue_s)
+        for name, (_, attr) in PER_METHOD.items():
+            self.per_method[name].labels(method).inc(getattr(stats, attr) if stats else 0)
+        if stats is None:
+            return
+        with self.lock:
+            totals = self.totals.setdefault(method, dict.fromkeys(("drafted", "accepted", "new_tokens", "forwards"), 0))
+            for key, attr in (("drafted", "drafted"), ("accepted", "accepted"), ("new_tokens", "new_tokens")):
+                totals[key] += getattr(stats, attr)
+            totals["forwards"] += stats.target_forwards
+        self.verifications.labels(method).inc(len(stats.steps))
+        for emitted in stats.steps:  # a step's tokens: its accepted drafted tokens, then the bonus (or correction)
+            for position in range(1, min(emitted - 1, MAX_POSITION) + 1):
+                self.at_position.labels(method, str(position)).inc()
 
     def render(self, queue_depth: int, queue_capacity: int, busy: bool) -> str:
-        with self._lock:
-            lines = []
-
-            def family(name: str, kind: str, help_: str, samples: list[tuple[dict, float]]) -> None:
-                lines.append(f"# HELP draftverify_{name} {help_}")
-                lines.append(f"# TYPE draftverify_{name} {kind}")
-                for labels, value in samples:
-                    text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-                    lines.append(f"draftverify_{name}{{{text}}} {value:g}" if text else f"draftverify_{name} {value:g}")
-
-            family(
-                "requests_total",
-                "counter",
-                "HTTP requests answered, by route and status code.",
-                [({"route": r, "status": s}, n) for (r, s), n in sorted(self.requests.items())],
-            )
-            family("queue_depth", "gauge", "Requests waiting for the model.", [({}, queue_depth)])
-            family("queue_capacity", "gauge", "The most requests that may wait (--max-queue).", [({}, queue_capacity)])
-            family("busy", "gauge", "1 while a generation runs.", [({}, int(busy))])
-            family(
-                "generations_total",
-                "counter",
-                "Generations run, by method and finish reason (eos, stop, length, cancelled, error).",
-                [({"method": m, "finish_reason": f}, n) for (m, f), n in sorted(self.generations.items())],
-            )
-            per_method = sorted(self.per_method.items())
-            for name, (help_, _) in PER_METHOD.items():
-                family(name, "counter", help_, [({"method": m}, c[name]) for m, c in per_method])
-            family(
-                "generation_seconds_total",
-                "counter",
-                "Seconds spent generating.",
-                [({"method": m}, c["generation_seconds_total"]) for m, c in per_method],
-            )
-            family(
-                "queue_wait_seconds_total",
-                "counter",
-                "Seconds requests waited in line before generating.",
-                [({"method": m}, c["queue_wait_seconds_total"]) for m, c in per_method],
-            )
-            family(
-                "acceptance_rate",
-                "gauge",
-                "accepted / drafted tokens since start.",
-                [
-                    ({"method": m}, c["accepted_tokens_total"] / c["drafted_tokens_total"])
-                    for m, c in per_method
-                    if c["drafted_tokens_total"]
-                ],
-            )
-            family(
-                "tokens_per_target_forward",
-                "gauge",
-                "generated tokens / target forwards since start.",
-                [
-                    ({"method": m}, c["generated_tokens_total"] / c["target_forwards_total"])
-                    for m, c in per_method
-                    if c["target_forwards_total"]
-                ],
-            )
-            return "\n".join(lines) + "\n"
+        self.state.update(queue_depth=queue_depth, queue_capacity=queue_capacity, busy=int(busy))
+        return generate_latest(self.registry).decode()
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class _Ratios:
+    """The lifetime ratios per method as gauges, computed when scraped; absent while their denominator is 0."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self):
+        rate = GaugeMetricFamily(
+            "draftverify_acceptance_rate", "accepted / drafted tokens since start.", labels=["method"]
+        )
+        per_forward = GaugeMetricFamily(
+            "draftverify_tokens_per_target_forward",
+            "generated tokens / target forwards since start.",
+            labels=["method"],
+        )
+        with self.metrics.lock:
+            totals = {method: dict(t) for method, t in self.metrics.totals.items()}
+        for method, t in sorted(totals.items()):
+            if t["drafted"]:
+                rate.add_metric([method], t["accepted"] / t["drafted"])
+            if t["forwards"]:
+                per_forward.add_metric([method], t["new_tokens"] / t["forwards"])
+        yield rate
+        yield per_forward
+
+    def describe(self):
+        return []

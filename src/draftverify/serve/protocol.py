@@ -2,7 +2,7 @@
 
 Requests are parsed strictly: a field of the wrong type, an unknown field (a typo such as
 `temprature` would otherwise silently decode greedily), or an OpenAI field this server cannot
-honour at a non-neutral value (`n=2`, `tools`...) is a 400 naming the field. Extensions: `method`
+honour at a non-neutral value (`best_of=2`, `tools`...) is a 400 naming the field. Extensions: `method`
 picks one of the server's loaded methods, `top_k` and `min_p` filter the sampling distribution,
 `response_format` also takes {"type": "regex", "regex": ...} and {"type": "lark", "lark": ...}, and
 every response carries a `draftverify` object with the request's speculative stats and llama-server's
@@ -22,11 +22,11 @@ from draftverify.stats import Stats
 
 MIN_TEMPERATURE = 1e-6  # smaller positive temperatures overflow float32 logits (NaN); 0 means greedy
 MAX_STOPS = 16
+MAX_CHOICES = 16  # `n`: choices of one request, each a member of the batch
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # Stats.finish_reason -> OpenAI
 
 # OpenAI fields the server accepts only at the value that changes nothing (clients often send them).
 NEUTRAL = {
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "suffix": (None,),
@@ -117,6 +117,7 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, decoded together as members of the batch (serve/choices.py)
 
     @field_validator("temperature")
     @classmethod
@@ -221,27 +222,35 @@ class Reply:
             "model": self.model,
         }
 
-    def whole(self, text: str, finish: str, usage: dict, stats: dict, logprobs: dict | None = None) -> dict:
+    def choice(self, text: str, finish: str, logprobs: dict | None = None, index: int = 0) -> dict:
+        """One choice of a whole (non-streamed) response."""
         if self.kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def whole(self, text: str, finish: str, usage: dict, stats: dict, logprobs: dict | None = None) -> dict:
+        return self.whole_choices([self.choice(text, finish, logprobs)], usage, stats)
+
+    def whole_choices(self, choices: list[dict], usage: dict, stats: dict) -> dict:
+        """The response of `choices` (`choice`); `stats`, the first choice's, at the top (n = 1 as always)."""
         timings = stats.pop("timings", None)
-        return {**self._head(False), "choices": [choice], "usage": usage, "draftverify": stats, "timings": timings}
+        return {**self._head(False), "choices": choices, "usage": usage, "draftverify": stats, "timings": timings}
 
     def chunk(
-        self, text: str | None = None, finish: str | None = None, first: bool = False, logprobs=None, **extra
+        self,
+        text: str | None = None,
+        finish: str | None = None,
+        first: bool = False,
+        logprobs=None,
+        index: int = 0,
+        **extra,
     ) -> dict:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return {**self._head(True), "choices": [choice], **extra}
 
     def usage_chunk(self, usage: dict, stats: dict) -> dict:

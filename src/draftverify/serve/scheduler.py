@@ -131,20 +131,22 @@ class Scheduler:
         of 8 sequences ~1.8x slower, of one ~1.25x, on a worker thread of this 2-core CPU)."""
         self._work(alive)
 
-    def submit(self, ticket: Ticket) -> None:
-        """Put the ticket in line, or refuse it: 429 when the line is full, 503 when shutting down."""
+    def submit(self, *tickets: Ticket) -> None:
+        """Put the tickets in line (one request's choices: all of them or none, so they join the batch together), or
+        refuse them: 429 when the line has no room for them all, 503 when shutting down."""
         with self._cond:
             if self._closing:
                 raise ApiError(503, "the server is shutting down: retry on another replica", code="shutting_down")
-            if len(self._line) >= self.max_queue:
-                wait = max(1, math.ceil(self._mean_s * (len(self._line) + 1) / self.max_batch))
+            if len(self._line) + len(tickets) > self.max_queue:
+                wait = max(1, math.ceil(self._mean_s * (len(self._line) + len(tickets)) / self.max_batch))
                 raise ApiError(
                     429,
-                    f"the queue is full ({self.max_queue} requests waiting): retry in {wait}s",
+                    f"the queue is full ({len(self._line)} of {self.max_queue} requests waiting, {len(tickets)} more "
+                    f"asked): retry in {wait}s" + (", or ask for fewer choices (n)" if len(tickets) > 1 else ""),
                     code="queue_full",
                     headers={"Retry-After": str(wait)},
                 )
-            self._line.append(ticket)
+            self._line.extend(tickets)
             self._cond.notify()
 
     def withdraw(self, ticket: Ticket) -> None:
@@ -301,6 +303,7 @@ def failure(exc: BaseException) -> ApiError:
 def timeout_error(ticket: Ticket) -> ApiError:
     return ApiError(
         504,
-        f"the request took longer than the server's timeout of {ticket.timeout_s:g}s: ask for fewer tokens or retry later",
+        f"the request took longer than the server's timeout of {ticket.timeout_s:g}s: "
+        "ask for fewer tokens or retry later",
         code="timeout",
     )

@@ -1,0 +1,91 @@
+"""Cost curves kept on disk (costs.curve with an engine's `Shared.curve_folder`): a second engine, as in a fresh
+process, reads them instead of measuring; a change of machine, model, arithmetic or kernel build measures again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftverify import Engine, costs
+
+
+def _refuse_to_measure(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("measured a curve again")
+
+    monkeypatch.setattr(costs, "forward_times", fail)
+
+
+@pytest.fixture
+def curves_home(tmp_path, monkeypatch):
+    folder = tmp_path / "curves"  # not XDG_CACHE_HOME: that would move the compiled kernels too
+    monkeypatch.setattr(costs, "cache_folder", lambda: folder)
+    return folder
+
+
+def test_a_second_engine_reads_the_curve_instead_of_measuring(tiny, curves_home, monkeypatch):
+    target = tiny("llama")
+    measured = costs.curve(Engine(target, backend="static").target_runner, widths=(1, 2, 4))
+    (saved,) = curves_home.glob("*.json")
+    assert json.loads(saved.read_text())["key"]["arithmetic"] == "torch.float32"
+    _refuse_to_measure(monkeypatch)
+    again = costs.curve(Engine(target, backend="static").target_runner, widths=(1, 2, 4))  # a fresh engine's memory
+    assert again is not measured and dict(again) == dict(measured)
+    assert again.context == measured.context and again.slope == pytest.approx(measured.slope)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "kernels",
+        "machine",
+        "model",
+        "arithmetic",
+    ],
+)
+def test_a_changed_key_measures_again(tiny, curves_home, monkeypatch, change):
+    target = tiny("llama")
+    costs.curve(Engine(target, backend="static").target_runner, widths=(1, 2))
+    _refuse_to_measure(monkeypatch)
+    engine = Engine(tiny("llama", seed=1) if change == "model" else target, backend="static")
+    if change == "kernels":
+        monkeypatch.setattr(costs, "kernel_build", lambda: "another-build")
+    elif change == "machine":
+        monkeypatch.setattr(costs, "machine", lambda: {"cpu": "another CPU", "cpu_flags": "0"})
+    elif change == "arithmetic":
+        engine.target_runner.arithmetic = "q8"
+    with pytest.raises(AssertionError, match="measured a curve again"):
+        costs.curve(engine.target_runner, widths=(1, 2))
+
+
+def test_a_damaged_or_foreign_file_is_measured_again_and_replaced(tiny, curves_home, monkeypatch):
+    target = tiny("llama")
+    runner = Engine(target, backend="static").target_runner
+    costs.curve(runner, widths=(1, 2))
+    (saved,) = curves_home.glob("*.json")
+    data = json.loads(saved.read_text())
+    saved.write_text(json.dumps({**data, "key": {**data["key"], "threads": -1}}))  # a hash collision's key
+    assert costs.load_curve(curves_home, costs.curve_key(runner, True, (1, 2))) is None
+    saved.write_text("{not json")
+    assert costs.load_curve(curves_home, costs.curve_key(runner, True, (1, 2))) is None
+
+
+def test_a_bare_runner_keeps_no_file(tiny, curves_home):
+    from draftverify.models import Runner
+
+    costs.curve(Runner(tiny("llama").model, "static"), widths=(1, 2))
+    assert not curves_home.exists()
+
+
+def test_an_auto_request_in_a_second_engine_measures_nothing(tiny, curves_home, monkeypatch):
+    from test_feature_draft import random_head
+
+    from draftverify.loading import truncated_copy
+
+    target = tiny("llama", layers=2)
+    draft, head = truncated_copy(target, 1), random_head(target, seed=2)
+    want = Engine(target, draft, feature_head=head).generate("ab", method="auto", max_new_tokens=12, temperature=0)
+    _refuse_to_measure(monkeypatch)
+    second = Engine(target, draft, feature_head=head)
+    assert second.generate("ab", method="auto", max_new_tokens=12, temperature=0).tokens == want.tokens
