@@ -12,6 +12,12 @@ the same whichever forward carries it:
 - anything else goes to oneDNN's prepacked product (`torch.ops.mkldnn._linear_pointwise`, what inductor
   emits for a frozen fp32 linear), or to `F.linear` where oneDNN cannot take the weight.
 
+A `BlockLinear` is the same for weights read straight from a GGUF file (`kernels.blocks.PackedWeight`, every
+layout: Q4_0..Q6_K, F16, BF16, F32): `PRODUCTS` is the one table saying which product each layout gets for
+which row counts; a product may serve only some row counts only if each of its rows is bit for bit the
+one-row product of that row (`block_linear` is: its sums are formed alike for any row count), so a row's
+arithmetic never depends on the forward that carries it.
+
 docs/backends.md has the measured cost of each product and why the thresholds sit where they do.
 `Packs` shares one PackedLinear between every decoder of the same weights (forks, a truncated draft of
 the target); an engine owns one.
@@ -121,6 +127,79 @@ def packable(weight: torch.Tensor) -> bool:
         and weight.dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
     )
+
+
+# Layout of a PackedWeight -> (product, the row counts it serves). `block_linear` is row-invariant at every row
+# count, and a file's weight keeps no fp32 copy for another product, so every layout takes it throughout. A
+# product that is row-invariant only up to some row count (an int8-activation one) enters here with its range.
+PRODUCTS: dict[str, tuple[str, range]] = {
+    layout: ("blocks", range(1, 1 << 62)) for layout in ("u4", "u8", "f16", "bf16", "f32")
+}
+
+
+def product(weight, m: int) -> str:
+    """The product `weight` (a PackedWeight) gets for a forward of `m` rows: the first row of `PRODUCTS` for its
+    layout whose range holds m."""
+    name, rows = PRODUCTS[weight.layout]
+    if m not in rows:
+        raise ValueError(f"no product for {weight.layout} weights at {m} rows: extend backend.linear.PRODUCTS")
+    return name
+
+
+class BlockLinear:
+    """y = x W^T + b for PackedWeights fused along the output dimension (q|k|v, gate|up, a tied head), multiplied
+    in the file's own blocks. Consecutive parts of one layout are concatenated into one weight (one call); a fused
+    product of mixed layouts (Q4_K_M's q, k in Q4_K and v in Q6_K) runs one call per run of parts. Each output
+    element is one part's row dotted with x, so fusing changes no bits. Quacks as PackedLinear where the decoder
+    and `Spans` ask: `blocks` (row-invariant: stacked rows share one call), `quant` (None: no q4q8 one-call layer),
+    `out_features`."""
+
+    def __init__(self, weights: list, bias: torch.Tensor | None = None):
+        self.parts = _concat_runs(weights)
+        self.bias = bias
+        self.out_features = sum(w.shape[0] for w in self.parts)
+        self.blocks = self  # row-invariant at every row count (`Spans` may stack any rows into one call)
+        self.quant = None
+
+    def __call__(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:  # [m, in] -> [m, out]
+        x = x.contiguous()
+        outs = [_block_product(w, x) for w in self.parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return y if self.bias is None else y + self.bias
+
+
+def _block_product(weight, x: torch.Tensor) -> torch.Tensor:
+    name = product(weight, x.shape[0])
+    if name == "blocks":
+        return weight.matmul(x)
+    raise ValueError(f"product {name!r} is listed in PRODUCTS but not dispatched in backend.linear._block_product")
+
+
+def _concat_runs(weights: list) -> list:
+    """Runs of consecutive PackedWeights of one layout and sub-block size, each concatenated along out."""
+    from draftverify.kernels.blocks import PackedWeight
+
+    runs: list[list] = []
+    for w in weights:
+        if runs and (runs[-1][0].layout, runs[-1][0].sub) == (w.layout, w.sub):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    out = []
+    for run in runs:
+        if len(run) == 1:
+            out.append(run[0])
+            continue
+        first, n = run[0], sum(w.shape[0] for w in run)
+        names = "|".join(dict.fromkeys(w.type_name for w in run))
+        cat = lambda ts: torch.cat(ts) if ts[0].numel() else ts[0]  # noqa: E731
+        out.append(
+            PackedWeight(
+                names, (n, first.shape[1]), first.layout, first.sub,
+                torch.cat([w.codes for w in run]), cat([w.d for w in run]), cat([w.m for w in run]),
+            )
+        )  # fmt: skip
+    return out
 
 
 def layer_weights(qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear) -> list | None:
