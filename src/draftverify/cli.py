@@ -53,7 +53,10 @@ DraftOpt = typer.Option(
     help="Draft model: a local HF folder, a .gguf file, 'self:layers=N' (the target's first N layers) or 'none'. "
     "Default: the shipped draft for the default target, else self:layers=8.",
 )
-DtypeOpt = typer.Option("auto", help="Weights dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16.")
+DtypeOpt = typer.Option(
+    "auto",
+    help="Weights dtype and target arithmetic: auto, fp32, bf16, fp16 or q8 (docs/q8.md).",
+)
 DeviceOpt = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N.")
 BackendOpt = typer.Option(
     "auto",

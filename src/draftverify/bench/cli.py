@@ -63,7 +63,8 @@ PROMPT_FORMAT = typer.Option(
 DTYPE = typer.Option(
     "auto",
     help="The target's arithmetic, passed to the target's load as is (see `draftverify generate --help`): "
-    "auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16, or any other the engine offers. The report names it.",
+    "auto (fp32 on CPU, bf16 on CUDA; q8 for a GGUF target where draftverify.arithmetic says so), fp32, bf16, fp16, or "
+    "q8 (int8-rounded activations times the GGUF blocks). The report names it.",
 )
 DEVICE = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N.")
 BACKEND = typer.Option(

@@ -51,7 +51,10 @@ def serve(
         None,
         help="Phrase pool file of the one loaded pool method (ouroboros, lookahead): loaded at start if it exists, shared by all requests, saved after each and on shutdown.",
     ),
-    dtype: str = typer.Option("auto", help="Weights dtype: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16."),
+    dtype: str = typer.Option(
+        "auto",
+        help="Weights dtype and target arithmetic: auto, fp32, bf16, fp16 or q8 (docs/q8.md).",
+    ),
     device: str = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N."),
     device_map: Optional[str] = typer.Option(
         None,
