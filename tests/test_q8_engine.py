@@ -4,13 +4,12 @@ import copy
 
 import pytest
 import torch
+from test_backends import quantized
 
 from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError
 from draftverify.kernels import cpu
 from draftverify.loading import Loaded
-
-from test_backends import quantized
 
 pytestmark = pytest.mark.skipif(cpu() is None, reason="the compiled CPU kernels are unavailable")
 
