@@ -91,19 +91,14 @@ def test_fma32_rounds_once():
 
 
 def test_from_blocks_is_the_same_weight():
+    from test_backends import quantized
+
     g = torch.Generator().manual_seed(5)
-    q = torch.randint(-127, 128, (8, 64), generator=g).float()
-    d = (torch.rand(8, 2, generator=g) * 0.01).half().float()
-    w8 = (q.view(8, 2, 32) * d[..., None]).view(8, 64)
-    b8 = exact_blocks(w8)
-    assert b8 is not None and b8.kind == "q8_0"
-    assert torch.equal(q8k.from_blocks(b8).dequantize(), w8)
-    q4 = torch.randint(0, 16, (8, 64), generator=g).float()
-    m = (-torch.rand(8, 2, generator=g)).half().float()
-    w4 = torch.addcmul(m[..., None], q4.view(8, 2, 32), d[..., None]).view(8, 64)
-    b4 = exact_blocks(w4)
-    assert b4 is not None and b4.kind == "q4_1"
-    assert torch.equal(q8k.from_blocks(b4).dequantize(), w4)
+    for kind in ("q8_0", "q4_1"):
+        w = quantized(torch.randn(8, 64, generator=g), kind)
+        blocks = exact_blocks(w)
+        assert blocks is not None and blocks.kind == kind
+        assert torch.equal(q8k.from_blocks(blocks).dequantize(), w)
 
 
 def test_bad_input_is_one_line():
