@@ -26,9 +26,14 @@ def draft_option(purpose: str = "Draft model"):
     return typer.Option(None, "--draft", "-d", help=f"{purpose}: {DRAFT_FORMS}. Default: {DEFAULT_DRAFT}.")
 
 
-def dtype_option(purpose: str = "Weights dtype"):
+def dtype_option(purpose: str = "Weights dtype and target arithmetic"):
     """--dtype: the arithmetic the weights are loaded in."""
-    return typer.Option("auto", "--dtype", help=f"{purpose}: auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16.")
+    return typer.Option(
+        "auto",
+        "--dtype",
+        help=f"{purpose}: auto (fp32 on CPU, bf16 on CUDA; q8 for a GGUF target where docs/q8.md's rule says so), "
+        "fp32, bf16, fp16 or q8 (int8-rounded activations times the GGUF blocks).",
+    )
 
 
 def device_option(purpose: str = "Device"):

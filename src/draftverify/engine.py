@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 
 from draftverify import costs
+from draftverify.arithmetic import ARITHMETICS, default_arithmetic, q8_linears, split_dtype
+from draftverify.backend.linear import Packs
 from draftverify.errors import require
 from draftverify.feature_head import FeatureHead
 from draftverify.loading import DraftSource, Loaded, default_feature_head, draft_source, load_draft_source, load_model
@@ -51,6 +53,7 @@ class Engine:
         backend: str = "auto",
         feature_head: FeatureHead | None = None,
         shared: Shared | None = None,
+        arithmetic: str = "fp32",
     ):
         """`draft`: what drafts (a `loading.DraftSource`, as `load_draft_source` gives; a draft model or a feature
         head is taken as one); `feature_head`: a feature head beside a draft model. The methods that draft with
@@ -68,10 +71,20 @@ class Engine:
         self.draft = source.model if source is not None else None
         self.feature_head = feature_head
         self.backend = backend
+        require(arithmetic in ARITHMETICS, f"unknown arithmetic {arithmetic!r}: use one of {', '.join(ARITHMETICS)}")
         # Cost curves measured by an earlier process on this machine, model, arithmetic and kernel build are read
         # from disk (costs.curve), so a first request does not pay for measuring them.
-        self.shared = shared if shared is not None else Shared(curve_folder=costs.cache_folder())
+        self.shared = (
+            shared if shared is not None else Shared(packs=Packs(arithmetic), curve_folder=costs.cache_folder())
+        )
         self.target_runner = Runner(target.model, backend, shared=self.shared)
+        q8 = q8_linears(self.target_runner)
+        require(
+            self.shared.packs.arithmetic != "q8" or q8 > 0,
+            "q8 arithmetic needs a target with Q4_1 / Q8_0 / GGUF block weights on the static path: use --dtype fp32",
+        )
+        # What autoregressive decoding here computes in, and so what every method's output is identical to.
+        self.arithmetic = "q8" if q8 > 0 else "fp32"
         # A separate draft model may run on rounded weights (PackedLinear); the target drafting for itself does not.
         self.draft_runner = (
             Runner(self.draft.model, backend, draft=self.draft.model is not target.model, shared=self.shared)
@@ -96,12 +109,16 @@ class Engine:
         draft spec, the default model also gets its shipped feature head (`loading.default_feature_head`).
 
         `backend`: `auto` (the static fast path where the architecture allows, else eager),
-        `static` or `eager`; see `draftverify.models.choose_backend`.
+        `static` or `eager`; see `draftverify.models.choose_backend`. `dtype`: the weights' dtype and the target's
+        arithmetic (`draftverify.arithmetic`): "q8", "fp32", "bf16", "fp16" or "auto" (its default rule).
         """
-        loaded = load_model(target, dtype=dtype, device=device, device_map=device_map)
+        weights, arithmetic = split_dtype(dtype)
+        loaded = load_model(target, dtype=weights, device=device, device_map=device_map)
+        if arithmetic is None:
+            arithmetic, _ = default_arithmetic(loaded.source, loaded.model.device.type)
         feature_head = default_feature_head(loaded) if draft is None else None
-        source = load_draft_source(draft, loaded, dtype=dtype, device=draft_device or device)
-        return cls(loaded, source, backend=backend, feature_head=feature_head)
+        source = load_draft_source(draft, loaded, dtype=weights, device=draft_device or device)
+        return cls(loaded, source, backend=backend, feature_head=feature_head, arithmetic=arithmetic)
 
     def describe_drafts(self) -> str:
         """One line: the draft model and the feature head in use."""

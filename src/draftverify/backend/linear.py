@@ -41,15 +41,16 @@ class Packs:
     them. A live PackedLinear belongs to a decoder that holds its model, so the weights' addresses in a key
     cannot be reused while the entry exists. Owned by whoever shares it (an `Engine`); no process-wide copy."""
 
-    def __init__(self):
+    def __init__(self, arithmetic: str = "fp32"):
         self._packed: weakref.WeakValueDictionary[tuple, PackedLinear] = weakref.WeakValueDictionary()
+        self.arithmetic = arithmetic  # the target's ("fp32" or "q8"; a draft's linears ignore it)
 
     def linear(self, linears: list[torch.nn.Linear], draft: bool = False) -> "PackedLinear":
         """The PackedLinear of these stock linears (`draft`: see PackedLinear), made on first use."""
         key = (draft, *((w.data_ptr(), tuple(w.shape), w.dtype, str(w.device)) for w in (x.weight for x in linears)))
         found = self._packed.get(key)
         if found is None:
-            found = self._packed[key] = PackedLinear(linears, draft)
+            found = self._packed[key] = PackedLinear(linears, draft, self.arithmetic)
         return found
 
 
@@ -59,9 +60,12 @@ class PackedLinear:
     `draft`: a draft's weight gets a rounded copy (`quant_blocks`): int8 rows, multiplied by int8 dot
     products at any row count where the CPU has AVX-512 VNNI (`kernels.quant.i8_rows`), else Q8_0 blocks
     for few-row forwards (`q8_blocks`): a draft's precision changes what it proposes, never what
-    verification accepts."""
+    verification accepts.
 
-    def __init__(self, linears: list[torch.nn.Linear], draft: bool = False):
+    `arithmetic` "q8": a target weight with exact Q4_1 / Q8_0 blocks takes the q8 product (kernels/q8.py) at every
+    row count, and no one-call layer (`quant` None)."""
+
+    def __init__(self, linears: list[torch.nn.Linear], draft: bool = False, arithmetic: str = "fp32"):
         weight = torch.cat([lin.weight.detach() for lin in linears])  # [out, in]
         self.bias = _fused_bias(linears, weight)
         self.packed = packable(weight)
@@ -74,10 +78,15 @@ class PackedLinear:
         # A weight with blocks takes the quantized product for one row, so it keeps no second plain copy.
         self.kernel = one_row_kernel(weight) if self.blocks is None else None
         self.dense = weight.contiguous() if self.kernel is not None else None
+        self.q8 = q8_weight(self.blocks) if arithmetic == "q8" and not draft else None
+        if self.q8 is not None:
+            self.quant = None
 
     def __call__(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:  # [m, in] -> [m, out]
         """`quant`: the quantized product (if the weight has blocks) whatever the number of rows (a draft's int8
         rows take it at any row count)."""
+        if self.q8 is not None:
+            return q8_product(self.q8, x, self.bias)
         if self.quant is not None and (quant or x.shape[0] <= QUANT_ROWS or self.blocks.kind == "i8_rows"):
             return cpu_kernels().quant_linear(x.contiguous(), *self.quant)
         if self.kernel is not None and x.shape[0] == 1:
@@ -137,10 +146,20 @@ PRODUCTS: dict[str, tuple[str, range]] = {
 }
 
 
-def product(weight, m: int) -> str:
-    """The product `weight` (a PackedWeight) gets for a forward of `m` rows: the first row of `PRODUCTS` for its
-    layout whose range holds m."""
-    name, rows = PRODUCTS[weight.layout]
+# The q8 arithmetic (kernels/q8.py): code layouts take the int8-activation product, row-invariant at every row count;
+# F16 / BF16 / F32 weights have no codes and keep the block product (q8 applies to block weights only).
+PRODUCTS_Q8: dict[str, tuple[str, range]] = {
+    **PRODUCTS,
+    "u4": ("q8", range(1, 1 << 62)),
+    "u8": ("q8", range(1, 1 << 62)),
+}
+ARITHMETICS = {"fp32": PRODUCTS, "q8": PRODUCTS_Q8}
+
+
+def product(weight, m: int, arithmetic: str = "fp32") -> str:
+    """The product `weight` (a PackedWeight) gets for a forward of `m` rows in `arithmetic`: the first row of its
+    table (`ARITHMETICS`) for its layout whose range holds m."""
+    name, rows = ARITHMETICS[arithmetic][weight.layout]
     if m not in rows:
         raise ValueError(f"no product for {weight.layout} weights at {m} rows: extend backend.linear.PRODUCTS")
     return name
@@ -154,8 +173,9 @@ class BlockLinear:
     and `Spans` ask: `blocks` (row-invariant: stacked rows share one call), `quant` (None: no q4q8 one-call layer),
     `out_features`."""
 
-    def __init__(self, weights: list, bias: torch.Tensor | None = None):
+    def __init__(self, weights: list, bias: torch.Tensor | None = None, arithmetic: str = "fp32"):
         self.parts = _concat_runs(weights)
+        self.arithmetic = arithmetic  # "fp32" or "q8" (`ARITHMETICS`)
         self.bias = bias
         self.out_features = sum(w.shape[0] for w in self.parts)
         self.blocks = self  # row-invariant at every row count (`Spans` may stack any rows into one call)
@@ -163,15 +183,17 @@ class BlockLinear:
 
     def __call__(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:  # [m, in] -> [m, out]
         x = x.contiguous()
-        outs = [_block_product(w, x) for w in self.parts]
+        outs = [_block_product(w, x, self.arithmetic) for w in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return y if self.bias is None else y + self.bias
 
 
-def _block_product(weight, x: torch.Tensor) -> torch.Tensor:
-    name = product(weight, x.shape[0])
+def _block_product(weight, x: torch.Tensor, arithmetic: str = "fp32") -> torch.Tensor:
+    name = product(weight, x.shape[0], arithmetic)
     if name == "blocks":
         return weight.matmul(x)
+    if name == "q8":
+        return q8_product(weight, x)
     raise ValueError(f"product {name!r} is listed in PRODUCTS but not dispatched in backend.linear._block_product")
 
 
@@ -200,6 +222,22 @@ def _concat_runs(weights: list) -> list:
             )
         )  # fmt: skip
     return out
+
+
+def q8_weight(blocks):
+    """Exact Q4_1 / Q8_0 `Blocks` as the u4 / u8 PackedWeight the q8 product takes (None: no such blocks)."""
+    if blocks is None or blocks.kind not in ("q4_1", "q8_0"):
+        return None
+    from draftverify.kernels.q8 import from_blocks
+
+    return from_blocks(blocks)
+
+
+def q8_product(weight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, in] @ W^T (+ bias) in the q8 arithmetic (kernels/q8.py): each row rounded to int8 per 32 alone."""
+    from draftverify.kernels.q8 import matmul
+
+    return matmul(weight, x.contiguous(), bias)
 
 
 def layer_weights(qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear) -> list | None:

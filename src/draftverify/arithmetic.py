@@ -1,0 +1,77 @@
+"""The target's arithmetic: "fp32" (every product in fp32: transformers' arithmetic on the same weights) or "q8"
+(kernels/q8.py: the target's block-weight linears multiply int8-rounded activations with the weight's own codes,
+at every row count, prefill included; attention, norms, embedding and everything else stay fp32).
+
+Autoregressive decoding in the engine's arithmetic is what every method is identical to: greedy output token for
+token, sampling exactly distributed. `Engine.load(dtype=...)` takes the arithmetic beside the weights' dtype:
+"q8" (fp32 weights, q8 products), "fp32" / "bf16" / "fp16" (that arithmetic, always), "auto" (`default_arithmetic`).
+
+The default rule (`default_arithmetic`): q8 when all of these hold, else fp32:
+- the target is a GGUF file (its block weights are what q8 multiplies; a safetensors target stays fp32),
+- the CPU has integer dot products in the kernels' build (AVX-512 VNNI; a plain AVX2 CPU gets the maddubs product
+  when asked for, not by default, since nothing here measured it paying),
+- the published quality record of this model (`QUALITY`, written by `python -m draftverify.tools.quality`) has q8's
+  perplexity within `PPL_TOLERANCE` of fp32's on its named text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ARITHMETICS = ("fp32", "q8")
+PPL_TOLERANCE = 0.01  # the rule's bound (issue 41): q8's perplexity at most 1% above fp32's
+QUALITY = Path(__file__).with_name("assets") / "q8_quality.json"  # model name -> {"ppl_fp32", "ppl_q8", ...}
+
+
+def split_dtype(dtype: str) -> tuple[str, str | None]:
+    """`--dtype` -> (the weights' dtype for `load_model`, the arithmetic; None: decide by `default_arithmetic`)."""
+    if dtype == "q8":
+        return "fp32", "q8"
+    if dtype == "auto":
+        return "auto", None
+    return dtype, "fp32"
+
+
+def quality(name: str, path: Path = QUALITY) -> dict | None:
+    """The published q8 quality record of model `name` (a file name, e.g. "SmolLM2-135M-Instruct-Q4_1.gguf")."""
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    found = records.get(name)
+    return found if isinstance(found, dict) else None
+
+
+def within_tolerance(record: dict | None) -> bool:
+    """Whether a quality record says q8's perplexity is within `PPL_TOLERANCE` of fp32's."""
+    if not record or not {"ppl_fp32", "ppl_q8"} <= record.keys():
+        return False
+    return float(record["ppl_q8"]) <= float(record["ppl_fp32"]) * (1 + PPL_TOLERANCE)
+
+
+def default_arithmetic(source: Path | str | None, device: str = "cpu", quality_path: Path = QUALITY) -> tuple[str, str]:
+    """The rule of this module's docstring for a target loaded from `source`: (arithmetic, why in a few words)."""
+    from draftverify.kernels import has_vnni
+
+    path = Path(source) if source is not None else None
+    if path is None or path.suffix != ".gguf":
+        return "fp32", "the target is not a GGUF file"
+    if device != "cpu":
+        return "fp32", f"the target runs on {device}"
+    if not has_vnni():
+        return "fp32", "this CPU has no AVX-512 VNNI integer dot products"
+    if not within_tolerance(quality(path.name, quality_path)):
+        return "fp32", f"no quality record puts q8 within {PPL_TOLERANCE:.0%} of fp32's perplexity for {path.name}"
+    return "q8", f"q8's perplexity is within {PPL_TOLERANCE:.0%} of fp32's for {path.name}"
+
+
+def q8_linears(runner) -> int:
+    """How many of a runner's linears take the q8 product (0 on the eager path or with no block weights)."""
+    decoder = getattr(runner, "decoder", None)
+    layers = list(getattr(decoder, "layers", None) or [])
+    linears = [lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    linears.append(getattr(decoder, "head", None))
+    return sum(
+        1 for lin in linears if getattr(lin, "q8", None) is not None or getattr(lin, "arithmetic", "fp32") == "q8"
+    )

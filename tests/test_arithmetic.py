@@ -1,0 +1,44 @@
+"""The target arithmetic's default rule (draftverify.arithmetic) reads the published quality record."""
+
+import json
+
+import pytest
+
+from draftverify import arithmetic as ar
+
+
+def test_split_dtype():
+    assert ar.split_dtype("q8") == ("fp32", "q8")
+    assert ar.split_dtype("fp32") == ("fp32", "fp32")
+    assert ar.split_dtype("bf16") == ("bf16", "fp32")
+    assert ar.split_dtype("auto") == ("auto", None)
+
+
+@pytest.mark.parametrize(
+    "record,ok",
+    [
+        ({"ppl_fp32": 10.0, "ppl_q8": 10.05}, True),
+        ({"ppl_fp32": 10.0, "ppl_q8": 10.2}, False),  # 2% worse: fp32 stays the default
+        ({"ppl_fp32": 10.0}, False),
+        (None, False),
+    ],
+)
+def test_within_tolerance(record, ok):
+    assert ar.within_tolerance(record) is ok
+
+
+def test_default_rule(tmp_path, monkeypatch):
+    import draftverify.kernels as kernels
+
+    path = tmp_path / "q.json"
+    path.write_text(
+        json.dumps({"m.gguf": {"ppl_fp32": 10.0, "ppl_q8": 10.01}, "bad.gguf": {"ppl_fp32": 1, "ppl_q8": 2}})
+    )
+    monkeypatch.setattr(kernels, "has_vnni", lambda: True)
+    assert ar.default_arithmetic("/x/m.gguf", "cpu", path)[0] == "q8"
+    assert ar.default_arithmetic("/x/bad.gguf", "cpu", path)[0] == "fp32"
+    assert ar.default_arithmetic("/x/unknown.gguf", "cpu", path)[0] == "fp32"
+    assert ar.default_arithmetic("/x/model-folder", "cpu", path)[0] == "fp32"  # safetensors
+    assert ar.default_arithmetic("/x/m.gguf", "cuda", path)[0] == "fp32"
+    monkeypatch.setattr(kernels, "has_vnni", lambda: False)
+    assert ar.default_arithmetic("/x/m.gguf", "cpu", path)[0] == "fp32"

@@ -1,0 +1,110 @@
+"""The q8 arithmetic (kernels/q8.py, csrc/products_q8.cpp): bit for bit its numpy reference, every row of a forward
+bit for bit its one-row product, and close to (but not) the fp32 product."""
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from draftverify.kernels import cpu
+from draftverify.kernels import q8 as q8k
+from draftverify.kernels.blocks import PackedWeight
+from draftverify.kernels.quant import exact_blocks
+
+needs_kernels = pytest.mark.skipif(cpu() is None, reason="the compiled CPU kernels are unavailable")
+
+
+def weight(layout: str, sub: int, out: int, k: int, seed: int = 0) -> PackedWeight:
+    g = torch.Generator().manual_seed(seed)
+    top = 16 if layout == "u4" else 256
+    q = torch.randint(0, top, (out, k), generator=g, dtype=torch.int32).to(torch.uint8)
+    if layout == "u4":
+        c = q.view(out, k // 32, 2, 16)
+        q = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(out, k // 2)
+    d = torch.rand(out, k // sub, generator=g) * 0.02
+    m = -(torch.rand(out, k // sub, generator=g) * 0.1)
+    return PackedWeight("test", (out, k), layout, sub, q.contiguous(), d, m)
+
+
+def activations(rows: int, k: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * torch.exp(torch.randn(rows, 1, generator=g))
+    x[0, :32] = 0.0  # a block of zeros: dx = 0
+    if rows > 1:
+        x[1, 40] = 1e4  # one large activation dominates its block
+    return x
+
+
+CASES = [("u4", 32, 576), ("u4", 16, 576), ("u8", 32, 256), ("u8", 16, 320)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout,sub,k", CASES)
+def test_kernel_matches_reference_bit_for_bit(layout, sub, k):
+    w, x = weight(layout, sub, 40, k), activations(7, k)
+    bias = torch.randn(40)
+    for b in (None, bias):
+        y = q8k.matmul(w, x, b).numpy()
+        ref = q8k.reference(x.numpy(), w, None if b is None else b.numpy())
+        assert np.array_equal(y.view(np.uint32), ref.view(np.uint32))
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout,sub,k", CASES[:2])
+def test_every_row_is_its_one_row_product(layout, sub, k):
+    w, x = weight(layout, sub, 48, k, seed=3), activations(32, k, seed=4)
+    one = torch.cat([q8k.matmul(w, x[r : r + 1]) for r in range(32)])
+    for m in range(1, 33):
+        assert torch.equal(q8k.matmul(w, x[:m]), one[:m]), f"{m} rows"
+
+
+def test_reference_is_not_the_fp32_product_but_close():
+    w, x = weight("u4", 32, 24, 256), activations(5, 256)
+    ref = torch.from_numpy(q8k.reference(x.numpy(), w))
+    fp32 = x @ w.dequantize().T
+    assert not torch.equal(ref, fp32)  # activations are rounded: a different arithmetic
+    assert (ref - fp32).abs().max() <= 0.02 * fp32.abs().max()
+
+
+def test_rounding_matches_the_q8_0_rule():
+    x = np.array([[0.5, -1.0, 127.0 / 254] + [0.0] * 29], np.float32)
+    qx, dx = q8k.round_activations(x)
+    assert dx[0, 0] == np.float32(1.0) / np.float32(127)
+    assert qx[0, :3].tolist() == [64.0, -127.0, 64.0]  # 63.5 -> 64 (ties to even), -127
+    assert q8k.round_activations(np.zeros((1, 32), np.float32))[0].sum() == 0
+
+
+def test_fma32_rounds_once():
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.standard_normal(2000).astype(np.float32) for _ in range(3))
+    # the cases double rounding gets wrong: c just off a product's halfway point
+    a[:8], b[:8] = np.float32(1 + 2**-12), np.float32(1 + 2**-12)
+    c[:4], c[4:8] = np.float32(2**-60), np.float32(-(2**-60))
+    got = q8k.fma32(a, b, c)
+    for i in range(len(a)):
+        exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
+        lo = np.float32(float(exact))
+        cands = [lo, np.nextafter(lo, np.float32(np.inf)), np.nextafter(lo, np.float32(-np.inf))]
+        best = min(cands, key=lambda f: (abs(Fraction(float(f)) - exact), int(np.float32(f).view(np.uint32)) & 1))
+        assert got[i] == best, i
+
+
+def test_from_blocks_is_the_same_weight():
+    from test_backends import quantized
+
+    g = torch.Generator().manual_seed(5)
+    for kind in ("q8_0", "q4_1"):
+        w = quantized(torch.randn(8, 64, generator=g), kind)
+        blocks = exact_blocks(w)
+        assert blocks is not None and blocks.kind == kind
+        assert torch.equal(q8k.from_blocks(blocks).dequantize(), w)
+
+
+def test_bad_input_is_one_line():
+    w = weight("u4", 32, 4, 64)
+    with pytest.raises(ValueError, match="float32"):
+        q8k.matmul(w, torch.zeros(2, 32))
+    dense = PackedWeight("F32", (4, 64), "f32", 32, torch.zeros(4, 64), torch.empty(0), torch.empty(0))
+    with pytest.raises(ValueError, match="no codes"):
+        q8k.matmul(dense, torch.zeros(1, 64))

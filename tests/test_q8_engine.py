@@ -1,0 +1,77 @@
+"""The q8 arithmetic in an engine: every method greedy-identical to autoregressive decoding in q8."""
+
+import copy
+
+import pytest
+import torch
+from test_backends import quantized
+
+from draftverify.engine import Engine
+from draftverify.errors import DraftVerifyError
+from draftverify.kernels import cpu
+from draftverify.loading import Loaded
+
+pytestmark = pytest.mark.skipif(cpu() is None, reason="the compiled CPU kernels are unavailable")
+
+
+def q4_1(loaded: Loaded) -> Loaded:
+    """The tiny model with every 2-D linear weight rounded to exact Q4_1 blocks (what a GGUF file holds)."""
+    model = copy.deepcopy(loaded.model)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.shape[1] % 32 == 0:
+            module.weight.data = quantized(module.weight.data, "q4_1")
+    return Loaded(model, loaded.tokenizer, name=loaded.name + "-q4_1")
+
+
+def test_q8_methods_match_q8_autoregressive(tiny):
+    target, draft = q4_1(tiny("llama", seed=0)), q4_1(tiny("llama", seed=1, layers=2))
+    engine = Engine(target, draft, backend="static", arithmetic="q8")
+    assert engine.arithmetic == "q8"
+    prompt = "the quick brown fox jumps over the lazy dog " * 3
+    ref = engine.generate(prompt, "autoregressive", max_new_tokens=24).tokens
+    for method in ("speculative", "prompt-lookup", "lookahead"):
+        assert engine.generate(prompt, method, max_new_tokens=24).tokens == ref, method
+    fp32 = Engine(target, draft, backend="static", arithmetic="fp32")
+    assert fp32.arithmetic == "fp32"
+
+
+def test_q8_needs_block_weights(tiny):
+    with pytest.raises(DraftVerifyError, match="block weights"):
+        Engine(tiny("llama", seed=0), None, backend="static", arithmetic="q8")
+
+
+def test_q8_sampling_matches_q8_target_distribution(tiny):
+    """Speculative sampling's second token (the first one verified) follows the q8 target's exact marginal
+    sum_x1 p(x1) p(x2 | x1), with p from the q8 runner; negative control: the first token's law is rejected."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    from draftverify.sampling import Sampling
+
+    target = q4_1(tiny("llama", seed=0, layers=2, hidden=32))
+    engine = Engine(target, q4_1(tiny("llama", seed=3, layers=1, hidden=32)), backend="static", arithmetic="q8")
+    assert engine.arithmetic == "q8"
+    runner, prompt, sampling = engine.target_runner, [5, 6, 7], Sampling(temperature=1.0, top_k=8)
+
+    def probs(ids):
+        runner.reset()
+        out = sampling.probs(runner.forward(ids).logits[-1]).double()
+        runner.reset()
+        return out
+
+    p1 = probs(prompt)
+    p2 = sum(p1[x1] * probs(prompt + [x1]) for x1 in p1.nonzero().flatten().tolist())
+    support, n = (p2 > 0).nonzero().flatten().tolist(), 2000
+    counts = dict.fromkeys(support, 0)
+    for seed in range(n):
+        r = engine.generate(
+            prompt, "speculative", max_new_tokens=3, temperature=1.0, top_k=8, seed=seed, eos_token_id=[],
+            policy="constant", k=3,
+        )  # fmt: skip
+        counts[r.tokens[1]] = counts.get(r.tokens[1], 0) + 1
+    observed = np.array([counts[t] for t in support])
+    assert sum(counts.values()) == observed.sum()  # no token outside the q8 target's support
+    expected = p2[support].numpy()
+    assert chisquare(observed, expected / expected.sum() * n).pvalue > 1e-3
+    wrong = p1[support].numpy() + 1e-3  # the first token's law: a different distribution
+    assert chisquare(observed, wrong / wrong.sum() * n).pvalue < 1e-3
