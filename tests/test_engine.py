@@ -120,7 +120,8 @@ def test_bad_input_messages(engine, kwargs, message):
 
 def test_method_options_never_shadow_request_settings():
     """A method's options travel beside the request's settings (`Engine.generate(**settings)`, the bench, the
-    server): an option named like a setting (`top_k`, `seed`) would fail as a duplicate keyword or, worse, be taken for it."""
+    server): an option named like a setting (`top_k`, `seed`) would fail as a duplicate keyword or, worse, be taken
+    for it."""
     import dataclasses
     import inspect
 
@@ -229,7 +230,10 @@ def test_demo_command_compares_methods(tmp_path, tiny):
         ],
     )
     assert res.exit_code == 0, res.output
-    header = "| prompt | autoregressive tok/s | auto tok/s | speedup | identical | lookahead:context tok/s | speedup | identical |"
+    header = (
+        "| prompt | autoregressive tok/s | auto tok/s | speedup | identical "
+        "| lookahead:context tok/s | speedup | identical |"
+    )
     assert header in res.stdout and "--- code: " in res.stdout
     rows = [line for line in res.stdout.splitlines() if line.startswith(("| chat |", "| code |", "| summary |"))]
     assert len(rows) == 3 and all(row.count("| yes |") == 2 for row in rows)

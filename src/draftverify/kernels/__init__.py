@@ -67,6 +67,30 @@ def source_tag() -> str:
     return digest.hexdigest()[:12]
 
 
+def _compile(load, name: str, folder, wide: bool, vnni: bool):
+    """Build (or load the cached build of) the extension `name` in `folder` with torch's `load`, for AVX2 and FMA,
+    plus AVX-512 (`wide`) and its int8 dot products (`vnni`) where the CPU has them. Raises what the build raises."""
+    # -fopenmp: at::parallel_for (csrc/) is OpenMP in torch's CPU build; compiled without it, the
+    # pragma is dropped and every product runs on one core. The runtime is torch's own libgomp
+    # (same soname, already loaded), so there is one thread pool.
+    return load(
+        name=name,
+        sources=[str(path) for path in sources()],
+        build_directory=str(folder),
+        extra_cflags=[
+            "-O3",
+            "-fopenmp",
+            "-mavx2",
+            "-mfma",
+            "-mf16c",  # F16 weights (products_blocks.cpp); every AVX2 CPU has it
+            *(["-mavx512f"] if wide else []),
+            *(["-mavx512bw", "-mavx512vnni"] if vnni else []),
+        ],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
 @functools.cache
 def cpu():
     global _why_not
@@ -87,10 +111,8 @@ def cpu():
         return None
     from draftverify.util import cache_root
 
-    wide, vnni = (
-        has_avx512(),
-        has_vnni(),
-    )  # 16-lane AVX-512 and int8 dot products where the CPU has them (a per-CPU build)
+    # 16-lane AVX-512 and int8 dot products where the CPU has them (a per-CPU build)
+    wide, vnni = has_avx512(), has_vnni()
     tag = source_tag()
     name = f"draftverify_cpu_{tag}_{'avx512vnni' if vnni else 'avx512' if wide else 'avx2'}"
     folder = cache_root() / "kernels" / name
@@ -104,26 +126,8 @@ def cpu():
             flush=True,
         )
     folder.mkdir(parents=True, exist_ok=True)
-    # -fopenmp: at::parallel_for (csrc/) is OpenMP in torch's CPU build; compiled without it, the
-    # pragma is dropped and every product runs on one core. The runtime is torch's own libgomp
-    # (same soname, already loaded), so there is one thread pool.
     try:
-        module = load(
-            name=name,
-            sources=[str(path) for path in sources()],
-            build_directory=str(folder),
-            extra_cflags=[
-                "-O3",
-                "-fopenmp",
-                "-mavx2",
-                "-mfma",
-                "-mf16c",  # F16 weights (products_blocks.cpp); every AVX2 CPU has it
-                *(["-mavx512f"] if wide else []),
-                *(["-mavx512bw", "-mavx512vnni"] if vnni else []),
-            ],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        module = _compile(load, name, folder, wide, vnni)
     except Exception as exc:  # a compiler error, a missing header: run without the kernel
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         _why_not = f"the CPU kernels did not build ({first[:160]})"

@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -231,100 +231,116 @@ class Service:
 def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine`. Its worker thread runs while the app's lifespan does."""
     service = Service(engine, config or ServeConfig())
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        service.start()
-        try:
-            yield
-        finally:
-            await asyncio.to_thread(service.close)
-
     app = FastAPI(
         title="draftverify", summary="Lossless draft-then-verify decoding behind the OpenAI API", lifespan=lifespan
     )
-    app.state.service = service
+    app.state.service = service  # what the lifespan and every route below read
     app.add_middleware(CountRequests, metrics=service.metrics)
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
-        message = f"{exc.detail}: {request.method} {request.url.path}"
-        return await api_error(
-            request,
-            ApiError(
-                exc.status_code, message, code="not_found" if exc.status_code == 404 else None, headers=exc.headers
-            ),
-        )
-
-    async def generate(request: Request, kind: str):
-        req = parse_request(await read_body(request, service.config.max_body_bytes), kind)
-        job = service.job(req, kind)
-        tickets = [Ticket(one, service.config.timeout_s) for one in choice_jobs(job, req.n)]
-        service.scheduler.submit(*tickets)
-        reply, tokenizer = Reply(kind, service.model_name), engine.target.tokenizer
-        if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            events = stream_choices(reply, tickets, service.follow, tokenizer, include_usage)
-            return TicketStream(events, tickets, service.scheduler)
-        ended = await outcomes(tickets, lambda ticket: service.follow(ticket, request))
-        if any(outcome is None for outcome in ended):  # the client is gone
-            for ticket in tickets:
-                service.scheduler.withdraw(ticket)
-            return Response(status_code=499)
-        return JSONResponse(whole_response(reply, tokenizer, tickets, ended))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        """OpenAI text completion (raw prompt, no chat template)."""
-        return await generate(request, "completion")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        """OpenAI chat completion: the messages go through the model's chat template."""
-        return await generate(request, "chat")
-
-    @app.get("/v1/models")
-    async def models():
-        methods = list(service.methods)
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": service.model_name,
-                    "object": "model",
-                    "created": service.created,
-                    "owned_by": "draftverify",
-                    "methods": methods,
-                    "default_method": methods[0],
-                }
-            ],
-        }
-
-    @app.get("/health")
-    async def health():
-        closing = service.scheduler.closing
-        body = {
-            "status": "shutting_down" if closing else "ok",
-            "model": service.model_name,
-            "methods": list(service.methods),
-            "queue_depth": service.scheduler.depth,
-            "queue_capacity": service.config.max_queue,
-            "busy": service.scheduler.busy,
-            "running": service.scheduler.running,
-            "max_batch": service.config.max_batch,
-        }
-        return JSONResponse(body, status_code=503 if closing else 200)
-
-    @app.get("/metrics")
-    async def metrics():
-        text = service.metrics.render(service.scheduler.depth, service.config.max_queue, service.scheduler.busy)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
-
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.include_router(routes)
     return app
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    """Run the app's scheduler worker while the app serves; on the way out stop it and save the pools."""
+    service: Service = app.state.service
+    service.start()
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(service.close)
+
+
+async def api_error(request: Request, exc: ApiError):
+    """An ApiError as OpenAI's error body with its status and headers (e.g. Retry-After)."""
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def http_error(request: Request, exc: HTTPException):
+    """Starlette's own errors (unknown route, wrong method) in the same OpenAI error body."""
+    message = f"{exc.detail}: {request.method} {request.url.path}"
+    code = "not_found" if exc.status_code == 404 else None
+    return await api_error(request, ApiError(exc.status_code, message, code=code, headers=exc.headers))
+
+
+routes = APIRouter()  # the app's routes; each reads the Service from request.app.state
+
+
+async def generate(request: Request, kind: str):
+    """One completion request of `kind` ("completion" or "chat"): its choices queued, then streamed or awaited."""
+    service: Service = request.app.state.service
+    req = parse_request(await read_body(request, service.config.max_body_bytes), kind)
+    job = service.job(req, kind)
+    tickets = [Ticket(one, service.config.timeout_s) for one in choice_jobs(job, req.n)]
+    service.scheduler.submit(*tickets)
+    reply, tokenizer = Reply(kind, service.model_name), service.engine.target.tokenizer
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        events = stream_choices(reply, tickets, service.follow, tokenizer, include_usage)
+        return TicketStream(events, tickets, service.scheduler)
+    ended = await outcomes(tickets, lambda ticket: service.follow(ticket, request))
+    if any(outcome is None for outcome in ended):  # the client is gone
+        for ticket in tickets:
+            service.scheduler.withdraw(ticket)
+        return Response(status_code=499)
+    return JSONResponse(whole_response(reply, tokenizer, tickets, ended))
+
+
+@routes.post("/v1/completions")
+async def completions(request: Request):
+    """OpenAI text completion (raw prompt, no chat template)."""
+    return await generate(request, "completion")
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    """OpenAI chat completion: the messages go through the model's chat template."""
+    return await generate(request, "chat")
+
+
+@routes.get("/v1/models")
+async def models(request: Request):
+    service: Service = request.app.state.service
+    methods = list(service.methods)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": service.model_name,
+                "object": "model",
+                "created": service.created,
+                "owned_by": "draftverify",
+                "methods": methods,
+                "default_method": methods[0],
+            }
+        ],
+    }
+
+
+@routes.get("/health")
+async def health(request: Request):
+    service: Service = request.app.state.service
+    closing = service.scheduler.closing
+    body = {
+        "status": "shutting_down" if closing else "ok",
+        "model": service.model_name,
+        "methods": list(service.methods),
+        "queue_depth": service.scheduler.depth,
+        "queue_capacity": service.config.max_queue,
+        "busy": service.scheduler.busy,
+        "running": service.scheduler.running,
+        "max_batch": service.config.max_batch,
+    }
+    return JSONResponse(body, status_code=503 if closing else 200)
+
+
+@routes.get("/metrics")
+async def metrics(request: Request):
+    service: Service = request.app.state.service
+    text = service.metrics.render(service.scheduler.depth, service.config.max_queue, service.scheduler.busy)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 class TicketStream(StreamingResponse):

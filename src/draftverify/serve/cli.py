@@ -10,52 +10,68 @@ import typer
 
 from draftverify.cli_options import backend_option, device_option, draft_option, dtype_option, target_option
 
+# -- the options of `serve` -------------------------------------------------------
+
+SERVE_METHODS = typer.Option(
+    "auto",
+    "--methods",
+    "--method",
+    "-m",
+    help="Methods to load, comma-separated, as in `draftverify bench`: name, name:preset or "
+    "name\\[key=value,...], e.g. 'speculative\\[k=4],autoregressive' (quote it in the shell). The first is the "
+    'default; a request picks another with the field "method".',
+)
+SERVE_HOST = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 for every interface).")
+SERVE_PORT = typer.Option(8000, help="Port to listen on (0 = any free port; the chosen one is printed).")
+SERVE_MODEL_NAME = typer.Option(None, help='The model id clients send as "model" (default: the target\'s name).')
+SERVE_MAX_QUEUE = typer.Option(
+    16, help="Requests that may wait for a place in the running batch; more are answered 429 with Retry-After."
+)
+SERVE_MAX_BATCH = typer.Option(
+    8, help="Requests decoded together (continuous batching: they join and leave between steps; 1 = one at a time)."
+)
+SERVE_TIMEOUT = typer.Option(
+    600.0, help="Seconds a request may take from arrival to its last token; later it is cut off (504)."
+)
+SERVE_SHUTDOWN_GRACE = typer.Option(
+    30.0, help="On SIGINT/SIGTERM: seconds the running generation may go on; waiting requests get 503 at once."
+)
+SERVE_DEFAULT_MAX_TOKENS = typer.Option(
+    256, help="New tokens when a request gives no max_tokens (always capped by the context)."
+)
+SERVE_POOL_FILE = typer.Option(
+    None,
+    help="Phrase pool file of the one loaded pool method (ouroboros, lookahead): loaded at start if it exists, "
+    "shared by all requests, saved after each and on shutdown.",
+)
+SERVE_DEVICE_MAP = typer.Option(
+    None,
+    help="Spread the target over several GPUs with accelerate, e.g. 'auto' (then --device is ignored for the target).",
+)
+SERVE_LOG_LEVEL = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug.")
+
 
 def serve(
     target: Optional[str] = target_option(),
     draft: Optional[str] = draft_option("Draft model for the methods that need one"),
-    methods: str = typer.Option(
-        "auto",
-        "--methods",
-        "--method",
-        "-m",
-        help="Methods to load, comma-separated, as in `draftverify bench`: name, name:preset or name\\[key=value,...], e.g. "
-        "'speculative\\[k=4],autoregressive' (quote it in the shell). The first is the default; a request picks another with the field \"method\".",
-    ),
-    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 for every interface)."),
-    port: int = typer.Option(8000, help="Port to listen on (0 = any free port; the chosen one is printed)."),
-    model_name: Optional[str] = typer.Option(
-        None, help='The model id clients send as "model" (default: the target\'s name).'
-    ),
-    max_queue: int = typer.Option(
-        16, help="Requests that may wait for a place in the running batch; more are answered 429 with Retry-After."
-    ),
-    max_batch: int = typer.Option(
-        8, help="Requests decoded together (continuous batching: they join and leave between steps; 1 = one at a time)."
-    ),
-    timeout: float = typer.Option(
-        600.0, help="Seconds a request may take from arrival to its last token; later it is cut off (504)."
-    ),
-    shutdown_grace: float = typer.Option(
-        30.0, help="On SIGINT/SIGTERM: seconds the running generation may go on; waiting requests get 503 at once."
-    ),
-    default_max_tokens: int = typer.Option(
-        256, help="New tokens when a request gives no max_tokens (always capped by the context)."
-    ),
-    pool_file: Optional[Path] = typer.Option(
-        None,
-        help="Phrase pool file of the one loaded pool method (ouroboros, lookahead): loaded at start if it exists, shared by all requests, saved after each and on shutdown.",
-    ),
+    methods: str = SERVE_METHODS,
+    host: str = SERVE_HOST,
+    port: int = SERVE_PORT,
+    model_name: Optional[str] = SERVE_MODEL_NAME,
+    max_queue: int = SERVE_MAX_QUEUE,
+    max_batch: int = SERVE_MAX_BATCH,
+    timeout: float = SERVE_TIMEOUT,
+    shutdown_grace: float = SERVE_SHUTDOWN_GRACE,
+    default_max_tokens: int = SERVE_DEFAULT_MAX_TOKENS,
+    pool_file: Optional[Path] = SERVE_POOL_FILE,
     dtype: str = dtype_option(),
     device: str = device_option(),
-    device_map: Optional[str] = typer.Option(
-        None,
-        help="Spread the target over several GPUs with accelerate, e.g. 'auto' (then --device is ignored for the target).",
-    ),
+    device_map: Optional[str] = SERVE_DEVICE_MAP,
     backend: str = backend_option(),
-    log_level: str = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug."),
+    log_level: str = SERVE_LOG_LEVEL,
 ):
-    """Serve the target behind an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming, /metrics)."""
+    """Serve the target behind an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming,
+    /metrics)."""
     from draftverify.engine import Engine
     from draftverify.methods import METHODS
     from draftverify.serve.app import ServeConfig, create_app, parse_methods

@@ -34,7 +34,7 @@ import typer
 from draftverify.bench.metrics import percentile
 from draftverify.cli_options import draft_option, target_option
 from draftverify.errors import require
-from draftverify.util import atomic_write
+from draftverify.serve.load_report import report, write
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SPAWN_WAIT_S = 600.0  # loading the model (and, the first time, converting it and compiling kernels) may take minutes
@@ -251,60 +251,6 @@ def served_model(base: str) -> str:
     return models[0]["id"]
 
 
-def report(results: dict) -> str:
-    lines = [
-        "# draftverify load",
-        "",
-        "```",
-        results["command"] or "(not run from a shell)",
-        "```",
-        "",
-        f"- server: {results['server']}; model `{results['model']}`",
-        f"- {results['settings']['requests']} requests per run, {results['settings']['max_tokens']} new tokens at most, greedy, streamed; "
-        f"prompts: {results['settings']['prompts']}",
-        "- tokens/s = all completion tokens of a run / its wall time (aggregate over clients); latency and TTFT per request.",
-        "- mismatches: greedy outputs that differ from the same prompt's output at the lowest concurrency of the same method "
-        "(for that run: the first method's).",
-        "",
-        "| method | concurrency | requests | errors | tokens/s | vs 1 client | latency p50 / p99 (s) | TTFT p50 / p99 (s) | mismatches |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-
-    def sec(x):
-        return "-" if x is None else f"{x:.2f}"
-
-    base = {}
-    for run in results["runs"]:
-        base.setdefault(run["method"], run["tokens_per_s"])
-        ratio = run["tokens_per_s"] / base[run["method"]] if base[run["method"]] else 0.0
-        lines.append(
-            f"| `{run['method']}` | {run['concurrency']} | {run['requests']} | {run['errors']} | {run['tokens_per_s']:.1f} | {ratio:.2f}x | "
-            f"{sec(run['latency_p50_s'])} / {sec(run['latency_p99_s'])} | {sec(run['ttft_p50_s'])} / {sec(run['ttft_p99_s'])} | {run['mismatches']} |"
-        )
-    return "\n".join(lines + ["", "![tokens/s against concurrency](tokens_per_s.png)", ""])
-
-
-def plot(results: dict) -> bytes:
-    from draftverify.bench.plots import _png, plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method in dict.fromkeys(r["method"] for r in results["runs"]):
-        runs = [r for r in results["runs"] if r["method"] == method]
-        ax.plot([r["concurrency"] for r in runs], [r["tokens_per_s"] for r in runs], marker="o", label=method)
-    ax.set_xlabel("concurrent clients")
-    ax.set_ylabel("aggregate tokens/s")
-    ax.set_title(f"{results['model']}: throughput under load")
-    ax.legend(fontsize=8)
-    return _png(fig)
-
-
-def write(out: Path, results: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "results.json", json.dumps(results, indent=1))
-    atomic_write(out / "report.md", report(results))
-    atomic_write(out / "tokens_per_s.png", plot(results))
-
-
 def load(
     base: str,
     methods: list[str],
@@ -357,39 +303,8 @@ def load_prompt_texts(datasets: list[str], data_dir: str | None, count: int) -> 
     return mixed[:count]
 
 
-def load_command(
-    url: Optional[str] = typer.Option(
-        None, help="The server's base URL on this machine, e.g. http://127.0.0.1:8000/v1 (or --spawn)."
-    ),
-    spawn: bool = typer.Option(
-        False, help="Start `draftverify serve` with --methods on a free loopback port, and stop it after."
-    ),
-    target: Optional[str] = target_option("--spawn: the target model"),
-    draft: Optional[str] = draft_option("--spawn: the draft model"),
-    methods: str = typer.Option(
-        "autoregressive,auto",
-        help="Methods to load, comma-separated method specs; each request names one (the server must have it).",
-    ),
-    concurrency: str = typer.Option("1,8", help="Concurrent clients per run, comma-separated, e.g. 1,4,8."),
-    requests: int = typer.Option(24, help="Requests per run (method x concurrency)."),
-    max_tokens: int = typer.Option(64, help="New tokens per request at most."),
-    datasets: str = typer.Option(
-        "mt_bench,humaneval,gsm8k,cnn_dailymail",
-        help="Shared prompt sets the prompts come from (first turns, taken in turn).",
-    ),
-    data_dir: Optional[str] = typer.Option(None, help="The folder holding the prompt sets (default: ../shared/data)."),
-    timeout: float = typer.Option(300.0, help="Seconds one request may take before it counts as an error."),
-    time_limit: float = typer.Option(1800.0, help="No request starts after this many seconds of the whole load run."),
-    out: Path = typer.Option(Path("load-results"), help="Folder for results.json, report.md and tokens_per_s.png."),
-):
-    """Load-test the OpenAI-compatible endpoint: tokens/s, latency and TTFT per method and concurrency, and whether
-    greedy outputs under load equal the single-client ones. Loopback only; bounded in requests and time."""
-    import shlex
-
-    from draftverify.methods.spec import parse_specs, split_specs
-
-    require(spawn != (url is not None), "give either --url (a running server on this machine) or --spawn")
-    require(requests >= 1 and max_tokens >= 1, "--requests and --max-tokens must be at least 1")
+def parse_levels(concurrency: str) -> list[int]:
+    """--concurrency "1,4,8" as [1, 4, 8]; anything but positive whole numbers is refused."""
     levels = (
         [int(x) for x in concurrency.split(",") if x.strip()]
         if re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", concurrency)
@@ -399,25 +314,63 @@ def load_command(
         levels and all(c >= 1 for c in levels),
         f"--concurrency {concurrency!r}: give positive whole numbers, e.g. 1,4,8",
     )
+    return levels
+
+
+# -- the options of `load` --------------------------------------------------------
+
+LOAD_URL = typer.Option(None, help="The server's base URL on this machine, e.g. http://127.0.0.1:8000/v1 (or --spawn).")
+LOAD_SPAWN = typer.Option(
+    False, help="Start `draftverify serve` with --methods on a free loopback port, and stop it after."
+)
+LOAD_METHODS = typer.Option(
+    "autoregressive,auto",
+    help="Methods to load, comma-separated method specs; each request names one (the server must have it).",
+)
+LOAD_CONCURRENCY = typer.Option("1,8", help="Concurrent clients per run, comma-separated, e.g. 1,4,8.")
+LOAD_REQUESTS = typer.Option(24, help="Requests per run (method x concurrency).")
+LOAD_MAX_TOKENS = typer.Option(64, help="New tokens per request at most.")
+LOAD_DATASETS = typer.Option(
+    "mt_bench,humaneval,gsm8k,cnn_dailymail",
+    help="Shared prompt sets the prompts come from (first turns, taken in turn).",
+)
+LOAD_DATA_DIR = typer.Option(None, help="The folder holding the prompt sets (default: ../shared/data).")
+LOAD_TIMEOUT = typer.Option(300.0, help="Seconds one request may take before it counts as an error.")
+LOAD_TIME_LIMIT = typer.Option(1800.0, help="No request starts after this many seconds of the whole load run.")
+LOAD_OUT = typer.Option(Path("load-results"), help="Folder for results.json, report.md and tokens_per_s.png.")
+
+
+def load_command(
+    url: Optional[str] = LOAD_URL,
+    spawn: bool = LOAD_SPAWN,
+    target: Optional[str] = target_option("--spawn: the target model"),
+    draft: Optional[str] = draft_option("--spawn: the draft model"),
+    methods: str = LOAD_METHODS,
+    concurrency: str = LOAD_CONCURRENCY,
+    requests: int = LOAD_REQUESTS,
+    max_tokens: int = LOAD_MAX_TOKENS,
+    datasets: str = LOAD_DATASETS,
+    data_dir: Optional[str] = LOAD_DATA_DIR,
+    timeout: float = LOAD_TIMEOUT,
+    time_limit: float = LOAD_TIME_LIMIT,
+    out: Path = LOAD_OUT,
+):
+    """Load-test the OpenAI-compatible endpoint: tokens/s, latency and TTFT per method and concurrency, and whether
+    greedy outputs under load equal the single-client ones. Loopback only; bounded in requests and time."""
+    import shlex
+
+    from draftverify.methods.spec import parse_specs, split_specs
+
+    require(spawn != (url is not None), "give either --url (a running server on this machine) or --spawn")
+    require(requests >= 1 and max_tokens >= 1, "--requests and --max-tokens must be at least 1")
+    levels = parse_levels(concurrency)
     labels = [s.label for s in parse_specs(methods)] if spawn else split_specs(methods)
     prompts = load_prompt_texts([d for d in datasets.split(",") if d], data_dir, requests)
     command = "draftverify " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["load"] else ""
+    settings = (labels, levels, prompts, requests, max_tokens, timeout, time_limit)
 
     def go(base: str, server: str) -> dict:
-        return load(
-            base,
-            labels,
-            levels,
-            prompts,
-            requests,
-            max_tokens,
-            timeout,
-            time_limit,
-            server,
-            command,
-            datasets,
-            log=lambda m: typer.echo(m, err=True),
-        )
+        return load(base, *settings, server, command, datasets, log=lambda m: typer.echo(m, err=True))
 
     if spawn:
         typer.echo("starting draftverify serve on loopback (loading the model)...", err=True)

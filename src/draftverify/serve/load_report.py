@@ -1,0 +1,71 @@
+"""What `draftverify load` writes: results.json, report.md (a table per method and concurrency) and
+tokens_per_s.png, each atomically, from the results object that `draftverify.serve.load.load` returns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from draftverify.util import atomic_write
+
+
+def report(results: dict) -> str:
+    """report.md: the command, the server and settings, then one table row per (method, concurrency) run."""
+    settings = results["settings"]
+    lines = [
+        "# draftverify load",
+        "",
+        "```",
+        results["command"] or "(not run from a shell)",
+        "```",
+        "",
+        f"- server: {results['server']}; model `{results['model']}`",
+        f"- {settings['requests']} requests per run, {settings['max_tokens']} new tokens at most, greedy, "
+        f"streamed; prompts: {settings['prompts']}",
+        "- tokens/s = all completion tokens of a run / its wall time (aggregate over clients); latency and TTFT "
+        "per request.",
+        "- mismatches: greedy outputs that differ from the same prompt's output at the lowest concurrency of the "
+        "same method (for that run: the first method's).",
+        "",
+        "| method | concurrency | requests | errors | tokens/s | vs 1 client | latency p50 / p99 (s) "
+        "| TTFT p50 / p99 (s) | mismatches |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def sec(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    base = {}
+    for run in results["runs"]:
+        base.setdefault(run["method"], run["tokens_per_s"])
+        ratio = run["tokens_per_s"] / base[run["method"]] if base[run["method"]] else 0.0
+        lines.append(
+            f"| `{run['method']}` | {run['concurrency']} | {run['requests']} | {run['errors']} "
+            f"| {run['tokens_per_s']:.1f} | {ratio:.2f}x "
+            f"| {sec(run['latency_p50_s'])} / {sec(run['latency_p99_s'])} "
+            f"| {sec(run['ttft_p50_s'])} / {sec(run['ttft_p99_s'])} | {run['mismatches']} |"
+        )
+    return "\n".join(lines + ["", "![tokens/s against concurrency](tokens_per_s.png)", ""])
+
+
+def plot(results: dict) -> bytes:
+    """tokens_per_s.png: aggregate tokens/s against concurrent clients, one line per method."""
+    from draftverify.bench.plots import _png, plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in dict.fromkeys(r["method"] for r in results["runs"]):
+        runs = [r for r in results["runs"] if r["method"] == method]
+        ax.plot([r["concurrency"] for r in runs], [r["tokens_per_s"] for r in runs], marker="o", label=method)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title(f"{results['model']}: throughput under load")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def write(out: Path, results: dict) -> None:
+    """results.json, report.md and tokens_per_s.png in `out`, each written atomically."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "results.json", json.dumps(results, indent=1))
+    atomic_write(out / "report.md", report(results))
+    atomic_write(out / "tokens_per_s.png", plot(results))
