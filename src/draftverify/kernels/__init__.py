@@ -67,9 +67,26 @@ def source_tag() -> str:
     return digest.hexdigest()[:12]
 
 
+STALE_LOCK_S = 900  # a build lock older than this was left by a killed build: no build takes that long
+
+
+def _clear_stale_lock(folder: Path) -> None:
+    """torch's builder waits on `folder/lock` while another process builds; a process killed mid-build leaves the
+    lock behind and every later process would wait forever. A lock older than any build is removed, with a line."""
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        print(f"draftverify: removing a stale kernel build lock ({lock}, left by a killed build)", file=sys.stderr)
+        lock.unlink(missing_ok=True)
+
+
 def _compile(load, name: str, folder, wide: bool, vnni: bool):
     """Build (or load the cached build of) the extension `name` in `folder` with torch's `load`, for AVX2 and FMA,
     plus AVX-512 (`wide`) and its int8 dot products (`vnni`) where the CPU has them. Raises what the build raises."""
+    _clear_stale_lock(Path(folder))
     # -fopenmp: at::parallel_for (csrc/) is OpenMP in torch's CPU build; compiled without it, the
     # pragma is dropped and every product runs on one core. The runtime is torch's own libgomp
     # (same soname, already loaded), so there is one thread pool.
