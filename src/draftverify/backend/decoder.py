@@ -101,7 +101,9 @@ class StaticDecoder:
         recipe, packs = RECIPES[cfg.model_type], packs if packs is not None else Packs()
         eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         if getattr(model, "weight_source", None) is not None:
-            self._from_source(model, recipe, eps)  # a GGUF file's blocks (loading.gguf_model)
+            self._from_source(
+                model, recipe, eps, packs.arithmetic if not draft else "fp32"
+            )  # a GGUF file's blocks (loading.gguf_model)
         else:
             self._from_module(model, recipe, eps, draft, packs)
         self.final_cap = getattr(cfg, "final_logit_softcapping", None) if recipe.final_softcap else None
@@ -132,13 +134,13 @@ class StaticDecoder:
             self.head = packs.linear([model.get_output_embeddings()], draft)
         self.head_dim = inner.layers[0].self_attn.head_dim
 
-    def _from_source(self, model, recipe: Recipe, eps: float) -> None:
+    def _from_source(self, model, recipe: Recipe, eps: float, arithmetic: str = "fp32") -> None:
         """Every product a BlockLinear over the file's blocks (a draft's too: the blocks are the cheap copy)."""
         cfg, source = model.config, model.weight_source
         self.model, self.embed, self.rotary = model, model.get_input_embeddings(), model.rotary
-        self.layers = [source_layer(source, i, recipe, cfg, eps) for i in range(cfg.num_hidden_layers)]
+        self.layers = [source_layer(source, i, recipe, cfg, eps, arithmetic) for i in range(cfg.num_hidden_layers)]
         self.norm, self.norm_eps = source.vector("norm"), eps
-        self.head = BlockLinear([source.head])
+        self.head = BlockLinear([source.head], arithmetic=arithmetic)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     def new_cache(self) -> StaticCache:

@@ -39,7 +39,7 @@ class SourceLayer:
     activation: str = "silu"
 
 
-def source_layer(source, i: int, recipe: Recipe, config, eps: float) -> SourceLayer:
+def source_layer(source, i: int, recipe: Recipe, config, eps: float, arithmetic: str = "fp32") -> SourceLayer:
     """Layer i of `source` as its recipe names it (recipe names under "self_attn." / "mlp.")."""
     at = lambda part, name: f"layers.{i}.{part}.{name}"  # noqa: E731
     qkv_names = [at("self_attn", n) for n in recipe.qkv]
@@ -55,10 +55,10 @@ def source_layer(source, i: int, recipe: Recipe, config, eps: float) -> SourceLa
         [(source.vector(n), eps) if source.has(n) else None for n in norms] if recipe.qk_norm else [None, None]
     )
     return SourceLayer(
-        qkv=BlockLinear(qkv_weights, bias),
-        o=BlockLinear([source.linear(at("self_attn", recipe.out))]),
-        gate_up=BlockLinear([source.linear(at("mlp", n)) for n in recipe.gate_up]),
-        down=BlockLinear([source.linear(at("mlp", recipe.down))]),
+        qkv=BlockLinear(qkv_weights, bias, arithmetic),
+        o=BlockLinear([source.linear(at("self_attn", recipe.out))], arithmetic=arithmetic),
+        gate_up=BlockLinear([source.linear(at("mlp", n)) for n in recipe.gate_up], arithmetic=arithmetic),
+        down=BlockLinear([source.linear(at("mlp", recipe.down))], arithmetic=arithmetic),
         q_size=qkv_weights[0].shape[0],
         kv_size=qkv_weights[1].shape[0],
         norm_in=source.vector(f"layers.{i}.{recipe.norm_in}"),
