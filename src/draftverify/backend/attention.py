@@ -4,7 +4,7 @@ Every path masks with the same boolean [n, past + n] mask (`ops.window_masks`; N
 and writes the new keys and values at slots past..past+n-1 of the sequence's cache:
 
 1. few new tokens, no per-head q/k norm: one kernel call rotates q and k, stores k and v, attends
-   (cpu.cpp `rope_attention`);
+   (kernels/csrc/attention.cpp `rope_attention`);
 2. few new tokens otherwise (Qwen3's normed q and k): rotate here, then the attention kernel;
 3. a prefill: the attention kernel over `PREFILL_ROWS` query rows a call (a call's partial sums grow
    with its rows times their key chunks; docs/backends.md compares the chunk sizes and SDPA);

@@ -14,7 +14,7 @@ the stock model's own modules (no copy of its code, no change to the model), as 
   per-layer sliding window, so full, sliding and mixed layers take the same path; attention is our
   kernel, each token's row computed alone (backend/attention.py).
 - **One call per layer**: a forward of one sequence over at most `QUANT_ROWS` tokens whose layer has
-  only quantized products runs that layer in one kernel call (cpu.cpp `layer`), the same kernels in the
+  only quantized products runs that layer in one kernel call (kernels/csrc/layer.cpp `layer`), the same kernels in the
   same order as the op-by-op layer, so the same bits. SiLU(gate) * up is our kernel on every path, so
   stacked (batched) forwards, which run the layers op by op, still give each sequence its own bits.
 

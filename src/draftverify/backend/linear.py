@@ -8,7 +8,7 @@ the same whichever forward carries it:
   keeps those blocks, and forwards over at most `QUANT_ROWS` rows multiply with them
   (kernels/quant.py): the same fp32 weights rebuilt in registers, each row's sums formed the same way
   for any row count, so a verified token's logits are bit for bit those of a one-token step;
-- one row of a plain fp32 weight goes to our one-row kernel (kernels/cpu.cpp) where it is built;
+- one row of a plain fp32 weight goes to our one-row kernel (kernels/csrc/products_fp32.cpp) where it is built;
 - anything else goes to oneDNN's prepacked product (`torch.ops.mkldnn._linear_pointwise`, what inductor
   emits for a frozen fp32 linear), or to `F.linear` where oneDNN cannot take the weight.
 
@@ -140,7 +140,7 @@ def packable(weight: torch.Tensor) -> bool:
 
 # Layout of a PackedWeight -> (product, the row counts it serves). `block_linear` is row-invariant at every row
 # count, and a file's weight keeps no fp32 copy for another product, so every layout takes it throughout. A
-# product that is row-invariant only up to some row count (an int8-activation one) enters here with its range.
+# product that is row-invariant only up to some row count would enter here with that range.
 PRODUCTS: dict[str, tuple[str, range]] = {
     layout: ("blocks", range(1, 1 << 62)) for layout in ("u4", "u8", "f16", "bf16", "f32")
 }
@@ -153,13 +153,13 @@ PRODUCTS_Q8: dict[str, tuple[str, range]] = {
     "u4": ("q8", range(1, 1 << 62)),
     "u8": ("q8", range(1, 1 << 62)),
 }
-ARITHMETICS = {"fp32": PRODUCTS, "q8": PRODUCTS_Q8}
+PRODUCT_TABLES = {"fp32": PRODUCTS, "q8": PRODUCTS_Q8}  # arithmetic -> its table (`arithmetic.ARITHMETICS`)
 
 
 def product(weight, m: int, arithmetic: str = "fp32") -> str:
     """The product `weight` (a PackedWeight) gets for a forward of `m` rows in `arithmetic`: the first row of its
-    table (`ARITHMETICS`) for its layout whose range holds m."""
-    name, rows = ARITHMETICS[arithmetic][weight.layout]
+    table (`PRODUCT_TABLES`) for its layout whose range holds m."""
+    name, rows = PRODUCT_TABLES[arithmetic][weight.layout]
     if m not in rows:
         raise ValueError(f"no product for {weight.layout} weights at {m} rows: extend backend.linear.PRODUCTS")
     return name
@@ -175,7 +175,7 @@ class BlockLinear:
 
     def __init__(self, weights: list, bias: torch.Tensor | None = None, arithmetic: str = "fp32"):
         self.parts = _concat_runs(weights)
-        self.arithmetic = arithmetic  # "fp32" or "q8" (`ARITHMETICS`)
+        self.arithmetic = arithmetic  # "fp32" or "q8" (`PRODUCT_TABLES`)
         self.bias = bias
         self.out_features = sum(w.shape[0] for w in self.parts)
         self.blocks = self  # row-invariant at every row count (`Spans` may stack any rows into one call)
