@@ -11,7 +11,7 @@ from phrase_sampling import broken_rule, second_token_pvalue
 from test_feature_head import random_head
 
 from draftverify import Engine
-from draftverify.costs import curve
+from draftverify.costs import Curve, curve
 from draftverify.drafters.auto import AR, CALIBRATION_PRIOR, MAX_BACKOFF, AutoDrafter, CandidateRecord, Figures
 from draftverify.drafters.base import Drafter, Proposal
 from draftverify.drafters.draft_model import DraftModel
@@ -133,14 +133,16 @@ class Fixed(Drafter):
 
 def decode_with(tiny, n: int, make_candidates, records: dict) -> tuple[Session, AutoDrafter, list[int]]:
     """Decode n tokens of a tiny Llama with `AutoDrafter` over `make_candidates(truth, prompt length)` (probe=8);
-    the session, the drafter and autoregressive decoding's tokens."""
+    the session, the drafter and autoregressive decoding's tokens. The forward costs are a fixed curve (a row
+    adds half a step), not one measured on a busy machine, so who pays does not depend on the load."""
     target = tiny("llama", layers=2)
     runner = Runner(target.model)
     engine = Engine(target)
     prompt = engine.encode("abc", chat=True)
     truth = engine.generate(prompt, method="autoregressive", max_new_tokens=n, eos_token_id=[]).tokens
     s = Session(prompt, Sampling(), Stopping(n, ()))
-    auto = AutoDrafter(make_candidates(truth, len(prompt)), curve(runner), Figures(records), probe=8)
+    costs = Curve({w: 1e-3 * (1 + 0.5 * (w - 1)) for w in (1, 2, 4, 8, 16)}, context=len(prompt))
+    auto = AutoDrafter(make_candidates(truth, len(prompt)), costs, Figures(records), probe=8)
     decode(s, runner, auto)
     return s, auto, truth
 
@@ -198,8 +200,9 @@ def test_auto_prices_a_drafter_by_its_own_expectation_and_its_steady_rounds(tiny
     assert s.output == truth
     rounds = sum(who == "sure" for who, _ in s.stats.extra["auto_chunks"])
     assert auto.calibration["sure"] == [CALIBRATION_PRIOR + s.stats.accepted, CALIBRATION_PRIOR + 2.0 * rounds]
-    ratio = auto.calibration["sure"][0] / auto.calibration["sure"][1]
-    assert 2.0 < records["sure"].accepted <= 2.0 * ratio  # its word, raised by a request that bore it out
+    # its word, raised by a request that bore it out: 3 of every 3 tokens accepted where it said 2 (so never
+    # above 2 x 3/2), the request's tail (fewer tokens left than the drafter's width) bringing the ratio down
+    assert 2.0 < records["sure"].accepted < 3.0
     assert records["sure"].draft_s < 0.05  # the 0.2 s first round is not a round's drafting time
 
 

@@ -203,7 +203,7 @@ def test_quick_through_the_cli(tiny, tmp_path):
         and "Forward path: target: static" in report
     )
     assert "| method | speedup | decode-only speedup | total-time speedup |" in report
-    assert "target arithmetic **float32**" in report  # --dtype auto on a CPU: the weights' fp32
+    assert "target arithmetic **fp32**" in report  # --dtype auto on a CPU, a target read from safetensors: fp32
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["config"]["max_new_tokens"] == 16 and results["config"]["repeats"] == 1
     assert [p["id"] for p in results["prompts"]] == ["prompts/1", "prompts/2"]  # --quick: 2 prompts

@@ -79,7 +79,7 @@ def test_a_bare_runner_keeps_no_file(tiny, curves_home):
 
 
 def test_an_auto_request_in_a_second_engine_measures_nothing(tiny, curves_home, monkeypatch):
-    from test_feature_draft import random_head
+    from test_feature_head import random_head
 
     from draftverify.loading import truncated_copy
 

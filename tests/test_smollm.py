@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -50,6 +52,15 @@ def test_llamacpp_gets_an_f32_gguf_of_exactly_the_target_weights(smollm):
     assert torch.equal(torch.from_numpy(embd.data.reshape(ours.shape).copy()), ours)
 
 
+@functools.cache
+def stock_smollm():
+    """The default model as transformers' own module over the file's weights in fp32 (the fixture runs the
+    file's blocks directly)."""
+    from draftverify.loading import load_model
+
+    return load_model(device="cpu", dtype="fp32", direct=False)
+
+
 def test_speculative_equals_autoregressive_and_hf_generate(smollm):
     engine = Engine(smollm, truncated_copy(smollm, 8))
     for i, prompt in enumerate(PROMPTS):
@@ -61,7 +72,7 @@ def test_speculative_equals_autoregressive_and_hf_generate(smollm):
         if i < 3:  # transformers' own greedy loop agrees too (stopping at EOS as it does by default)
             ours = engine.generate(prompt, chat=True, method="speculative", max_new_tokens=64, policy="constant", k=3)
             ids = torch.tensor([ours.prompt_tokens])
-            ref = smollm.model.generate(ids, do_sample=False, max_new_tokens=64)
+            ref = stock_smollm().model.generate(ids, do_sample=False, max_new_tokens=64)
             assert ref[0, ids.shape[1] :].tolist() == ours.tokens, prompt
 
 
