@@ -23,8 +23,10 @@ def read_response_format(path: Path) -> dict:
     fix = f'give a JSON file holding an OpenAI response_format object, e.g. {{"type": "json_object"}} or {EXAMPLE}'
     try:
         value = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise DraftVerifyError(f"cannot read --response-format {path}: {err}: {fix}") from None
+    except OSError as err:
+        raise DraftVerifyError(f"cannot read --response-format {path}: {err.strerror}: {fix}") from None
+    except ValueError as err:
+        raise DraftVerifyError(f"cannot read --response-format {path}: not JSON ({err}): {fix}") from None
     require(
         isinstance(value, dict) and "type" in value, f"--response-format {path} holds no object with a 'type': {fix}"
     )
