@@ -332,7 +332,7 @@ app.command("bench")(_bench)
 from draftverify.serve.cli import serve as _serve  # noqa: E402
 
 app.command("serve")(_serve)
-from draftverify.serve.load import load_command as _load  # noqa: E402
+from draftverify.serve.load_cli import load_command as _load  # noqa: E402
 
 app.command("load")(_load)
 from draftverify.tools.train_acceptance_head import (  # noqa: E402

@@ -6,10 +6,13 @@ soon as its last one ended. Per request it records the time to the first text (T
 latency, the completion tokens (the server's usage) and the text; per run the aggregate tokens/s
 (all completion tokens / the run's wall time), latency and TTFT percentiles and errors. Greedy
 outputs are compared with the same prompt's output at the lowest concurrency of the same method
-and with the first method's, so a server that changes outputs under load is caught.
+and with the first method's, so a server that changes outputs under load is caught. With a JSON
+`response_format` (`--response-format FILE`), each output is also checked to parse and validate
+(`load_format`), and a run counts the invalid ones.
 
 `--spawn` starts `draftverify serve` itself on a free loopback port with the methods asked for
-and stops it afterwards. Writes results.json, report.md and tokens_per_s.png (atomically).
+and stops it afterwards. Writes results.json, report.md and tokens_per_s.png (atomically);
+the command line is `load_cli`.
 """
 
 from __future__ import annotations
@@ -26,15 +29,11 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 from urllib.parse import urlparse
 
-import typer
-
 from draftverify.bench.metrics import percentile
-from draftverify.cli_options import draft_option, target_option
 from draftverify.errors import require
-from draftverify.serve.load_report import report, write
+from draftverify.serve.load_format import output_valid
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SPAWN_WAIT_S = 600.0  # loading the model (and, the first time, converting it and compiling kernels) may take minutes
@@ -51,6 +50,7 @@ class Call:
     tokens: int = 0
     text: str = ""
     error: str = ""
+    valid: bool | None = None  # the text parses / validates against the JSON format sent; None: none was sent
 
 
 @dataclass
@@ -66,6 +66,7 @@ class Run:
     ttft_p50_s: float | None
     ttft_p99_s: float | None
     mismatches: int = 0  # greedy outputs that differ from the reference output of the same prompt
+    invalid: int | None = None  # outputs that do not parse / validate; None when no JSON format was sent
     calls: list[Call] = field(default_factory=list)
 
 
@@ -83,23 +84,39 @@ def check_loopback(url: str) -> str:
     return url.rstrip("/")
 
 
-async def one_call(
-    client, base: str, model: str, method: str, index: int, prompt: str, max_tokens: int, timeout_s: float
-) -> Call:
+@dataclass(frozen=True)
+class Ask:
+    """What every request of a load run carries besides its method and prompt."""
+
+    max_tokens: int
+    timeout_s: float
+    response_format: dict | None = None  # an OpenAI response_format object, sent as is
+    system: str | None = None  # a system message before each prompt
+
+    def body(self, model: str, method: str, prompt: str) -> dict:
+        """The chat request: greedy, streamed, with usage in the last chunk."""
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        body = {
+            "model": model,
+            "method": method,
+            "messages": messages + [{"role": "user", "content": prompt}],
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.response_format is not None:
+            body["response_format"] = self.response_format
+        return body
+
+
+async def one_call(client, base: str, model: str, method: str, index: int, prompt: str, ask: Ask) -> Call:
     """Send one streamed greedy chat request; time the first text and the whole reply."""
-    body = {
-        "model": model,
-        "method": method,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = ask.body(model, method, prompt)
     start = time.perf_counter()
     call = Call(index, ok=False)
     try:
-        async with client.stream("POST", f"{base}/chat/completions", json=body, timeout=timeout_s) as response:
+        async with client.stream("POST", f"{base}/chat/completions", json=body, timeout=ask.timeout_s) as response:
             if response.status_code != 200:
                 call.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:200]}"
                 return call
@@ -134,8 +151,7 @@ async def run_load(
     prompts: list[str],
     concurrency: int,
     requests: int,
-    max_tokens: int,
-    timeout_s: float,
+    ask: Ask,
     deadline: float,
 ) -> Run:
     """`requests` requests (prompts in turn) from `concurrency` clients; none starts after `deadline` (monotonic)."""
@@ -150,15 +166,15 @@ async def run_load(
             while order and time.monotonic() < deadline:
                 i = order.pop(0)
                 calls.append(
-                    await one_call(
-                        client, base, model, method, i % len(prompts), prompts[i % len(prompts)], max_tokens, timeout_s
-                    )
+                    await one_call(client, base, model, method, i % len(prompts), prompts[i % len(prompts)], ask)
                 )
 
         start = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         wall = time.perf_counter() - start
     good = [c for c in calls if c.ok]
+    for c in good:  # checked after the clock stopped: the check is the tool's work, not the server's
+        c.valid = output_valid(c.text, ask.response_format)
     return Run(
         method=method,
         concurrency=concurrency,
@@ -170,6 +186,7 @@ async def run_load(
         latency_p99_s=percentile([c.latency_s for c in good], 99),
         ttft_p50_s=percentile([c.ttft_s for c in good if c.ttft_s is not None], 50),
         ttft_p99_s=percentile([c.ttft_s for c in good if c.ttft_s is not None], 99),
+        invalid=None if all(c.valid is None for c in good) else sum(1 for c in good if c.valid is False),
         calls=sorted(calls, key=lambda c: c.prompt),
     )
 
@@ -257,25 +274,27 @@ def load(
     concurrency: list[int],
     prompts: list[str],
     requests: int,
-    max_tokens: int,
-    timeout_s: float,
+    ask: Ask,
     time_limit_s: float,
     server: str,
     command: str,
     prompt_source: str,
+    format_file: str | None = None,
     log=print,
 ) -> dict:
-    """Every (method, concurrency) run, in order; returns the results object (see the module docstring)."""
+    """Every (method, concurrency) run, in order; returns the results object (see the module docstring).
+    `format_file` names where `ask.response_format` was read from, for the record."""
     model = served_model(base)
     runs = []
     deadline = time.monotonic() + time_limit_s
     for method in methods:
         for c in concurrency:
-            run = asyncio.run(run_load(base, model, method, prompts, c, requests, max_tokens, timeout_s, deadline))
+            run = asyncio.run(run_load(base, model, method, prompts, c, requests, ask, deadline))
             runs.append(run)
+            invalid = "" if run.invalid is None else f", {run.invalid} invalid"
             log(
-                f"{method} x{c}: {run.requests} requests, {run.errors} errors, {run.tokens_per_s:.1f} tokens/s, "
-                f"latency p50 {run.latency_p50_s or 0:.2f} s"
+                f"{method} x{c}: {run.requests} requests, {run.errors} errors{invalid}, "
+                f"{run.tokens_per_s:.1f} tokens/s, latency p50 {run.latency_p50_s or 0:.2f} s"
             )
     count_mismatches(runs)
     return {
@@ -284,100 +303,13 @@ def load(
         "model": model,
         "settings": {
             "requests": requests,
-            "max_tokens": max_tokens,
+            "max_tokens": ask.max_tokens,
             "concurrency": concurrency,
             "methods": methods,
             "prompts": prompt_source,
+            "system": ask.system,
+            "response_format_file": format_file,
+            "response_format": ask.response_format,
         },
         "runs": [asdict(r) for r in runs],
     }
-
-
-def load_prompt_texts(datasets: list[str], data_dir: str | None, count: int) -> list[str]:
-    """`count` first-turn prompts, taken in turn from each named shared prompt set (so every run mixes them)."""
-    from draftverify.bench.datasets import load_prompts, resolve_data_dir
-
-    per_set = [load_prompts([name], resolve_data_dir(data_dir), limit=count, turns="first") for name in datasets]
-    mixed = [p.turns[0] for group in zip(*per_set) for p in group] if per_set else []
-    require(mixed, f"no prompts in {', '.join(datasets)}: check --datasets and --data-dir")
-    return mixed[:count]
-
-
-def parse_levels(concurrency: str) -> list[int]:
-    """--concurrency "1,4,8" as [1, 4, 8]; anything but positive whole numbers is refused."""
-    levels = (
-        [int(x) for x in concurrency.split(",") if x.strip()]
-        if re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", concurrency)
-        else []
-    )
-    require(
-        levels and all(c >= 1 for c in levels),
-        f"--concurrency {concurrency!r}: give positive whole numbers, e.g. 1,4,8",
-    )
-    return levels
-
-
-# -- the options of `load` --------------------------------------------------------
-
-LOAD_URL = typer.Option(None, help="The server's base URL on this machine, e.g. http://127.0.0.1:8000/v1 (or --spawn).")
-LOAD_SPAWN = typer.Option(
-    False, help="Start `draftverify serve` with --methods on a free loopback port, and stop it after."
-)
-LOAD_METHODS = typer.Option(
-    "autoregressive,auto",
-    help="Methods to load, comma-separated method specs; each request names one (the server must have it).",
-)
-LOAD_CONCURRENCY = typer.Option("1,8", help="Concurrent clients per run, comma-separated, e.g. 1,4,8.")
-LOAD_REQUESTS = typer.Option(24, help="Requests per run (method x concurrency).")
-LOAD_MAX_TOKENS = typer.Option(64, help="New tokens per request at most.")
-LOAD_DATASETS = typer.Option(
-    "mt_bench,humaneval,gsm8k,cnn_dailymail",
-    help="Shared prompt sets the prompts come from (first turns, taken in turn).",
-)
-LOAD_DATA_DIR = typer.Option(None, help="The folder holding the prompt sets (default: ../shared/data).")
-LOAD_TIMEOUT = typer.Option(300.0, help="Seconds one request may take before it counts as an error.")
-LOAD_TIME_LIMIT = typer.Option(1800.0, help="No request starts after this many seconds of the whole load run.")
-LOAD_OUT = typer.Option(Path("load-results"), help="Folder for results.json, report.md and tokens_per_s.png.")
-
-
-def load_command(
-    url: Optional[str] = LOAD_URL,
-    spawn: bool = LOAD_SPAWN,
-    target: Optional[str] = target_option("--spawn: the target model"),
-    draft: Optional[str] = draft_option("--spawn: the draft model"),
-    methods: str = LOAD_METHODS,
-    concurrency: str = LOAD_CONCURRENCY,
-    requests: int = LOAD_REQUESTS,
-    max_tokens: int = LOAD_MAX_TOKENS,
-    datasets: str = LOAD_DATASETS,
-    data_dir: Optional[str] = LOAD_DATA_DIR,
-    timeout: float = LOAD_TIMEOUT,
-    time_limit: float = LOAD_TIME_LIMIT,
-    out: Path = LOAD_OUT,
-):
-    """Load-test the OpenAI-compatible endpoint: tokens/s, latency and TTFT per method and concurrency, and whether
-    greedy outputs under load equal the single-client ones. Loopback only; bounded in requests and time."""
-    import shlex
-
-    from draftverify.methods.spec import parse_specs, split_specs
-
-    require(spawn != (url is not None), "give either --url (a running server on this machine) or --spawn")
-    require(requests >= 1 and max_tokens >= 1, "--requests and --max-tokens must be at least 1")
-    levels = parse_levels(concurrency)
-    labels = [s.label for s in parse_specs(methods)] if spawn else split_specs(methods)
-    prompts = load_prompt_texts([d for d in datasets.split(",") if d], data_dir, requests)
-    command = "draftverify " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["load"] else ""
-    settings = (labels, levels, prompts, requests, max_tokens, timeout, time_limit)
-
-    def go(base: str, server: str) -> dict:
-        return load(base, *settings, server, command, datasets, log=lambda m: typer.echo(m, err=True))
-
-    if spawn:
-        typer.echo("starting draftverify serve on loopback (loading the model)...", err=True)
-        with spawned_server(methods, target, draft, out / "server.log") as base:
-            results = go(base, f"spawned: draftverify serve --methods {methods}")
-    else:
-        results = go(check_loopback(url), url)
-    write(out, results)
-    typer.echo(report(results).split("\n\n![", 1)[0])
-    typer.echo(f"\nreport: {out / 'report.md'}")

@@ -6,46 +6,86 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from draftverify.serve.load_format import describe
 from draftverify.util import atomic_write
 
 
 def report(results: dict) -> str:
-    """report.md: the command, the server and settings, then one table row per (method, concurrency) run."""
+    """report.md: the command, the server and settings, one table row per (method, concurrency) run, then the
+    tokens/s of each later method against the first at each concurrency."""
+    lines = ["# draftverify load", "", "```", results["command"] or "(not run from a shell)", "```", ""]
+    lines += header(results) + [""] + table(results["runs"])
+    ratios = ratio_lines(results["runs"])
+    lines += [""] + ratios if ratios else []
+    return "\n".join(lines + ["", "![tokens/s against concurrency](tokens_per_s.png)", ""])
+
+
+def header(results: dict) -> list[str]:
+    """The bullet list under the command: server, settings, the request format and what the columns mean."""
     settings = results["settings"]
     lines = [
-        "# draftverify load",
-        "",
-        "```",
-        results["command"] or "(not run from a shell)",
-        "```",
-        "",
         f"- server: {results['server']}; model `{results['model']}`",
         f"- {settings['requests']} requests per run, {settings['max_tokens']} new tokens at most, greedy, "
         f"streamed; prompts: {settings['prompts']}",
+    ]
+    if settings.get("system"):
+        lines.append(f"- system message: {settings['system']!r}")
+    if settings.get("response_format") is not None:
+        lines.append(
+            f"- response_format: `{settings.get('response_format_file') or '(inline)'}` "
+            f"({describe(settings['response_format'])}); invalid: outputs that do not parse as JSON or do not "
+            "validate against the schema (a reply cut at the token limit does not)"
+        )
+    return lines + [
         "- tokens/s = all completion tokens of a run / its wall time (aggregate over clients); latency and TTFT "
         "per request.",
         "- mismatches: greedy outputs that differ from the same prompt's output at the lowest concurrency of the "
         "same method (for that run: the first method's).",
-        "",
+    ]
+
+
+def table(runs: list[dict]) -> list[str]:
+    """One row per run; `vs 1 client` is against the method's first (lowest) concurrency; invalid is `-` when no
+    JSON format was sent (unknown, not 0)."""
+    lines = [
         "| method | concurrency | requests | errors | tokens/s | vs 1 client | latency p50 / p99 (s) "
-        "| TTFT p50 / p99 (s) | mismatches |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p50 / p99 (s) | mismatches | invalid |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def sec(x):
         return "-" if x is None else f"{x:.2f}"
 
     base = {}
-    for run in results["runs"]:
+    for run in runs:
         base.setdefault(run["method"], run["tokens_per_s"])
         ratio = run["tokens_per_s"] / base[run["method"]] if base[run["method"]] else 0.0
+        invalid = run.get("invalid")
         lines.append(
             f"| `{run['method']}` | {run['concurrency']} | {run['requests']} | {run['errors']} "
             f"| {run['tokens_per_s']:.1f} | {ratio:.2f}x "
             f"| {sec(run['latency_p50_s'])} / {sec(run['latency_p99_s'])} "
-            f"| {sec(run['ttft_p50_s'])} / {sec(run['ttft_p99_s'])} | {run['mismatches']} |"
+            f"| {sec(run['ttft_p50_s'])} / {sec(run['ttft_p99_s'])} | {run['mismatches']} "
+            f"| {'-' if invalid is None else invalid} |"
         )
-    return "\n".join(lines + ["", "![tokens/s against concurrency](tokens_per_s.png)", ""])
+    return lines
+
+
+def ratio_lines(runs: list[dict]) -> list[str]:
+    """At each concurrency with 2+ methods: each later method's tokens/s over the first method's, one line each
+    (none where the first method's run produced no tokens)."""
+    first: dict[int, dict] = {}
+    lines = []
+    for run in runs:
+        ref = first.setdefault(run["concurrency"], run)
+        if ref is run or not ref["tokens_per_s"]:
+            continue
+        clients = "1 client" if run["concurrency"] == 1 else f"{run['concurrency']} clients"
+        lines.append(
+            f"- `{run['method']}` / `{ref['method']}` at {clients}: "
+            f"{run['tokens_per_s'] / ref['tokens_per_s']:.2f}x tokens/s"
+        )
+    return lines
 
 
 def plot(results: dict) -> bytes:
