@@ -8,7 +8,8 @@ latency, the completion tokens (the server's usage) and the text; per run the ag
 outputs are compared with the same prompt's output at the lowest concurrency of the same method
 and with the first method's, so a server that changes outputs under load is caught. With a JSON
 `response_format` (`--response-format FILE`), each output is also checked to parse and validate
-(`load_format`), and a run counts the invalid ones.
+(`load_format`), and a run counts the invalid ones. Before the runs each method answers one short untimed
+request, so what a server does once is charged to no run.
 
 `--spawn` starts `draftverify serve` itself on a free loopback port with the methods asked for
 and stops it afterwards. Writes results.json, report.md and tokens_per_s.png (atomically);
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -268,6 +269,17 @@ def served_model(base: str) -> str:
     return models[0]["id"]
 
 
+async def warm_up(base: str, model: str, methods: list[str], prompt: str, ask: Ask) -> None:
+    """One short untimed request per method before any run: what a server does once (a grammar's view of the
+    vocabulary, a method's first-request set-up) is charged to no method's run."""
+    import httpx
+
+    short = replace(ask, max_tokens=min(ask.max_tokens, 8))
+    async with httpx.AsyncClient() as client:
+        for method in methods:
+            await one_call(client, base, model, method, 0, prompt, short)
+
+
 def load(
     base: str,
     methods: list[str],
@@ -287,6 +299,7 @@ def load(
     model = served_model(base)
     runs = []
     deadline = time.monotonic() + time_limit_s
+    asyncio.run(warm_up(base, model, methods, prompts[0], ask))
     for method in methods:
         for c in concurrency:
             run = asyncio.run(run_load(base, model, method, prompts, c, requests, ask, deadline))
