@@ -82,12 +82,13 @@ class GGUFWeights:
         found = self._packed.get(name)
         if found is None:
             info = self._tensor(gguf_name(name))
-            found = pack(info.raw, info.ggml_type, info.shape)
+            raw, rows = info.raw, self._rope_rows(name, int(info.shape[0]))
+            if rows is not None:  # whole rows of blocks move (exact): one gather of the file's bytes, before packing
+                raw = np.ascontiguousarray(raw).view(np.uint8).reshape(len(rows), -1)[rows]
+            self._packed[name] = found = pack(raw, info.ggml_type, info.shape)
             if found.reason is not None and found.reason not in self._said:
                 self._said.add(found.reason)
                 print(f"draftverify: {self.path.name}: {found.reason}", file=sys.stderr, flush=True)
-            rows = self._rope_rows(name, found.shape[0])
-            self._packed[name] = found = found if rows is None else permute_rows(found, rows)
         return found
 
     def bias(self, name: str) -> torch.Tensor | None:
@@ -126,13 +127,6 @@ class GGUFWeights:
         heads = self.config.num_attention_heads if name.endswith("q_proj") else self.config.num_key_value_heads
         dim = out // heads // 2
         return np.arange(out).reshape(heads, dim, 2).swapaxes(2, 1).reshape(out)
-
-
-def permute_rows(w: PackedWeight, rows: np.ndarray) -> PackedWeight:
-    """`w` with its output rows in the order `rows` (whole rows of blocks move: exact)."""
-    index = torch.from_numpy(rows)
-    pick = lambda t: t[index].contiguous() if t.numel() else t  # noqa: E731
-    return PackedWeight(w.type_name, w.shape, w.layout, w.sub, pick(w.codes), pick(w.d), pick(w.m), w.reason)
 
 
 def rows_of(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
