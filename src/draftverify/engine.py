@@ -161,6 +161,8 @@ class Engine:
         if arithmetic is None:
             arithmetic, _ = default_arithmetic(loaded.source, loaded.model.device.type)
         feature_head = default_feature_head(loaded) if draft is None else None
+        if feature_head is not None:  # its drafting copies packed now, not by the first request that drafts with it
+            feature_head.pack()
         source = LazyDraft(lambda: load_draft_source(draft, loaded, dtype=weights, device=draft_device or device))
         if draft is not None:  # a draft asked for by name is loaded now: a bad spec fails at load, not mid-request
             source = source.load()
