@@ -68,10 +68,11 @@ class PackedLinear:
     def __init__(self, linears: list[torch.nn.Linear], draft: bool = False, arithmetic: str = "fp32"):
         weight = torch.cat([lin.weight.detach() for lin in linears])  # [out, in]
         self.bias = _fused_bias(linears, weight)
-        self.packed = packable(weight)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS) if self.packed else weight
         self.out_features = weight.shape[0]
         self.blocks = quant_blocks(weight, draft)  # exact Q4_1 / Q8_0 blocks (or a draft's rounding), or None
+        # int8 rows take every row count (`__call__`): no oneDNN copy of the fp32 weight is ever multiplied.
+        self.packed = packable(weight) and (self.blocks is None or self.blocks.kind != "i8_rows")
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS) if self.packed else weight
         self._no_bias = torch.empty(0, dtype=weight.dtype, device=weight.device)
         b = self.blocks  # the quantized product's arguments, as `quant_linear` and the one-call `layer` take them
         self.quant = None if b is None else [b.q, b.d, b.m, self.bias if self.bias is not None else self._no_bias]
@@ -174,7 +175,7 @@ class BlockLinear:
     `out_features`."""
 
     def __init__(self, weights: list, bias: torch.Tensor | None = None, arithmetic: str = "fp32"):
-        self.parts = _concat_runs(weights)
+        self.parts = concat_runs(weights)
         self.arithmetic = arithmetic  # "fp32" or "q8" (`PRODUCT_TABLES`)
         self.bias = bias
         self.out_features = sum(w.shape[0] for w in self.parts)
@@ -197,7 +198,7 @@ def _block_product(weight, x: torch.Tensor, arithmetic: str = "fp32") -> torch.T
     raise ValueError(f"product {name!r} is listed in PRODUCTS but not dispatched in backend.linear._block_product")
 
 
-def _concat_runs(weights: list) -> list:
+def concat_runs(weights: list) -> list:
     """Runs of consecutive PackedWeights of one layout and sub-block size, each concatenated along out."""
     from draftverify.kernels.blocks import PackedWeight
 
