@@ -1,7 +1,7 @@
-"""What loading the default model and one request must not do: import an architecture's transformers modeling module
-(the direct path runs no stock module; its rotary embedding is draftverify's copy, bit for bit transformers'), build
-the embedding's whole fp32 table (a GGUF embedding is read by rows), or load the draft model for a method that does
-not draft with it."""
+"""What loading the default model and one request must not do: import its architecture's transformers modules, modeling
+or config (the direct path runs no stock module, reads its config as a plain PretrainedConfig, and its rotary
+embedding is draftverify's copy, bit for bit transformers'), build the embedding's whole fp32 table (a GGUF embedding
+is read by rows), or load the draft model for a method that does not draft with it."""
 
 from __future__ import annotations
 
@@ -52,9 +52,7 @@ engine = Engine.load()
 out = engine.generate("Hi", method=sys.argv[2], chat=True, max_new_tokens=4)
 source = engine.target.model.weight_source
 print(json.dumps({
-    "modeling": sorted(
-        m for m in sys.modules if m.startswith("transformers.models.") and ".modeling_" in m and ".auto." not in m
-    ),
+    "modeling": sorted(m for m in sys.modules if m.startswith(f"transformers.models.{source.config.model_type}.")),
     "tables": sorted(source.__dict__.get("_tables", {})),
     "draft_loaded": engine.draft_loaded,
     "tokens": len(out.tokens),
@@ -71,6 +69,6 @@ def test_generate_on_the_default_model_stays_on_the_direct_path(method, tmp_path
     assert run.returncode == 0, run.stderr[-2000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert found["tokens"] > 0
-    assert found["modeling"] == []  # no stock module: its imports are most of a cold load
+    assert found["modeling"] == []  # no stock module or config class: their imports are most of a cold load
     assert found["tables"] == []  # no [V, H] fp32 copy of the embedding
     assert not found["draft_loaded"]  # the feature head drafts for auto; autoregressive drafts with nothing

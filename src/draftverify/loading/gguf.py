@@ -45,7 +45,7 @@ def gguf_metadata(path: Path):
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
             config.save_pretrained(tmp)  # last: its presence marks a complete folder
     config = PretrainedConfig.from_json_file(folder / "config.json")
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, config=config)  # not AutoConfig's
     generation = GenerationConfig.from_pretrained(folder, local_files_only=True)
     return config, generation, tokenizer
 
