@@ -100,10 +100,11 @@ class FeatureHead(nn.Module):
 
     def bind(self, target) -> "FeatureHead":
         """Attach the target's (a `loading.Loaded`) embeddings and LM head, refusing a target it was not trained for."""
+        identity = target.identity  # hashes the tokenizer's vocabulary: formed once
         require(
-            same_weights(self.config.target, target.identity),
+            same_weights(self.config.target, identity),
             f"this feature head was trained for {describe_identity(self.config.target)}, "
-            f"not {describe_identity(target.identity)}: "
+            f"not {describe_identity(identity)}: "
             "build one for this target with `draftverify make-draft --kind head`",
         )
         embedding, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()

@@ -47,7 +47,7 @@ KERNELS: dict[int, tuple[str, int]] = {
     T.F32: ("f32", 32),
 }
 LAYOUTS = {"u4": 0, "u8": 1, "f16": 2, "bf16": 3, "f32": 4}  # csrc/products_blocks.cpp's `Layout`
-DEQUANTIZE_ROWS = 256  # `PackedWeight.dequantize` forms this many rows at a time (each row's values alone)
+DEQUANTIZE_ROWS = 1024  # `PackedWeight.dequantize` forms this many rows at a time (each row's values alone)
 
 
 def fallback_reason(ggml_type: int) -> str | None:
