@@ -11,7 +11,8 @@ per machine and cached.
 RMSNorm and SDPA. The build
 takes a minute or so, says so on stderr, and lands in `~/.cache/draftverify/kernels/`
 under a name that changes with the source and the CPU's vector width (an AVX-512 build for a CPU
-that has it, else AVX2), so later processes only load it.
+that has it, else AVX2), with a record of the torch and flags it was built with (`BUILT_FILE`), so later processes
+import it directly, whatever path their checkout of the same sources sits at.
 """
 
 from __future__ import annotations

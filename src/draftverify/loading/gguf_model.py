@@ -3,7 +3,7 @@
 It stands where the stock transformers module stands (a `Runner`'s model, `Loaded.model`) and answers what
 the code above the backends asks of a model: `config`, `generation_config`, `get_input_embeddings()` /
 `get_output_embeddings()` (a `RowEmbedding`: a lookup dequantizes only the rows asked for; `.weight`, the whole
-fp32 table, is built on first use and shared), and `weight_source` (the `GGUFWeights` the static decoder packs
+fp32 table, is built only for a caller that asks for it, never on the generate path, and shared), and `weight_source` (the `GGUFWeights` the static decoder packs
 from). The stock module is built only by `stock()`, for what needs one (the eager path, the tools), from the
 fp32 conversion (loading/gguf.py), and kept.
 """
@@ -35,7 +35,8 @@ class RowEmbedding(torch.nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The whole table, fp32 [V, H], dequantized once per source (the feature head reads it)."""
+        """The whole table, fp32 [V, H], dequantized once per source (for tools that want a stock-like table: the
+        direct path and the feature head read rows, `forward`)."""
         tables = self.source.__dict__.setdefault("_tables", {})
         if self.name not in tables:
             tables[self.name] = self.source.linear(self.name).dequantize()
