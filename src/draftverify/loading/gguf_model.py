@@ -4,8 +4,8 @@ It stands where the stock transformers module stands (a `Runner`'s model, `Loade
 the code above the backends asks of a model: `config`, `generation_config`, `get_input_embeddings()` /
 `get_output_embeddings()` (a `RowEmbedding`: a lookup dequantizes only the rows asked for; `.weight`, the whole
 fp32 table, is built only for a caller that asks for it, never on the generate path, and shared), and
-`weight_source` (the `GGUFWeights` the static decoder packs from). The stock module is built only by `stock()`, for what needs one (the eager path, the tools), from the
-fp32 conversion (loading/gguf.py), and kept.
+`weight_source` (the `GGUFWeights` the static decoder packs from). The stock module is built only by `stock()`,
+for what needs one (the eager path, the tools), from the fp32 conversion (loading/gguf.py), and kept.
 """
 
 from __future__ import annotations
