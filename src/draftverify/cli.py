@@ -47,7 +47,8 @@ def _load_engine(target, draft, dtype, device, draft_device=None, device_map=Non
     engine = Engine.load(
         target, draft, dtype=dtype, device=device, draft_device=draft_device, device_map=device_map, backend=backend
     )
-    if any(r is not None and r.fallback_reason for r in (engine.target_runner, engine.draft_runner)):
+    draft = engine.draft_runner if engine.draft_loaded else None
+    if any(r is not None and r.fallback_reason for r in (engine.target_runner, draft)):
         typer.echo(f"backend: {engine.describe_backend()}", err=True)
     return engine
 

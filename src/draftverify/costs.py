@@ -153,7 +153,9 @@ def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> C
 
 def measure_curve(runner: Runner, all_logits: bool, widths) -> Curve:
     """Time `runner`'s forwards for `curve`: after `POLICY_CONTEXT` tokens, and after `FAR_CONTEXT` for the slope."""
-    vocab = runner.model.get_input_embeddings().weight.shape[0]
+    from draftverify.loading.hf import vocab_rows
+
+    vocab = vocab_rows(runner.model)
     limit = getattr(runner.model.config, "max_position_embeddings", None) or FAR_CONTEXT + max(widths)
     far = min(FAR_CONTEXT, limit - max(widths))
 

@@ -29,6 +29,14 @@ from draftverify.stats import Stats
 from draftverify.util import eos_ids
 
 
+@dataclass(frozen=True)
+class LazyDraft:
+    """A draft loaded when a method first drafts with it (`Engine.load`'s default draft): a method that does not
+    (autoregressive, `auto` with a feature head) never pays for loading and packing it."""
+
+    load: Callable[[], DraftSource | None]
+
+
 @dataclass
 class Result:
     tokens: list[int]  # the new tokens (the stop token included; see Session.emit)
@@ -49,27 +57,29 @@ class Engine:
     def __init__(
         self,
         target: Loaded,
-        draft: DraftSource | Loaded | FeatureHead | None = None,
+        draft: DraftSource | Loaded | FeatureHead | LazyDraft | None = None,
         backend: str = "auto",
         feature_head: FeatureHead | None = None,
         shared: Shared | None = None,
         arithmetic: str = "fp32",
     ):
         """`draft`: what drafts (a `loading.DraftSource`, as `load_draft_source` gives; a draft model or a feature
-        head is taken as one); `feature_head`: a feature head beside a draft model. The methods that draft with
-        a feature head (speculative, ouroboros) use it when there is one, the others the draft model.
+        head is taken as one; a `LazyDraft` is loaded when a method first drafts with it); `feature_head`: a feature
+        head beside a draft model. The methods that draft with a feature head (speculative, ouroboros) use it when
+        there is one, the others the draft model.
 
         The engine owns what its runners and drafters build or learn once (`shared`: packed weights, measured
         cost curves, the feature head's calibration); another engine in the same process has its own, so two
         engines never steer each other. Pass another engine's `shared` to reuse what it built and learned.
         """
-        source = draft_source(draft)
-        if source is not None and source.kind == "feature head":
-            source, feature_head = None, source.feature_head
         self.target = target
-        self.draft_source = source
-        self.draft = source.model if source is not None else None
         self.feature_head = feature_head
+        self._draft_state: tuple[DraftSource | None, Runner | None] | None = None  # resolved on first use
+        self._pending_draft = draft  # what `draft` resolves (a `LazyDraft`: loaded when a method first needs it)
+        if not isinstance(draft, LazyDraft):
+            source = draft_source(draft)
+            if source is not None and source.kind == "feature head":
+                self._pending_draft, self.feature_head = None, source.feature_head
         self.backend = backend
         require(arithmetic in ARITHMETICS, f"unknown arithmetic {arithmetic!r}: use one of {', '.join(ARITHMETICS)}")
         # Cost curves measured by an earlier process on this machine, model, arithmetic and kernel build are read
@@ -85,14 +95,48 @@ class Engine:
         )
         # What autoregressive decoding here computes in, and so what every method's output is identical to.
         self.arithmetic = "q8" if q8 > 0 else "fp32"
-        # A separate draft model may run on rounded weights (PackedLinear); the target drafting for itself does not.
-        self.draft_runner = (
-            Runner(self.draft.model, backend, draft=self.draft.model is not target.model, shared=self.shared)
-            if self.draft is not None
-            else None
-        )
         self._methods: dict[tuple, Method] = {}
-        self._slots: list[tuple[Runner, Runner | None]] = [(self.target_runner, self.draft_runner)]
+        self._targets: list[Runner] = [self.target_runner]  # per batch slot
+        self._drafts: list[Runner | None] = []  # per batch slot, once the draft is resolved
+        if not isinstance(self._pending_draft, LazyDraft):
+            self._resolve_draft()
+
+    def _resolve_draft(self) -> tuple[DraftSource | None, Runner | None]:
+        """The draft source and its runner, loaded (a `LazyDraft`) and built on first use."""
+        if self._draft_state is None:
+            pending = self._pending_draft
+            source = draft_source(pending.load() if isinstance(pending, LazyDraft) else pending)
+            model = source.model if source is not None else None
+            # A separate draft model may run on rounded weights (PackedLinear); the target drafting for itself does
+            # not.
+            runner = (
+                Runner(model.model, self.backend, draft=model.model is not self.target.model, shared=self.shared)
+                if model is not None
+                else None
+            )
+            self._draft_state = (source, runner)
+        return self._draft_state
+
+    @property
+    def draft_source(self) -> DraftSource | None:
+        """What drafts beside the feature head (a draft model or the target's first layers), loaded on first use."""
+        return self._resolve_draft()[0]
+
+    @property
+    def draft(self) -> Loaded | None:
+        """The draft model (`draft_source`'s), loaded on first use."""
+        source = self.draft_source
+        return source.model if source is not None else None
+
+    @property
+    def draft_runner(self) -> Runner | None:
+        """The draft model's runner on batch slot 0, built on first use."""
+        return self._resolve_draft()[1]
+
+    @property
+    def draft_loaded(self) -> bool:
+        """Whether the draft has been resolved (describing an engine need not load it)."""
+        return self._draft_state is not None
 
     @classmethod
     def load(
@@ -117,12 +161,17 @@ class Engine:
         if arithmetic is None:
             arithmetic, _ = default_arithmetic(loaded.source, loaded.model.device.type)
         feature_head = default_feature_head(loaded) if draft is None else None
-        source = load_draft_source(draft, loaded, dtype=weights, device=draft_device or device)
+        if feature_head is not None:  # its drafting copies packed now, not by the first request that drafts with it
+            feature_head.pack()
+        source = LazyDraft(lambda: load_draft_source(draft, loaded, dtype=weights, device=draft_device or device))
+        if draft is not None:  # a draft asked for by name is loaded now: a bad spec fails at load, not mid-request
+            source = source.load()
         return cls(loaded, source, backend=backend, feature_head=feature_head, arithmetic=arithmetic)
 
     def describe_drafts(self) -> str:
         """One line: the draft model and the feature head in use."""
-        parts = [f"draft {self.draft.name}" if self.draft is not None else "no draft model"]
+        draft = self.draft if self.draft_loaded else None
+        parts = [f"draft {draft.name}" if draft is not None else "no draft model loaded"]
         if self.feature_head is not None:
             parts.append(f"feature head {self.feature_head.name}")
         return ", ".join(parts)
@@ -130,7 +179,7 @@ class Engine:
     def describe_backend(self) -> str:
         """One line: the forward path each model runs on, and why `auto` fell back to eager."""
         parts = []
-        for role, runner in (("target", self.target_runner), ("draft", self.draft_runner)):
+        for role, runner in (("target", self.target_runner), ("draft", self._draft_state and self._draft_state[1])):
             if runner is not None:
                 why = f" ({runner.fallback_reason})" if runner.fallback_reason else ""
                 parts.append(f"{role}: {runner.backend}{why}")
@@ -142,9 +191,13 @@ class Engine:
         config = cls.make_config(preset, **options)
         key = (name, config, slot)
         if key not in self._methods:
-            target, draft_runner = self.slot(slot)
             head = self.feature_head
-            draft = head if cls.takes_head and head is not None else draft_runner
+            if cls.takes_head and head is not None:
+                target, draft = self._target(slot), head
+            elif cls.drafts_with_model(config, head is not None):
+                target, draft = self.slot(slot)
+            else:  # the draft model is not loaded for a method that would not draft with it
+                target, draft = self._target(slot), None
             self._methods[key] = cls(target, draft, config, feature_head=head)
             if slot:
                 self._methods[key].share(self.method(name, preset, 0, **options))
@@ -152,11 +205,16 @@ class Engine:
 
     def slot(self, i: int) -> tuple[Runner, Runner | None]:
         """Batch slot i's target and draft runners (made on first use; their caches are the slot's own)."""
-        while len(self._slots) <= i:
-            self._slots.append(
-                (self.target_runner.fork(), self.draft_runner.fork() if self.draft_runner is not None else None)
-            )
-        return self._slots[i]
+        target, first = self._target(i), self.draft_runner
+        while len(self._drafts) <= i:
+            self._drafts.append(first if not self._drafts else first.fork() if first is not None else None)
+        return target, self._drafts[i]
+
+    def _target(self, i: int) -> Runner:
+        """Batch slot i's target runner (made on first use)."""
+        while len(self._targets) <= i:
+            self._targets.append(self.target_runner.fork())
+        return self._targets[i]
 
     def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
         """Prompt text (raw or as one chat user turn), a chat message list, or token ids -> ids."""

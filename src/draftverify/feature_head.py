@@ -92,25 +92,35 @@ class FeatureHead(nn.Module):
         self.register_buffer("vocab", torch.tensor(c.vocab, dtype=torch.long), persistent=False)
         self.name = "feature-head"  # the folder's name once loaded
         self._fast: dict | None = None  # prepacked linears for drafting (`pack`)
-        self._inputs: tuple | None = None  # the one-call `inputs` kernel's arguments after features, tokens
+        self._inputs: tuple | None = None  # the one-call `inputs` kernel's arguments after features, tokens, table
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin tables by position (`rope_rows`)
-        self.embed: torch.Tensor | None = None  # [V, H] the target's, frozen
+        self.embed: torch.Tensor | None = None  # [V, H] the target's, frozen (None: read by rows, `embed_tokens`)
+        self._embed_rows = None  # a GGUF target's embedding lookup: ids -> rows (`bind`)
         self.lm_head: torch.Tensor | None = None  # [N, H] the target's LM head rows of `vocab`, frozen
 
     def bind(self, target) -> "FeatureHead":
         """Attach the target's (a `loading.Loaded`) embeddings and LM head, refusing a target it was not trained for."""
+        identity = target.identity  # hashes the tokenizer's vocabulary: formed once
         require(
-            same_weights(self.config.target, target.identity),
+            same_weights(self.config.target, identity),
             f"this feature head was trained for {describe_identity(self.config.target)}, "
-            f"not {describe_identity(target.identity)}: "
+            f"not {describe_identity(identity)}: "
             "build one for this target with `draftverify make-draft --kind head`",
         )
-        embed = target.model.get_input_embeddings().weight.detach()
-        head = target.model.get_output_embeddings().weight.detach()
-        self.to(device=embed.device, dtype=embed.dtype)
-        self.embed = embed
-        self.lm_head = head[self.vocab.to(head.device)].contiguous()
+        embedding, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
+        if hasattr(embedding, "rows"):  # a GGUF model's embedding (loading.gguf_model): rows dequantized on demand,
+            self.embed, self._embed_rows = None, embedding.forward  # never its whole fp32 table
+            lm_head = head(self.vocab).contiguous()  # the same bits as the table's rows
+        else:
+            self.embed, self._embed_rows = embedding.weight.detach(), None
+            lm_head = head.weight.detach()[self.vocab.to(head.weight.device)].contiguous()
+        self.to(device=lm_head.device, dtype=lm_head.dtype)
+        self.lm_head = lm_head
         return self
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's embedding rows of `tokens` [...] -> [..., H]."""
+        return F.embedding(tokens, self.embed) if self._embed_rows is None else self._embed_rows(tokens)
 
     def pack(self) -> "FeatureHead":
         """Draft through the static path's kernels in eval mode: its linears and its rows of the target's LM head
@@ -124,8 +134,13 @@ class FeatureHead(nn.Module):
             self._fast["qkv"] = self._packs.linear([self.q, self.kv], draft=True)  # q|k|v: `rope_attention`'s layout
             self._fast["lm_head"] = self._lm_head(self.lm_head.shape[0])
             fc = self._fast["fc"].quant
-            if fc is not None and self.embed.is_contiguous():  # `inputs` in one call: its arguments, read once
-                self._inputs = (self.embed, self.norm_feature.weight, self.norm_embed.weight, self.norm_feature.eps, fc)
+            if fc is not None and (self.embed is None or self.embed.is_contiguous()):  # `inputs` in one call: its
+                self._inputs = (
+                    self.norm_feature.weight,
+                    self.norm_embed.weight,
+                    self.norm_feature.eps,
+                    fc,
+                )  # arguments
         return self
 
     def _lm_head(self, n: int):
@@ -198,11 +213,14 @@ class FeatureHead(nn.Module):
             and features.shape[0] <= QUANT_ROWS
             and features.dtype == torch.float32
         ):  # drafting: one call, the bits of the op-by-op path (which takes fc's copy here)
-            return cpu_kernels().head_inputs(features.contiguous(), tokens, *self._inputs)
+            table, ids = self.embed, tokens
+            if table is None:  # the rows alone, as a table of their own (the bits the whole table holds)
+                table, ids = self.embed_tokens(tokens.view(-1)), torch.arange(tokens.numel())
+            return cpu_kernels().head_inputs(features.contiguous(), ids, table, *self._inputs)
         return self._linear(
             "fc",
             torch.cat(
-                [self._norm("norm_feature", features), self._norm("norm_embed", F.embedding(tokens, self.embed))],
+                [self._norm("norm_feature", features), self._norm("norm_embed", self.embed_tokens(tokens))],
                 dim=-1,
             ),
         )

@@ -23,6 +23,7 @@ from draftverify.backend.feed import Feed, Forward
 from draftverify.backend.linear import Packs
 from draftverify.backend.recipe import unsupported_layer_types, unsupported_reason
 from draftverify.errors import require
+from draftverify.loading.hf import model_device
 
 __all__ = ["BACKENDS", "Feed", "Forward", "Runner", "Shared", "choose_backend", "forward_many"]
 
@@ -43,7 +44,7 @@ def choose_backend(model: torch.nn.Module, backend: str = "auto") -> tuple[str, 
     if backend == "static":
         require(reason is None, f"backend 'static' cannot run this model ({reason}): use --backend eager or auto")
         return "static", None
-    if reason is None and model.get_input_embeddings().weight.device.type != "cpu":
+    if reason is None and model_device(model).type != "cpu":
         reason = "the static path is measured on CPU only so far; pass --backend static to use it on this device"
     return ("eager", reason) if reason else ("static", None)
 

@@ -138,9 +138,13 @@ class StaticDecoder:
         """Every product a BlockLinear over the file's blocks (a draft's too: the blocks are the cheap copy)."""
         cfg, source = model.config, model.weight_source
         self.model, self.embed, self.rotary = model, model.get_input_embeddings(), model.rotary
-        self.layers = [source_layer(source, i, recipe, cfg, eps, arithmetic) for i in range(cfg.num_hidden_layers)]
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            self.layers.append(source_layer(source, i, recipe, cfg, eps, arithmetic))
+            source.release()  # the layer is packed: its file pages need not stay resident beside the packs
         self.norm, self.norm_eps = source.vector("norm"), eps
         self.head = BlockLinear([source.head], arithmetic=arithmetic)
+        source.release()
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     def new_cache(self) -> StaticCache:

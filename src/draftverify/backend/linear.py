@@ -66,13 +66,18 @@ class PackedLinear:
     row count, and no one-call layer (`quant` None)."""
 
     def __init__(self, linears: list[torch.nn.Linear], draft: bool = False, arithmetic: str = "fp32"):
-        weight = torch.cat([lin.weight.detach() for lin in linears])  # [out, in]
+        weights = [lin.weight.detach() for lin in linears]
+        weight = weights[0].contiguous() if len(weights) == 1 else torch.cat(weights)  # [out, in] (one: not copied)
         self.bias = _fused_bias(linears, weight)
-        self.packed = packable(weight)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS) if self.packed else weight
         self.out_features = weight.shape[0]
         self.blocks = quant_blocks(weight, draft)  # exact Q4_1 / Q8_0 blocks (or a draft's rounding), or None
         self._no_bias = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        # int8 rows take every row count (`__call__`): no fp32 copy of the weight is ever multiplied, none is kept.
+        i8_rows = self.blocks is not None and self.blocks.kind == "i8_rows"
+        self.packed = packable(weight) and not i8_rows
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS) if self.packed else weight
+        if i8_rows:
+            self.weight = None
         b = self.blocks  # the quantized product's arguments, as `quant_linear` and the one-call `layer` take them
         self.quant = None if b is None else [b.q, b.d, b.m, self.bias if self.bias is not None else self._no_bias]
         # A weight with blocks takes the quantized product for one row, so it keeps no second plain copy.
@@ -174,7 +179,7 @@ class BlockLinear:
     `out_features`."""
 
     def __init__(self, weights: list, bias: torch.Tensor | None = None, arithmetic: str = "fp32"):
-        self.parts = _concat_runs(weights)
+        self.parts = concat_runs(weights)
         self.arithmetic = arithmetic  # "fp32" or "q8" (`PRODUCT_TABLES`)
         self.bias = bias
         self.out_features = sum(w.shape[0] for w in self.parts)
@@ -197,7 +202,7 @@ def _block_product(weight, x: torch.Tensor, arithmetic: str = "fp32") -> torch.T
     raise ValueError(f"product {name!r} is listed in PRODUCTS but not dispatched in backend.linear._block_product")
 
 
-def _concat_runs(weights: list) -> list:
+def concat_runs(weights: list) -> list:
     """Runs of consecutive PackedWeights of one layout and sub-block size, each concatenated along out."""
     from draftverify.kernels.blocks import PackedWeight
 

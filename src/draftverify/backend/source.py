@@ -1,7 +1,9 @@
 """A decoder layer read from a weight source by logical names, rather than from a stock module.
 
 A weight source (`loading.gguf_weights.GGUFWeights`) gives, by the stock module's names ("layers.3.self_attn.q_proj"),
-`linear(name)` a `kernels.blocks.PackedWeight`, `bias(name)` / `vector(name)` fp32 tensors and `has(name)`.
+`linear(name)` a `kernels.blocks.PackedWeight`, `fused(names)` those of several fused along out (q|k|v, gate|up: packed
+once, no second copy of the parts), `shape(name)`, `bias(name)` / `vector(name)` fp32 tensors, `has(name)` and
+`release()` (the packing is done: the file's pages may leave resident memory).
 `source_layer` builds the same per-layer fields `decoder._Layer` reads from a stock module, with the products
 `BlockLinear`s (backend/linear.py), so the decoder's forward runs unchanged on either.
 """
@@ -43,11 +45,11 @@ def source_layer(source, i: int, recipe: Recipe, config, eps: float, arithmetic:
     """Layer i of `source` as its recipe names it (recipe names under "self_attn." / "mlp.")."""
     at = lambda part, name: f"layers.{i}.{part}.{name}"  # noqa: E731
     qkv_names = [at("self_attn", n) for n in recipe.qkv]
-    qkv_weights = [source.linear(n) for n in qkv_names]
+    shapes = [source.shape(n) for n in qkv_names]
     biases = [source.bias(n) for n in qkv_names]
     bias = None
     if any(b is not None for b in biases):
-        bias = torch.cat([b if b is not None else torch.zeros(w.shape[0]) for b, w in zip(biases, qkv_weights)])
+        bias = torch.cat([b if b is not None else torch.zeros(shape[0]) for b, shape in zip(biases, shapes)])
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     norms = [at("self_attn", "q_norm"), at("self_attn", "k_norm")]
@@ -55,12 +57,12 @@ def source_layer(source, i: int, recipe: Recipe, config, eps: float, arithmetic:
         [(source.vector(n), eps) if source.has(n) else None for n in norms] if recipe.qk_norm else [None, None]
     )
     return SourceLayer(
-        qkv=BlockLinear(qkv_weights, bias, arithmetic),
+        qkv=BlockLinear(source.fused(qkv_names), bias, arithmetic),
         o=BlockLinear([source.linear(at("self_attn", recipe.out))], arithmetic=arithmetic),
-        gate_up=BlockLinear([source.linear(at("mlp", n)) for n in recipe.gate_up], arithmetic=arithmetic),
+        gate_up=BlockLinear(source.fused([at("mlp", n) for n in recipe.gate_up]), arithmetic=arithmetic),
         down=BlockLinear([source.linear(at("mlp", recipe.down))], arithmetic=arithmetic),
-        q_size=qkv_weights[0].shape[0],
-        kv_size=qkv_weights[1].shape[0],
+        q_size=shapes[0][0],
+        kv_size=shapes[1][0],
         norm_in=source.vector(f"layers.{i}.{recipe.norm_in}"),
         norm_mlp=source.vector(f"layers.{i}.{recipe.norm_mlp}"),
         eps=eps,

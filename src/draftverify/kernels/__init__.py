@@ -11,13 +11,16 @@ per machine and cached.
 RMSNorm and SDPA. The build
 takes a minute or so, says so on stderr, and lands in `~/.cache/draftverify/kernels/`
 under a name that changes with the source and the CPU's vector width (an AVX-512 build for a CPU
-that has it, else AVX2), so later processes only load it.
+that has it, else AVX2), with a record of the torch and flags it was built with (`BUILT_FILE`), so later processes
+import it directly, whatever path their checkout of the same sources sits at.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
+import json
 import os
 import platform
 import shutil
@@ -83,29 +86,73 @@ def _clear_stale_lock(folder: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def _compile(load, name: str, folder, wide: bool, vnni: bool):
-    """Build (or load the cached build of) the extension `name` in `folder` with torch's `load`, for AVX2 and FMA,
-    plus AVX-512 (`wide`) and its int8 dot products (`vnni`) where the CPU has them. Raises what the build raises."""
-    _clear_stale_lock(Path(folder))
+def _flags(wide: bool, vnni: bool) -> list[str]:
+    """The compiler flags of a build: AVX2 and FMA, plus AVX-512 (`wide`) and its int8 dot products (`vnni`)."""
     # -fopenmp: at::parallel_for (csrc/) is OpenMP in torch's CPU build; compiled without it, the
     # pragma is dropped and every product runs on one core. The runtime is torch's own libgomp
     # (same soname, already loaded), so there is one thread pool.
+    return [
+        "-O3",
+        "-fopenmp",
+        "-mavx2",
+        "-mfma",
+        "-mf16c",  # F16 weights (products_blocks.cpp); every AVX2 CPU has it
+        *(["-mavx512f"] if wide else []),
+        *(["-mavx512bw", "-mavx512vnni"] if vnni else []),
+    ]
+
+
+def _compile(load, name: str, folder, flags: list[str]):
+    """Build (or load the cached build of) the extension `name` in `folder` with torch's `load`. Raises what the
+    build raises."""
+    _clear_stale_lock(Path(folder))
     return load(
         name=name,
         sources=[str(path) for path in sources()],
         build_directory=str(folder),
-        extra_cflags=[
-            "-O3",
-            "-fopenmp",
-            "-mavx2",
-            "-mfma",
-            "-mf16c",  # F16 weights (products_blocks.cpp); every AVX2 CPU has it
-            *(["-mavx512f"] if wide else []),
-            *(["-mavx512bw", "-mavx512vnni"] if vnni else []),
-        ],
+        extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
+
+
+BUILT_FILE = "built.json"  # written beside a finished build: what it was built with
+
+
+def _build_record(flags: list[str]) -> str:
+    """What a finished build in a folder was made with, beyond what its name says (the sources' hash and the CPU's
+    vector width): the torch it links against and the flags."""
+    import torch
+
+    return json.dumps({"torch": torch.__version__, "flags": flags}, sort_keys=True)
+
+
+def _load_built(folder: Path, name: str, record: str):
+    """The finished build in `folder` imported directly, or None when there is none made with `record`.
+
+    torch's `load` rewrites the build file and runs ninja on every call, and the build file names the sources by
+    their absolute path, so a checkout elsewhere (another worktree, another venv) of the same sources would rebuild
+    a build that is already there. The folder's name fixes the sources and the CPU, `BUILT_FILE` the rest, so a
+    build whose record matches is the one `load` would produce: it is imported as it stands."""
+    so = folder / f"{name}.so"
+    try:
+        if (folder / BUILT_FILE).read_text() != record or not so.is_file():
+            return None
+    except OSError:
+        return None
+    import torch  # noqa: F401  (the extension links against libtorch: loaded first)
+
+    spec = importlib.util.spec_from_file_location(name, so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record_build(folder: Path, record: str) -> None:
+    from draftverify.util import atomic_path
+
+    with atomic_path(folder / BUILT_FILE) as tmp:
+        tmp.write_text(record)
 
 
 @functools.cache
@@ -120,19 +167,30 @@ def cpu():
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         _why_not = "no C++ compiler (c++) on PATH to build the CPU kernels"
         return None
+    from draftverify.util import cache_root
+
+    # 16-lane AVX-512 and int8 dot products where the CPU has them (a per-CPU build)
+    wide, vnni = has_avx512(), has_vnni()
+    name = f"draftverify_cpu_{source_tag()}_{'avx512vnni' if vnni else 'avx512' if wide else 'avx2'}"
+    folder = cache_root() / "kernels" / name
+    flags = _flags(wide, vnni)
+    record = _build_record(flags)
+    try:
+        module = _load_built(folder, name, record)
+    except Exception:  # a build that does not import (a truncated file): build it again below
+        module = None
+    return module if module is not None else _build(folder, name, flags, record)
+
+
+def _build(folder: Path, name: str, flags: list[str], record: str):
+    """Build the extension into `folder` (or let torch's `load` find it there), record it; None with the reason."""
+    global _why_not
     try:
         import ninja  # noqa: F401  (torch's extension builder needs it)
         from torch.utils.cpp_extension import load
     except ImportError:
         _why_not = "ninja is not installed (pip install ninja) to build the CPU kernels"
         return None
-    from draftverify.util import cache_root
-
-    # 16-lane AVX-512 and int8 dot products where the CPU has them (a per-CPU build)
-    wide, vnni = has_avx512(), has_vnni()
-    tag = source_tag()
-    name = f"draftverify_cpu_{tag}_{'avx512vnni' if vnni else 'avx512' if wide else 'avx2'}"
-    folder = cache_root() / "kernels" / name
     fresh = not any(folder.glob("*.so"))
     started = time.monotonic()
     if fresh:
@@ -144,11 +202,12 @@ def cpu():
         )
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        module = _compile(load, name, folder, wide, vnni)
+        module = _compile(load, name, folder, flags)
     except Exception as exc:  # a compiler error, a missing header: run without the kernel
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         _why_not = f"the CPU kernels did not build ({first[:160]})"
         return None
+    _record_build(folder, record)
     if fresh:
         print(
             f"draftverify: compiled the CPU kernels in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True

@@ -47,6 +47,7 @@ KERNELS: dict[int, tuple[str, int]] = {
     T.F32: ("f32", 32),
 }
 LAYOUTS = {"u4": 0, "u8": 1, "f16": 2, "bf16": 3, "f32": 4}  # csrc/products_blocks.cpp's `Layout`
+DEQUANTIZE_ROWS = 1024  # `PackedWeight.dequantize` forms this many rows at a time (each row's values alone)
 
 
 def fallback_reason(ggml_type: int) -> str | None:
@@ -78,14 +79,19 @@ class PackedWeight:
             return self.codes.view(torch.float32).view(out, k)
         if self.layout in ("f16", "bf16"):
             return self.codes.view(torch.float16 if self.layout == "f16" else torch.bfloat16).view(out, k).float()
-        if self.layout == "u4":
-            c = self.codes.view(out, k // 32, 16)
-            q = torch.cat([c & 15, c >> 4], dim=-1).view(out, k)
-        else:
-            q = self.codes.view(out, k)
-        d = self.d.double().repeat_interleave(self.sub, dim=1)
-        m = self.m.double().repeat_interleave(self.sub, dim=1)
-        return (q.double() * d + m).float()
+        w = torch.empty(out, k)
+        for start in range(0, out, DEQUANTIZE_ROWS):  # by chunks of rows: the float64 temporaries stay small
+            rows = slice(start, min(out, start + DEQUANTIZE_ROWS))
+            n = rows.stop - rows.start
+            if self.layout == "u4":
+                c = self.codes[rows].reshape(n, k // 32, 16)
+                q = torch.cat([c & 15, c >> 4], dim=-1).view(n, k)
+            else:
+                q = self.codes[rows].reshape(n, k)
+            d = self.d[rows].double().repeat_interleave(self.sub, dim=1)
+            m = self.m[rows].double().repeat_interleave(self.sub, dim=1)
+            w[rows] = (q.double() * d + m).float()
+        return w
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y [M, out] = x [M, in] @ W^T (+ bias), fp32; with the compiled kernels every row of y is bit for bit the

@@ -13,6 +13,7 @@ walked) until its value is asked for, and a numeric array is a view of the map.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from functools import cached_property
@@ -78,7 +79,15 @@ class TensorInfo:
 
 
 class GGUFFile:
-    """A GGUF file, memory-mapped: `tensors` (name -> TensorInfo, in file order), `keys()`, `value(key)`."""
+    """A GGUF file, memory-mapped: `tensors` (name -> TensorInfo, in file order), `keys()`, `value(key)`;
+    `release()` drops its pages from the process's resident memory once what was read from them is packed."""
+
+    def release(self) -> None:
+        """Let go of the mapped pages read so far (a later read maps them again from the page cache): the bytes
+        were packed into the kernels' layouts, so keeping them resident would count the weights twice."""
+        handle = getattr(self.data, "_mmap", None)
+        if handle is not None and hasattr(mmap, "MADV_DONTNEED"):
+            handle.madvise(mmap.MADV_DONTNEED)
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

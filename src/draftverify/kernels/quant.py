@@ -117,6 +117,7 @@ def i8_rows(weight: torch.Tensor) -> Blocks | None:
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 64:
         return None
     w = weight.detach()
-    d = w.abs().amax(-1) / 127
-    q = torch.round(w / torch.where(d > 0, d, 1.0)[:, None]).clamp(-127, 127).to(torch.int8)
+    d = torch.maximum(w.amax(-1), -w.amin(-1)) / 127  # the largest magnitude, without an |w| copy of the weight
+    scaled = w / torch.where(d > 0, d, 1.0)[:, None]  # the one fp32 temporary: rounded and clamped in place
+    q = scaled.round_().clamp_(-127, 127).to(torch.int8)
     return Blocks("i8_rows", q.contiguous(), d.contiguous(), q.sum(-1, dtype=torch.int32).contiguous())

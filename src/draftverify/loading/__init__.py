@@ -13,7 +13,7 @@ from draftverify.loading.drafts import (
     load_draft_source,
     truncated_copy,
 )
-from draftverify.loading.hf import DTYPES, Loaded, load_model, model_identity, stock_model
+from draftverify.loading.hf import DTYPES, Loaded, load_model, model_device, model_identity, stock_model, vocab_rows
 from draftverify.loading.tokenizers import check_same_tokenizer, tokenizer_fingerprint
 
 __all__ = [
@@ -31,9 +31,11 @@ __all__ = [
     "load_draft",
     "load_draft_source",
     "load_model",
+    "model_device",
     "model_identity",
     "shipped_draft_path",
     "stock_model",
     "tokenizer_fingerprint",
     "truncated_copy",
+    "vocab_rows",
 ]

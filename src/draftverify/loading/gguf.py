@@ -27,8 +27,14 @@ def file_key(path: Path) -> str:
 
 
 def gguf_metadata(path: Path):
-    """(config, generation config, tokenizer) of a GGUF file, from its cached conversion (made on first use)."""
+    """(config, generation config, tokenizer) of a GGUF file, from its cached conversion (made on first use).
+
+    The config is read as a plain `PretrainedConfig` holding every field the architecture's config class wrote
+    (`model_type`, sizes, `rope_parameters`, `layer_types`, ...): what the direct path reads of a config, without
+    importing the architecture's config module, which pulls in most of transformers' modeling stack. The stock
+    module (`GGUFModel.stock`) loads its own config from the fp32 conversion."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.configuration_utils import PretrainedConfig
 
     folder = cache_root() / "gguf-meta" / f"{path.stem}-{file_key(path)}"
     if not (folder / "config.json").is_file():
@@ -38,8 +44,8 @@ def gguf_metadata(path: Path):
             tokenizer.save_pretrained(tmp)
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
             config.save_pretrained(tmp)  # last: its presence marks a complete folder
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    config = PretrainedConfig.from_json_file(folder / "config.json")
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, config=config)  # not AutoConfig's
     generation = GenerationConfig.from_pretrained(folder, local_files_only=True)
     return config, generation, tokenizer
 

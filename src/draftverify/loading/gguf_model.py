@@ -3,9 +3,9 @@
 It stands where the stock transformers module stands (a `Runner`'s model, `Loaded.model`) and answers what
 the code above the backends asks of a model: `config`, `generation_config`, `get_input_embeddings()` /
 `get_output_embeddings()` (a `RowEmbedding`: a lookup dequantizes only the rows asked for; `.weight`, the whole
-fp32 table, is built on first use and shared), and `weight_source` (the `GGUFWeights` the static decoder packs
-from). The stock module is built only by `stock()`, for what needs one (the eager path, the tools), from the
-fp32 conversion (loading/gguf.py), and kept.
+fp32 table, is built only for a caller that asks for it, never on the generate path, and shared), and
+`weight_source` (the `GGUFWeights` the static decoder packs from). The stock module is built only by `stock()`,
+for what needs one (the eager path, the tools), from the fp32 conversion (loading/gguf.py), and kept.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class RowEmbedding(torch.nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The whole table, fp32 [V, H], dequantized once per source (the feature head reads it)."""
+        """The whole table, fp32 [V, H], dequantized once per source (for tools that want a stock-like table: the
+        direct path and the feature head read rows, `forward`)."""
         tables = self.source.__dict__.setdefault("_tables", {})
         if self.name not in tables:
             tables[self.name] = self.source.linear(self.name).dequantize()
@@ -98,9 +99,44 @@ class GGUFModel(torch.nn.Module):
         return self._stock
 
 
+LLAMA_ROTARY = ("llama", "mistral", "qwen2", "qwen3")  # transformers' rotary module of these is one code (Llama's)
+FIXED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # frequencies fixed at init (no per-forward update)
+
+
 def rotary_embedding(config) -> torch.nn.Module:
-    """The architecture's own rotary embedding module (transformers'), built from the config alone."""
+    """The architecture's rotary embedding: `RotaryEmbedding` where it is transformers' Llama code with fixed
+    frequencies, else the architecture's own module (transformers'), built from the config alone."""
     kind = config.model_type
+    if kind in LLAMA_ROTARY and config.rope_parameters.get("rope_type", "default") in FIXED_ROPE_TYPES:
+        return RotaryEmbedding(config)
     module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
     cls = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding") and not n.startswith("_"))
     return cls(config=config)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """transformers' `LlamaRotaryEmbedding` (Qwen2's and Qwen3's are the same code) for a rope type whose frequencies
+    are fixed at init, without importing the modeling module (the direct path runs no stock module): the frequencies
+    from transformers' own functions and the forward's ops in the same order, so the same bits (tested against it)."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        self.config = config
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        if self.rope_type == "default":
+            base = config.rope_parameters["rope_theta"]
+            dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            inv_freq, self.attention_scaling = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: only its dtype and device; position_ids [B, T] -> cos, sin [B, T, head_dim]."""
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)

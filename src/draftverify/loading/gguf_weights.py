@@ -70,6 +70,7 @@ class GGUFWeights:
         )
         self.tied = "output.weight" not in self.file.tensors
         self._packed: dict[str, PackedWeight] = {}
+        self._fused: dict[tuple[str, ...], list[PackedWeight]] = {}  # `fused`: shared by every decoder of the file
         self._said: set[str] = set()
 
     def has(self, name: str, suffix: str = "weight") -> bool:
@@ -81,14 +82,39 @@ class GGUFWeights:
             name = "embed_tokens"
         found = self._packed.get(name)
         if found is None:
-            info = self._tensor(gguf_name(name))
-            found = pack(info.raw, info.ggml_type, info.shape)
-            if found.reason is not None and found.reason not in self._said:
-                self._said.add(found.reason)
-                print(f"draftverify: {self.path.name}: {found.reason}", file=sys.stderr, flush=True)
-            rows = self._rope_rows(name, found.shape[0])
-            self._packed[name] = found = found if rows is None else permute_rows(found, rows)
+            self._packed[name] = found = self._pack(name)
         return found
+
+    def _pack(self, name: str) -> PackedWeight:
+        info = self._tensor(gguf_name(name))
+        raw, rows = info.raw, self._rope_rows(name, int(info.shape[0]))
+        if rows is not None:  # whole rows of blocks move (exact): one gather of the file's bytes, before packing
+            raw = np.ascontiguousarray(raw).view(np.uint8).reshape(len(rows), -1)[rows]
+        found = pack(raw, info.ggml_type, info.shape)
+        if found.reason is not None and found.reason not in self._said:
+            self._said.add(found.reason)
+            print(f"draftverify: {self.path.name}: {found.reason}", file=sys.stderr, flush=True)
+        return found
+
+    def fused(self, names: list[str]) -> list[PackedWeight]:
+        """The weights `names` fused along out as `backend.linear.BlockLinear` multiplies them (runs of one layout
+        concatenated, `concat_runs`), made once; a part packed only for the fusion is not kept beside it."""
+        key = tuple(names)
+        found = self._fused.get(key)
+        if found is None:
+            from draftverify.backend.linear import concat_runs
+
+            parts = [self.linear(n) if n in self._packed else self._pack(n) for n in names]
+            found = self._fused[key] = concat_runs(parts)
+        return found
+
+    def shape(self, name: str) -> tuple[int, int]:
+        """[out, in] of the logical linear `name`, read from the file (nothing packed)."""
+        return tuple(int(n) for n in self._tensor(gguf_name(name)).shape)
+
+    def release(self) -> None:
+        """The file's pages read so far leave resident memory (`GGUFFile.release`): call once the weights are packed."""
+        self.file.release()
 
     def bias(self, name: str) -> torch.Tensor | None:
         return self._dense(gguf_name(name, "bias")) if self.has(name, "bias") else None
@@ -126,13 +152,6 @@ class GGUFWeights:
         heads = self.config.num_attention_heads if name.endswith("q_proj") else self.config.num_key_value_heads
         dim = out // heads // 2
         return np.arange(out).reshape(heads, dim, 2).swapaxes(2, 1).reshape(out)
-
-
-def permute_rows(w: PackedWeight, rows: np.ndarray) -> PackedWeight:
-    """`w` with its output rows in the order `rows` (whole rows of blocks move: exact)."""
-    index = torch.from_numpy(rows)
-    pick = lambda t: t[index].contiguous() if t.numel() else t  # noqa: E731
-    return PackedWeight(w.type_name, w.shape, w.layout, w.sub, pick(w.codes), pick(w.d), pick(w.m), w.reason)
 
 
 def rows_of(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:

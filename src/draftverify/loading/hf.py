@@ -26,12 +26,26 @@ class Loaded:
 
     @property
     def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
+        return model_device(self.model)
 
     @property
     def identity(self) -> dict:
         """What identifies these weights, for files made for one model (pools, skip sets, heads)."""
         return {**model_identity(self.model), "tokenizer": tokenizer_fingerprint(self.tokenizer)}
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's weights are, found without touching a GGUF model's embedding `.weight` (which would build
+    its whole fp32 table, loading.gguf_model)."""
+    if getattr(model, "weight_source", None) is not None:
+        return model.device
+    return model.get_input_embeddings().weight.device
+
+
+def vocab_rows(model: torch.nn.Module) -> int:
+    """The number of rows of the model's input embedding (its vocabulary), read from the module's size."""
+    emb = model.get_input_embeddings()
+    return emb.num_embeddings if hasattr(emb, "num_embeddings") else emb.weight.shape[0]
 
 
 def model_identity(model: torch.nn.Module) -> dict:

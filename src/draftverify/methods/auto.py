@@ -104,6 +104,11 @@ class Auto(Method):
         super().__init__(target, draft, config, feature_head)
         self.figures = Figures()  # what this instance learnt: kept across its requests (warm start)
 
+    @classmethod
+    def drafts_with_model(cls, config, has_head: bool) -> bool:
+        """Only when its candidates name the draft model, as `candidates` reads them."""
+        return "draft" in (config.names() or ["head" if has_head else "draft"])
+
     def share(self, first: "Auto") -> None:
         self.figures = first.figures  # one set of figures for every batch slot
 

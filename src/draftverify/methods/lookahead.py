@@ -26,7 +26,7 @@ from draftverify.drafters.base import Drafter
 from draftverify.drafters.lookahead import LookaheadDrafter
 from draftverify.drafters.pool import PhrasePool
 from draftverify.errors import require
-from draftverify.loading import tokenizer_fingerprint
+from draftverify.loading import tokenizer_fingerprint, vocab_rows
 from draftverify.methods.base import Method, register
 from draftverify.round import Rounds, rounds
 from draftverify.session import Session
@@ -87,7 +87,7 @@ class PoolMethod(Method):
         self._fingerprint = tokenizer_fingerprint(s.tokenizer)
         if not Path(cfg.pool_file).exists():
             return PhrasePool(cfg.N, cfg.G)
-        vocab = self.target.model.get_input_embeddings().weight.shape[0]
+        vocab = vocab_rows(self.target.model)
         return PhrasePool.load(cfg.pool_file, self._fingerprint, cfg.N, cfg.G, vocab_size=vocab)
 
 
