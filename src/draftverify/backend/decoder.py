@@ -37,7 +37,7 @@ from draftverify.backend.feed import Feed, Forward
 from draftverify.backend.linear import QUANT_ROWS, BlockLinear, Packs, layer_weights
 from draftverify.backend.ops import cpu_kernels, gated, layer_windows, rms_norm, softcap, window_masks
 from draftverify.backend.recipe import RECIPES, Recipe, activation, unsupported_reason
-from draftverify.backend.source import source_layer
+from draftverify.backend.source import source_layer, source_norm
 from draftverify.backend.spans import Spans
 
 # head sizes the attention kernel (attention.cpp) takes; others (Gemma's 256) attend with SDPA
@@ -139,7 +139,7 @@ class StaticDecoder:
         cfg, source = model.config, model.weight_source
         self.model, self.embed, self.rotary = model, model.get_input_embeddings(), model.rotary
         self.layers = [source_layer(source, i, recipe, cfg, eps, arithmetic) for i in range(cfg.num_hidden_layers)]
-        self.norm, self.norm_eps = source.vector("norm"), eps
+        self.norm, self.norm_eps = source_norm(source, "norm", recipe.norm_offset), eps
         self.head = BlockLinear([source.head], arithmetic=arithmetic)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
