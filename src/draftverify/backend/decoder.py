@@ -40,8 +40,8 @@ from draftverify.backend.recipe import RECIPES, Recipe, activation, unsupported_
 from draftverify.backend.source import source_layer, source_norm
 from draftverify.backend.spans import Spans
 
-# head sizes the attention kernel (attention.cpp) takes; others (Gemma's 256) attend with SDPA
-ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+# head sizes the attention kernel (attention.cpp) takes (Gemma's 256 included); others attend with SDPA
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 class _Layer:

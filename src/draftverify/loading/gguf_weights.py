@@ -7,9 +7,13 @@ copy of a quantized weight; a type with no block kernel is dequantized to fp32 a
 dequantized), `head` the output head's PackedWeight (the embedding's when tied), plus `config` (a transformers
 config) and `tokenizer`.
 
+Architectures: Llama (Mistral), Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3, each a table of tensor names
+(`LAYER_TENSORS`); Phi-3's fused attn_qkv and gate|up ffn_up are read whole, as its stock module holds them.
+
 Exactness: every PackedWeight dequantizes to the bits gguf's dequantization gives (kernels/blocks.py), which is
 what transformers' GGUF loader feeds the stock model; the q and k rows of a "llama" file are permuted as that
 loader permutes them (`_rope_rows`), and a row permutation moves whole rows of blocks, so it changes no bits.
+Gemma's norm vectors are the file's minus 1 in fp32, as that loader subtracts it (`NORM_SHIFT`).
 """
 
 from __future__ import annotations
