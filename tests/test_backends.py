@@ -297,6 +297,7 @@ def test_attention_kernel_matches_fp64_and_gives_each_row_the_same_bits_at_any_r
         (6, 20, 14, 2, 64),
         (3, 9, 4, 2, 16),
         (2, 50, 6, 3, 32),
+        (4, 150, 4, 1, 256),  # Gemma's head size, across a key chunk boundary
     ):
         keys, values = torch.randn(kv, past + n + 5, d), torch.randn(kv, past + n + 5, d)  # capacity beyond the length
         q = torch.randn(n, heads + kv, d)[:, :heads]  # a view with strided rows, as the static path passes it

@@ -37,11 +37,11 @@ from draftverify.backend.feed import Feed, Forward
 from draftverify.backend.linear import QUANT_ROWS, BlockLinear, Packs, layer_weights
 from draftverify.backend.ops import cpu_kernels, gated, layer_windows, rms_norm, softcap, window_masks
 from draftverify.backend.recipe import RECIPES, Recipe, activation, unsupported_reason
-from draftverify.backend.source import source_layer
+from draftverify.backend.source import source_layer, source_norm
 from draftverify.backend.spans import Spans
 
-# head sizes the attention kernel (attention.cpp) takes; others (Gemma's 256) attend with SDPA
-ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+# head sizes the attention kernel (attention.cpp) takes (Gemma's 256 included); others attend with SDPA
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 class _Layer:
@@ -142,7 +142,7 @@ class StaticDecoder:
         for i in range(cfg.num_hidden_layers):
             self.layers.append(source_layer(source, i, recipe, cfg, eps, arithmetic))
             source.release()  # the layer is packed: its file pages need not stay resident beside the packs
-        self.norm, self.norm_eps = source.vector("norm"), eps
+        self.norm, self.norm_eps = source_norm(source, "norm", recipe.norm_offset), eps
         self.head = BlockLinear([source.head], arithmetic=arithmetic)
         source.release()
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from draftverify.backend.linear import BlockLinear
-from draftverify.backend.recipe import Recipe
+from draftverify.backend.recipe import Recipe, activation
 
 
 @dataclass
@@ -35,10 +35,17 @@ class SourceLayer:
     k_norm: tuple | None
     scaling: float
     fused: None = None
-    norm_attn_out: torch.Tensor | None = None  # the sandwich norms of Gemma: not read from files yet
-    norm_mlp_out: torch.Tensor | None = None
+    norm_attn_out: tuple | None = None  # Gemma's sandwich norms (weight, eps), on the sub-layers' outputs
+    norm_mlp_out: tuple | None = None
     softcap: float | None = None
     activation: str = "silu"
+
+
+def source_norm(source, name: str, offset: float) -> torch.Tensor:
+    """A norm's scale as `ops.rms_norm` takes it: the stock module's weight, or Gemma's offset + weight in fp32
+    (what `decoder.norm_weight` forms from the stock module)."""
+    weight = source.vector(name)
+    return weight if not offset else offset + weight
 
 
 def source_layer(source, i: int, recipe: Recipe, config, eps: float, arithmetic: str = "fp32") -> SourceLayer:
@@ -50,23 +57,33 @@ def source_layer(source, i: int, recipe: Recipe, config, eps: float, arithmetic:
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([b if b is not None else torch.zeros(shape[0]) for b, shape in zip(biases, shapes)])
-    heads = config.num_attention_heads
+    heads, offset = config.num_attention_heads, recipe.norm_offset
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    norms = [at("self_attn", "q_norm"), at("self_attn", "k_norm")]
-    q_norm, k_norm = (
-        [(source.vector(n), eps) if source.has(n) else None for n in norms] if recipe.qk_norm else [None, None]
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    norm = lambda name: source_norm(source, name, offset)  # noqa: E731
+    q_norm = k_norm = None  # per-head norms (Qwen3, Gemma 3), (weight, eps)
+    if recipe.qk_norm and source.has(at("self_attn", "q_norm")):
+        q_norm, k_norm = (norm(at("self_attn", "q_norm")), eps), (norm(at("self_attn", "k_norm")), eps)
+    attn_out, mlp_out = (
+        None if name is None else (norm(f"layers.{i}.{name}"), eps)
+        for name in (recipe.norm_attn_out, recipe.norm_mlp_out)
     )
+    scalar = getattr(config, "query_pre_attn_scalar", None) or head_dim  # Gemma scales scores by its own scalar
     return SourceLayer(
         qkv=BlockLinear(source.fused(qkv_names), bias, arithmetic),
         o=BlockLinear([source.linear(at("self_attn", recipe.out))], arithmetic=arithmetic),
         gate_up=BlockLinear(source.fused([at("mlp", n) for n in recipe.gate_up]), arithmetic=arithmetic),
         down=BlockLinear([source.linear(at("mlp", recipe.down))], arithmetic=arithmetic),
-        q_size=shapes[0][0],
-        kv_size=shapes[1][0],
-        norm_in=source.vector(f"layers.{i}.{recipe.norm_in}"),
-        norm_mlp=source.vector(f"layers.{i}.{recipe.norm_mlp}"),
+        q_size=heads * head_dim,
+        kv_size=kv_heads * head_dim,
+        norm_in=norm(f"layers.{i}.{recipe.norm_in}"),
+        norm_mlp=norm(f"layers.{i}.{recipe.norm_mlp}"),
         eps=eps,
         q_norm=q_norm,
         k_norm=k_norm,
-        scaling=float(head_dim**-0.5),
+        scaling=float(scalar**-0.5),
+        norm_attn_out=attn_out,
+        norm_mlp_out=mlp_out,
+        softcap=getattr(config, "attn_logit_softcapping", None) if recipe.attn_softcap else None,
+        activation=activation(config),
     )

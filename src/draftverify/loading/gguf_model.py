@@ -2,10 +2,11 @@
 
 It stands where the stock transformers module stands (a `Runner`'s model, `Loaded.model`) and answers what
 the code above the backends asks of a model: `config`, `generation_config`, `get_input_embeddings()` /
-`get_output_embeddings()` (a `RowEmbedding`: a lookup dequantizes only the rows asked for; `.weight`, the whole
-fp32 table, is built only for a caller that asks for it, never on the generate path, and shared), and
-`weight_source` (the `GGUFWeights` the static decoder packs from). The stock module is built only by `stock()`,
-for what needs one (the eager path, the tools), from the fp32 conversion (loading/gguf.py), and kept.
+`get_output_embeddings()` (a `RowEmbedding`: a lookup dequantizes only the rows asked for, Gemma's input rows
+scaled as the stock embedding scales them; `.weight`, the whole fp32 table, is built only for a caller that asks
+for it, never on the generate path, and shared), and `weight_source` (the `GGUFWeights` the static decoder packs
+from). The stock module is built only by `stock()`, for what needs one (the eager path, the tools), from the fp32
+conversion (loading/gguf.py), and kept.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ from draftverify.loading.gguf_weights import GGUFWeights, rows_of
 class RowEmbedding(torch.nn.Module):
     """An embedding (or a tied head) read from the file: `forward(ids)` dequantizes only those rows (exact)."""
 
-    def __init__(self, source: GGUFWeights, name: str):
+    def __init__(self, source: GGUFWeights, name: str, scale: float | None = None):
         super().__init__()
         self.source, self.name = source, name
         self.num_embeddings, self.embedding_dim = source.linear(name).shape
+        # Gemma's scaled embedding: the rows times the scale rounded to fp32, as the stock module's buffer holds it
+        self.scale = None if scale is None else torch.tensor(scale, dtype=torch.float32)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
-        return rows_of(self.source.linear(self.name), ids.reshape(-1).cpu()).view(*ids.shape, self.embedding_dim)
+        rows = rows_of(self.source.linear(self.name), ids.reshape(-1).cpu()).view(*ids.shape, self.embedding_dim)
+        return rows if self.scale is None else rows * self.scale
 
     def rows(self, n: int) -> torch.Tensor:
         """The first n rows, fp32 [n, H] (what `model_identity` fingerprints)."""
@@ -57,8 +61,9 @@ class GGUFModel(torch.nn.Module):
                 self.config.layer_types = self.config.layer_types[:layers]
         self.config._attn_implementation = "sdpa"  # what the stock module is loaded with (`stock()`)
         self.generation_config = generation_config
-        self.embed = RowEmbedding(source, "embed_tokens")
-        self.head = self.embed if source.tied else RowEmbedding(source, "lm_head")
+        self.embed = RowEmbedding(source, "embed_tokens", source.embed_scale)
+        # tied: the embedding's packed weight (and whole table, when built), never its scale
+        self.head = RowEmbedding(source, "embed_tokens" if source.tied else "lm_head")
         self.rotary = rotary_embedding(self.config)
         # One empty placeholder per decoder layer, so that code which counts the layers (`decoder_layers`, skip
         # sets) finds them; the weights themselves are in `weight_source`.
@@ -106,9 +111,11 @@ FIXED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # frequencies fixed 
 def rotary_embedding(config) -> torch.nn.Module:
     """The architecture's rotary embedding: `RotaryEmbedding` where it is transformers' Llama code with fixed
     frequencies, else the architecture's own module (transformers'), built from the config alone."""
-    kind = config.model_type
-    if kind in LLAMA_ROTARY and config.rope_parameters.get("rope_type", "default") in FIXED_ROPE_TYPES:
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    if config.model_type in LLAMA_ROTARY and config.rope_parameters.get("rope_type", "default") in FIXED_ROPE_TYPES:
         return RotaryEmbedding(config)
+    kind = model_type_to_module_name(config.model_type)  # "gemma3_text" lives in models/gemma3
     module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
     cls = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding") and not n.startswith("_"))
     return cls(config=config)

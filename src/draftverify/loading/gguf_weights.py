@@ -7,9 +7,13 @@ copy of a quantized weight; a type with no block kernel is dequantized to fp32 a
 dequantized), `head` the output head's PackedWeight (the embedding's when tied), plus `config` (a transformers
 config) and `tokenizer`.
 
+Architectures: Llama (Mistral), Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3, each a table of tensor names
+(`LAYER_TENSORS`); Phi-3's fused attn_qkv and gate|up ffn_up are read whole, as its stock module holds them.
+
 Exactness: every PackedWeight dequantizes to the bits gguf's dequantization gives (kernels/blocks.py), which is
 what transformers' GGUF loader feeds the stock model; the q and k rows of a "llama" file are permuted as that
 loader permutes them (`_rope_rows`), and a row permutation moves whole rows of blocks, so it changes no bits.
+Gemma's norm vectors are the file's minus 1 in fp32, as that loader subtracts it (`NORM_SHIFT`).
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf.quants import dequantize
 
 from draftverify.errors import require
 from draftverify.kernels.blocks import PackedWeight, pack
 from draftverify.kernels.gguf_file import GGUFFile
 
-# Logical name (inside a layer) -> GGUF tensor name (inside "blk.N.").
-LAYER_TENSORS = {
+# Logical name (inside a layer) -> GGUF tensor name (inside "blk.N."), per GGUF architecture: the names
+# llama.cpp's converter writes (gguf's tensor name map), as transformers' GGUF loader reads them back.
+_LLAMA_LAYER = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
@@ -39,16 +45,37 @@ LAYER_TENSORS = {
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
 }
+# Gemma's four norms a layer: the one after attention is "post_attention_norm", the one before the MLP "ffn_norm".
+_GEMMA_LAYER = _LLAMA_LAYER | {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+# Phi-3 keeps q|k|v in one tensor and gate|up in another (gate's rows first), as its stock module does.
+_PHI3_LAYER = _LLAMA_LAYER | {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+LAYER_TENSORS = {
+    "llama": _LLAMA_LAYER,
+    "qwen2": _LLAMA_LAYER,
+    "qwen3": _LLAMA_LAYER,
+    "gemma2": _GEMMA_LAYER,
+    "gemma3": _GEMMA_LAYER,
+    "phi3": _PHI3_LAYER,
+}
 TOP_TENSORS = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
-DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF architectures whose blocks the static path reads directly
+DIRECT_ARCHITECTURES = tuple(LAYER_TENSORS)  # GGUF architectures whose blocks the static path reads directly
+# llama.cpp's converter stores a Gemma RMSNorm weight w as w + 1; transformers' loader (Gemma2TensorProcessor)
+# subtracts 1 in fp32 from every "*norm.weight", and the stock module scales by 1 + w: the same two roundings here.
+NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
+SCALED_EMBEDDINGS = ("gemma2", "gemma3")  # the stock embedding multiplies its rows by fp32(sqrt(hidden size))
 
 
-def gguf_name(name: str, suffix: str = "weight") -> str:
+def gguf_name(name: str, suffix: str = "weight", architecture: str = "llama") -> str:
     """The GGUF tensor name of a logical one: "layers.3.mlp.up_proj" -> "blk.3.ffn_up.weight"."""
     if name.startswith("layers."):
         _, index, rest = name.split(".", 2)
-        require(rest in LAYER_TENSORS, f"no GGUF tensor is known for {name!r}: extend loading.gguf_weights")
-        return f"blk.{index}.{LAYER_TENSORS[rest]}.{suffix}"
+        table = LAYER_TENSORS[architecture]
+        require(rest in table, f"no GGUF tensor is known for {name!r} ({architecture}): extend loading.gguf_weights")
+        return f"blk.{index}.{table[rest]}.{suffix}"
     require(name in TOP_TENSORS, f"no GGUF tensor is known for {name!r}: extend loading.gguf_weights")
     return f"{TOP_TENSORS[name]}.{suffix}"
 
@@ -73,8 +100,12 @@ class GGUFWeights:
         self._fused: dict[tuple[str, ...], list[PackedWeight]] = {}  # `fused`: shared by every decoder of the file
         self._said: set[str] = set()
 
+    def name(self, name: str, suffix: str = "weight") -> str:
+        """The GGUF tensor name of the logical `name` in this file's architecture."""
+        return gguf_name(name, suffix, self.architecture)
+
     def has(self, name: str, suffix: str = "weight") -> bool:
-        return gguf_name(name, suffix) in self.file.tensors
+        return self.name(name, suffix) in self.file.tensors
 
     def linear(self, name: str) -> PackedWeight:
         """The weight [out, in] of the logical linear `name`, packed from the file's blocks (once)."""
@@ -86,7 +117,7 @@ class GGUFWeights:
         return found
 
     def _pack(self, name: str) -> PackedWeight:
-        info = self._tensor(gguf_name(name))
+        info = self._tensor(self.name(name))
         raw, rows = info.raw, self._rope_rows(name, int(info.shape[0]))
         if rows is not None:  # whole rows of blocks move (exact): one gather of the file's bytes, before packing
             raw = np.ascontiguousarray(raw).view(np.uint8).reshape(len(rows), -1)[rows]
@@ -110,18 +141,26 @@ class GGUFWeights:
 
     def shape(self, name: str) -> tuple[int, int]:
         """[out, in] of the logical linear `name`, read from the file (nothing packed)."""
-        return tuple(int(n) for n in self._tensor(gguf_name(name)).shape)
+        return tuple(int(n) for n in self._tensor(self.name(name)).shape)
 
     def release(self) -> None:
         """The file's pages read so far leave resident memory (`GGUFFile.release`): call once the weights are packed."""
         self.file.release()
 
     def bias(self, name: str) -> torch.Tensor | None:
-        return self._dense(gguf_name(name, "bias")) if self.has(name, "bias") else None
+        return self._dense(self.name(name, "bias")) if self.has(name, "bias") else None
 
     def vector(self, name: str) -> torch.Tensor:
-        """A 1-D fp32 weight (a norm's scale)."""
-        return self._dense(gguf_name(name))
+        """A 1-D fp32 weight (a norm's scale) as the stock module holds it (Gemma's: the file's value - 1)."""
+        full = self.name(name)
+        found = self._dense(full)
+        shift = NORM_SHIFT.get(self.architecture)
+        return found - shift if shift and full.endswith("norm.weight") else found
+
+    @property
+    def embed_scale(self) -> float | None:
+        """What the stock embedding multiplies its rows by (Gemma: sqrt(hidden size)), or None."""
+        return self.config.hidden_size**0.5 if self.architecture in SCALED_EMBEDDINGS else None
 
     @property
     def head(self) -> PackedWeight:
@@ -141,8 +180,11 @@ class GGUFWeights:
         return info
 
     def _dense(self, full: str) -> torch.Tensor:
+        """A small tensor (a norm, a bias) as fp32, dequantized as transformers' loader does when not F32."""
         info = self._tensor(full)
-        return torch.from_numpy(np.array(info.raw.view(np.float32).reshape(info.shape), copy=True))
+        if info.ggml_type == 0:  # F32
+            return torch.from_numpy(np.array(info.raw.view(np.float32).reshape(info.shape), copy=True))
+        return torch.from_numpy(np.array(dequantize(info.raw, info.ggml_type), dtype=np.float32).reshape(info.shape))
 
     def _rope_rows(self, name: str, out: int) -> np.ndarray | None:
         """The row order transformers' GGUF loader gives q and k of a "llama" file (llama.cpp's converter

@@ -90,12 +90,12 @@ void attend_group(const float* q, const float* keys, const float* values, const 
 
 // q [n, H, d] (rows may be strided; heads and features contiguous); keys, values [kv, capacity, d], the
 // first S slots valid (kv divides H: query head h reads kv head h / (H / kv)); mask [n, S] bool (True = may
-// attend) or empty (every key); d 16, 32, 64 or 128. All float32. Returns [n, H * d].
+// attend) or empty (every key); d 16, 32, 64, 128 or 256. All float32. Returns [n, H * d].
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t S, torch::Tensor mask, double scale) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "attention: shapes");
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat, "attention: float32 only");
   const int64_t n = q.size(0), H = q.size(1), d = q.size(2), kv = keys.size(0), cap = keys.size(1);
-  TORCH_CHECK(keys.size(2) == d && (d == 16 || d == 32 || d == 64 || d == 128) && H % kv == 0 && S <= cap, "attention: sizes");
+  TORCH_CHECK(keys.size(2) == d && (d == 16 || d == 32 || d == 64 || d == 128 || d == 256) && H % kv == 0 && S <= cap, "attention: sizes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && keys.is_contiguous() && values.is_contiguous(), "attention: layout");
   const bool masked = mask.numel() > 0;
   TORCH_CHECK(!masked || (mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.size(0) == n && mask.size(1) == S), "attention: mask");
@@ -153,7 +153,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
         case 16: attend_group<1>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
         case 32: attend_group<2>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
         case 64: attend_group<4>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
-        default: attend_group<8>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
+        case 128: attend_group<8>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
+        default: attend_group<16>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;  // Gemma's 256
       }
       if (mine == 1)
         for (int64_t h = 0; h < group; ++h) {
