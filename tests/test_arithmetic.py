@@ -35,6 +35,9 @@ def test_default_rule(tmp_path, monkeypatch):
         json.dumps({"m.gguf": {"ppl_fp32": 10.0, "ppl_q8": 10.01}, "bad.gguf": {"ppl_fp32": 1, "ppl_q8": 2}})
     )
     monkeypatch.setattr(kernels, "has_vnni", lambda: True)
+    arithmetic, why = ar.default_arithmetic("/x/m.gguf", "cpu", path)
+    assert (arithmetic, "slowly" in why) == ("fp32", True)  # every condition met, but q8 is not on by default
+    monkeypatch.setattr(ar, "Q8_DEFAULT", True)
     assert ar.default_arithmetic("/x/m.gguf", "cpu", path)[0] == "q8"
     assert ar.default_arithmetic("/x/bad.gguf", "cpu", path)[0] == "fp32"
     assert ar.default_arithmetic("/x/unknown.gguf", "cpu", path)[0] == "fp32"

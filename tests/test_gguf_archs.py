@@ -16,7 +16,7 @@ import pytest
 import torch
 from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType as T
-from test_gguf_direct import raw_blocks
+from test_gguf_direct import finish, raw_blocks
 
 from draftverify import Engine
 from draftverify.loading import Loaded, load_draft_source
@@ -90,12 +90,7 @@ def write_tiny(path, arch: str, seed: int = 0) -> None:
         w.add_key_length(a["head_dim"])
         w.add_value_length(a["head_dim"])
         w.add_sliding_window(a["window"])
-    for name, (data, kind) in tensors.items():
-        w.add_tensor(name, data, raw_dtype=None if kind == T.F32 else kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w, tensors)
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))

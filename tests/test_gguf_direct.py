@@ -62,14 +62,19 @@ def gguf_file(tmp_path_factory, tokenizer):
         for norm in ("attn_norm", "ffn_norm"):
             tensors[f"blk.{i}.{norm}.weight"] = (1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32), T.F32)
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    w = GGUFWriter(str(path), "llama")
+    finish(GGUFWriter(str(path), "llama"), tensors)
+    return path, tensors
+
+
+def finish(w: GGUFWriter, tensors: dict) -> None:
+    """Add `tensors` (name -> (data, GGML type); F32 as floats, every other type as its raw blocks) and write
+    the file."""
     for name, (data, kind) in tensors.items():
         w.add_tensor(name, data, raw_dtype=None if kind == T.F32 else kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path, tensors
 
 
 def config_for(tokenizer):
