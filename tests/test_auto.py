@@ -105,7 +105,9 @@ def test_auto_sampling_matches_the_target(tiny, monkeypatch):
                     merged, curve(runner), Figures({"m+guess": CandidateRecord(accepted=3.0)}), probe=100
                 )
             else:
-                auto = AutoDrafter(candidates, curve(runner), Figures(records), probe=0)  # 0: every round probes
+                auto = AutoDrafter(
+                    candidates, fixed_costs(len(prompt)), Figures(records), probe=0
+                )  # 0: every round probes
             decode(s, runner, auto)
             counts[s.output[1]] = counts.get(s.output[1], 0) + 1
             first.add(s.stats.extra["auto_chunks"][0][0])
@@ -131,6 +133,12 @@ class Fixed(Drafter):
         return Proposal([tokens] if tokens else [])
 
 
+def fixed_costs(context: int) -> Curve:
+    """A forward cost curve where each further row adds half a step: what `auto` prices with in these tests, in
+    place of one measured on a machine whose load would decide which candidate pays."""
+    return Curve({w: 1e-3 * (1 + 0.5 * (w - 1)) for w in (1, 2, 4, 8, 16)}, context=context)
+
+
 def decode_with(tiny, n: int, make_candidates, records: dict) -> tuple[Session, AutoDrafter, list[int]]:
     """Decode n tokens of a tiny Llama with `AutoDrafter` over `make_candidates(truth, prompt length)` (probe=8);
     the session, the drafter and autoregressive decoding's tokens. The forward costs are a fixed curve (a row
@@ -141,8 +149,7 @@ def decode_with(tiny, n: int, make_candidates, records: dict) -> tuple[Session, 
     prompt = engine.encode("abc", chat=True)
     truth = engine.generate(prompt, method="autoregressive", max_new_tokens=n, eos_token_id=[]).tokens
     s = Session(prompt, Sampling(), Stopping(n, ()))
-    costs = Curve({w: 1e-3 * (1 + 0.5 * (w - 1)) for w in (1, 2, 4, 8, 16)}, context=len(prompt))
-    auto = AutoDrafter(make_candidates(truth, len(prompt)), costs, Figures(records), probe=8)
+    auto = AutoDrafter(make_candidates(truth, len(prompt)), fixed_costs(len(prompt)), Figures(records), probe=8)
     decode(s, runner, auto)
     return s, auto, truth
 
