@@ -134,13 +134,9 @@ class FeatureHead(nn.Module):
             self._fast["qkv"] = self._packs.linear([self.q, self.kv], draft=True)  # q|k|v: `rope_attention`'s layout
             self._fast["lm_head"] = self._lm_head(self.lm_head.shape[0])
             fc = self._fast["fc"].quant
-            if fc is not None and (self.embed is None or self.embed.is_contiguous()):  # `inputs` in one call: its
-                self._inputs = (
-                    self.norm_feature.weight,
-                    self.norm_embed.weight,
-                    self.norm_feature.eps,
-                    fc,
-                )  # arguments
+            # `inputs` in one call: its arguments after features, token ids and embedding table, read once
+            if fc is not None and (self.embed is None or self.embed.is_contiguous()):
+                self._inputs = (self.norm_feature.weight, self.norm_embed.weight, self.norm_feature.eps, fc)
         return self
 
     def _lm_head(self, n: int):

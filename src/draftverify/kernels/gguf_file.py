@@ -82,13 +82,6 @@ class GGUFFile:
     """A GGUF file, memory-mapped: `tensors` (name -> TensorInfo, in file order), `keys()`, `value(key)`;
     `release()` drops its pages from the process's resident memory once what was read from them is packed."""
 
-    def release(self) -> None:
-        """Let go of the mapped pages read so far (a later read maps them again from the page cache): the bytes
-        were packed into the kernels' layouts, so keeping them resident would count the weights twice."""
-        handle = getattr(self.data, "_mmap", None)
-        if handle is not None and hasattr(mmap, "MADV_DONTNEED"):
-            handle.madvise(mmap.MADV_DONTNEED)
-
     def __init__(self, path: str | Path):
         self.path = Path(path)
         try:
@@ -121,6 +114,13 @@ class GGUFFile:
             self.tensors[name] = TensorInfo(name, ggml_type, shape, start + offset, nbytes, self)
 
     # ---- metadata
+    def release(self) -> None:
+        """Let go of the mapped pages read so far (a later read maps them again from the page cache): the bytes
+        were packed into the kernels' layouts, so keeping them resident would count the weights twice."""
+        handle = getattr(self.data, "_mmap", None)
+        if handle is not None and hasattr(mmap, "MADV_DONTNEED"):
+            handle.madvise(mmap.MADV_DONTNEED)
+
     def keys(self) -> list[str]:
         return list(self._fields)
 

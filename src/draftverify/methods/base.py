@@ -71,7 +71,7 @@ class Method(ABC):
     def drafts_with_model(cls, config, has_head: bool) -> bool:
         """Whether an instance with `config` drafts with the engine's draft model (which the engine then loads), the
         engine having a feature head (`has_head`) or not. A method that takes the head is handed the head instead."""
-        return (cls.needs_draft or cls.uses_draft) and not (cls.takes_head and has_head)
+        return cls.loads_draft() and not (cls.takes_head and has_head)
 
     @classmethod
     def make_config(cls, preset: str | None = None, **overrides):
