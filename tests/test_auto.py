@@ -11,7 +11,7 @@ from phrase_sampling import broken_rule, second_token_pvalue
 from test_feature_head import random_head
 
 from draftverify import Engine
-from draftverify.costs import Curve, curve
+from draftverify.costs import Curve
 from draftverify.drafters.auto import AR, CALIBRATION_PRIOR, MAX_BACKOFF, AutoDrafter, CandidateRecord, Figures
 from draftverify.drafters.base import Drafter, Proposal
 from draftverify.drafters.draft_model import DraftModel
@@ -96,13 +96,13 @@ def test_auto_sampling_matches_the_target(tiny, monkeypatch):
             }
             if seed % 4 in (1, 2):  # one candidate alone, or both, chosen by their figures
                 candidates.pop("head" if seed % 4 == 1 else "draft")
-            if seed % 4 == 3:  # one of them and a free one, merged (figures that favour the merged candidate)
+            if seed % 4 == 3:  # one of them and a free one, merged, on figures by which it pays
                 merged = {
                     "m": candidates["head" if seed // 4 % 2 else "draft"],
                     "guess": Guess(p2.topk(3).indices.tolist()[1:]),
                 }
                 auto = AutoDrafter(
-                    merged, curve(runner), Figures({"m+guess": CandidateRecord(accepted=3.0)}), probe=100
+                    merged, fixed_costs(len(prompt)), Figures({"m+guess": CandidateRecord(accepted=4.0)}), probe=100
                 )
             else:
                 auto = AutoDrafter(

@@ -1,7 +1,8 @@
-"""What loading the default model and one request must not do: import its architecture's transformers modules, modeling
-or config (the direct path runs no stock module, reads its config as a plain PretrainedConfig, and its rotary
-embedding is draftverify's copy, bit for bit transformers'), build the embedding's whole fp32 table (a GGUF embedding
-is read by rows), or load the draft model for a method that does not draft with it."""
+"""What loading the default model and one request must not do, once the file's metadata is cached: import its
+architecture's transformers modules, modeling or config (the direct path runs no stock module, reads its config as a
+plain PretrainedConfig, and its rotary embedding is draftverify's copy, bit for bit transformers'), build the
+embedding's whole fp32 table (a GGUF embedding is read by rows), or load the draft model for a method that does not
+draft with it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from draftverify.loading.defaults import default_model_path
+from draftverify.loading.gguf import gguf_metadata
 from draftverify.loading.gguf_model import RotaryEmbedding, rotary_embedding
 
 SCALINGS = [
@@ -62,6 +65,7 @@ print(json.dumps({
 
 @pytest.mark.parametrize("method", ["autoregressive", "auto"])
 def test_generate_on_the_default_model_stays_on_the_direct_path(method, tmp_path):
+    gguf_metadata(default_model_path())  # a first load converts config and tokenizer once, through transformers
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     run = subprocess.run(
         [sys.executable, "-c", PROBE, str(tmp_path), method], capture_output=True, text=True, env=env, timeout=600
