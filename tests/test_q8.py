@@ -15,7 +15,8 @@ from draftverify.kernels.quant import exact_blocks
 needs_kernels = pytest.mark.skipif(cpu() is None, reason="the compiled CPU kernels are unavailable")
 
 
-def weight(layout: str, sub: int, out: int, k: int, seed: int = 0) -> PackedWeight:
+def weight(layout: str, sub: int, out: int, k: int, seed: int = 0, centre: int | None = None) -> PackedWeight:
+    """Random codes and scales; `centre` c: M = -c D (a type with signed codes), which the kernel folds into I."""
     g = torch.Generator().manual_seed(seed)
     top = 16 if layout == "u4" else 256
     q = torch.randint(0, top, (out, k), generator=g, dtype=torch.int32).to(torch.uint8)
@@ -23,7 +24,7 @@ def weight(layout: str, sub: int, out: int, k: int, seed: int = 0) -> PackedWeig
         c = q.view(out, k // 32, 2, 16)
         q = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(out, k // 2)
     d = torch.rand(out, k // sub, generator=g) * 0.02
-    m = -(torch.rand(out, k // sub, generator=g) * 0.1)
+    m = -(torch.rand(out, k // sub, generator=g) * 0.1) if centre is None else d * -float(centre)
     return PackedWeight("test", (out, k), layout, sub, q.contiguous(), d, m)
 
 
@@ -37,15 +38,18 @@ def activations(rows: int, k: int, seed: int = 1) -> torch.Tensor:
 
 
 CASES = [("u4", 32, 576), ("u4", 16, 576), ("u8", 32, 256), ("u8", 16, 320)]
+CENTRES = {"u4": 8, "u8": 128}  # Q4_0's and Q8_0's
 
 
 @needs_kernels
+@pytest.mark.parametrize("centred", [False, True], ids=["asymmetric", "centred"])
 @pytest.mark.parametrize("layout,sub,k", CASES)
-def test_kernel_matches_reference_bit_for_bit(layout, sub, k):
-    w, x = weight(layout, sub, 40, k), activations(7, k)
-    bias = torch.randn(40)
+def test_kernel_matches_reference_bit_for_bit(layout, sub, k, centred):
+    w = weight(layout, sub, 40, k, centre=CENTRES[layout] if centred else None)
+    assert q8k.centre(w) == (CENTRES[layout] if centred else -1)
+    x, bias, tiles = activations(7, k), torch.randn(40), q8k.prepare(w)
     for b in (None, bias):
-        y = q8k.matmul(w, x, b).numpy()
+        y = q8k.matmul(tiles, x, b).numpy()
         ref = q8k.reference(x.numpy(), w, None if b is None else b.numpy())
         assert np.array_equal(y.view(np.uint32), ref.view(np.uint32))
 
@@ -53,7 +57,7 @@ def test_kernel_matches_reference_bit_for_bit(layout, sub, k):
 @needs_kernels
 @pytest.mark.parametrize("layout,sub,k", CASES[:2])
 def test_every_row_is_its_one_row_product(layout, sub, k):
-    w, x = weight(layout, sub, 48, k, seed=3), activations(32, k, seed=4)
+    w, x = q8k.prepare(weight(layout, sub, 48, k, seed=3)), activations(32, k, seed=4)
     one = torch.cat([q8k.matmul(w, x[r : r + 1]) for r in range(32)])
     for m in range(1, 33):
         assert torch.equal(q8k.matmul(w, x[:m]), one[:m]), f"{m} rows"
@@ -108,3 +112,5 @@ def test_bad_input_is_one_line():
     dense = PackedWeight("F32", (4, 64), "f32", 32, torch.zeros(4, 64), torch.empty(0), torch.empty(0))
     with pytest.raises(ValueError, match="no codes"):
         q8k.matmul(dense, torch.zeros(1, 64))
+    with pytest.raises(ValueError, match="no codes"):
+        q8k.prepare(dense)

@@ -143,7 +143,7 @@ class StaticDecoder:
             self.layers.append(source_layer(source, i, recipe, cfg, eps, arithmetic))
             source.release()  # the layer is packed: its file pages need not stay resident beside the packs
         self.norm, self.norm_eps = source_norm(source, "norm", recipe.norm_offset), eps
-        self.head = BlockLinear([source.head], arithmetic=arithmetic)
+        self.head = BlockLinear([source.head(arithmetic)], arithmetic=arithmetic)
         source.release()
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 

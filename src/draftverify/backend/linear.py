@@ -179,7 +179,7 @@ class BlockLinear:
     `out_features`."""
 
     def __init__(self, weights: list, bias: torch.Tensor | None = None, arithmetic: str = "fp32"):
-        self.parts = concat_runs(weights)
+        self.parts = [for_arithmetic(w, arithmetic) for w in concat_runs(weights)]
         self.arithmetic = arithmetic  # "fp32" or "q8" (`PRODUCT_TABLES`)
         self.bias = bias
         self.out_features = sum(w.shape[0] for w in self.parts)
@@ -202,13 +202,30 @@ def _block_product(weight, x: torch.Tensor, arithmetic: str = "fp32") -> torch.T
     raise ValueError(f"product {name!r} is listed in PRODUCTS but not dispatched in backend.linear._block_product")
 
 
+def for_arithmetic(weight, arithmetic: str):
+    """`weight` (a PackedWeight) in the form its product in `arithmetic` multiplies: the q8 product's tiles
+    (`kernels.q8.prepare`, made once here) where `PRODUCT_TABLES` gives it the q8 product, else itself."""
+    from draftverify.kernels.blocks import PackedWeight
+
+    if not isinstance(weight, PackedWeight) or product(weight, 1, arithmetic) != "q8":
+        return weight
+    from draftverify.kernels.q8 import prepare
+
+    return prepare(weight)
+
+
 def concat_runs(weights: list) -> list:
-    """Runs of consecutive PackedWeights of one layout and sub-block size, each concatenated along out."""
+    """Runs of consecutive PackedWeights of one layout and sub-block size, each concatenated along out (a weight
+    already in a product's own form, `for_arithmetic`, stays as it is)."""
     from draftverify.kernels.blocks import PackedWeight
 
     runs: list[list] = []
     for w in weights:
-        if runs and (runs[-1][0].layout, runs[-1][0].sub) == (w.layout, w.sub):
+        if not isinstance(w, PackedWeight):
+            runs.append([w])
+            continue
+        last = runs[-1][0] if runs else None
+        if isinstance(last, PackedWeight) and (last.layout, last.sub) == (w.layout, w.sub):
             runs[-1].append(w)
         else:
             runs.append([w])
@@ -230,12 +247,12 @@ def concat_runs(weights: list) -> list:
 
 
 def q8_weight(blocks):
-    """Exact Q4_1 / Q8_0 `Blocks` as the u4 / u8 PackedWeight the q8 product takes (None: no such blocks)."""
+    """Exact Q4_1 / Q8_0 `Blocks` in the q8 product's tiles (None: no such blocks)."""
     if blocks is None or blocks.kind not in ("q4_1", "q8_0"):
         return None
-    from draftverify.kernels.q8 import from_blocks
+    from draftverify.kernels.q8 import from_blocks, prepare
 
-    return from_blocks(blocks)
+    return prepare(from_blocks(blocks))
 
 
 def q8_product(weight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -70,10 +70,10 @@ def source_layer(source, i: int, recipe: Recipe, config, eps: float, arithmetic:
     )
     scalar = getattr(config, "query_pre_attn_scalar", None) or head_dim  # Gemma scales scores by its own scalar
     return SourceLayer(
-        qkv=BlockLinear(source.fused(qkv_names), bias, arithmetic),
-        o=BlockLinear([source.linear(at("self_attn", recipe.out))], arithmetic=arithmetic),
-        gate_up=BlockLinear(source.fused([at("mlp", n) for n in recipe.gate_up]), arithmetic=arithmetic),
-        down=BlockLinear([source.linear(at("mlp", recipe.down))], arithmetic=arithmetic),
+        qkv=BlockLinear(source.fused(qkv_names, arithmetic), bias, arithmetic),
+        o=BlockLinear([source.linear(at("self_attn", recipe.out), arithmetic)], arithmetic=arithmetic),
+        gate_up=BlockLinear(source.fused([at("mlp", n) for n in recipe.gate_up], arithmetic), arithmetic=arithmetic),
+        down=BlockLinear([source.linear(at("mlp", recipe.down), arithmetic)], arithmetic=arithmetic),
         q_size=heads * head_dim,
         kv_size=kv_heads * head_dim,
         norm_in=norm(f"layers.{i}.{recipe.norm_in}"),

@@ -57,6 +57,11 @@ def has_vnni() -> bool:
     return has_avx512() and {"avx512bw", "avx512_vnni"} <= cpu_flags()
 
 
+def has_avx_vnni() -> bool:
+    """Whether this CPU has AVX-VNNI (256-bit int8 dot products, on CPUs without AVX-512's: the q8 products use it)."""
+    return "avx_vnni" in cpu_flags()
+
+
 def sources() -> list[Path]:
     """The C++ files compiled into the module (the headers they include sit beside them)."""
     return sorted(CSRC.glob("*.cpp"))
@@ -86,8 +91,9 @@ def _clear_stale_lock(folder: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def _flags(wide: bool, vnni: bool) -> list[str]:
-    """The compiler flags of a build: AVX2 and FMA, plus AVX-512 (`wide`) and its int8 dot products (`vnni`)."""
+def _flags(wide: bool, vnni: bool, avx_vnni: bool = False) -> list[str]:
+    """The compiler flags of a build: AVX2 and FMA, plus AVX-512 (`wide`) and its int8 dot products (`vnni`), or
+    the 256-bit int8 dot products of AVX-VNNI (`avx_vnni`)."""
     # -fopenmp: at::parallel_for (csrc/) is OpenMP in torch's CPU build; compiled without it, the
     # pragma is dropped and every product runs on one core. The runtime is torch's own libgomp
     # (same soname, already loaded), so there is one thread pool.
@@ -99,6 +105,7 @@ def _flags(wide: bool, vnni: bool) -> list[str]:
         "-mf16c",  # F16 weights (products_blocks.cpp); every AVX2 CPU has it
         *(["-mavx512f"] if wide else []),
         *(["-mavx512bw", "-mavx512vnni"] if vnni else []),
+        *(["-mavxvnni"] if avx_vnni and not vnni else []),
     ]
 
 
@@ -170,10 +177,11 @@ def cpu():
     from draftverify.util import cache_root
 
     # 16-lane AVX-512 and int8 dot products where the CPU has them (a per-CPU build)
-    wide, vnni = has_avx512(), has_vnni()
-    name = f"draftverify_cpu_{source_tag()}_{'avx512vnni' if vnni else 'avx512' if wide else 'avx2'}"
+    wide, vnni, avx_vnni = has_avx512(), has_vnni(), has_avx_vnni()
+    isa = "avx512vnni" if vnni else "avx512" if wide else "avx2"
+    name = f"draftverify_cpu_{source_tag()}_{isa}{'_avxvnni' if avx_vnni and not vnni else ''}"
     folder = cache_root() / "kernels" / name
-    flags = _flags(wide, vnni)
+    flags = _flags(wide, vnni, avx_vnni)
     record = _build_record(flags)
     try:
         module = _load_built(folder, name, record)

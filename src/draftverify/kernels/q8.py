@@ -3,16 +3,21 @@
 Each row of x is rounded per block of 32 activations as llama.cpp rounds them for its Q8_0 dot products
 (dx = max|x| / 127, qx = round-to-nearest-even(x * (1 / dx)), |qx| <= 127); per sub-block s of the weight (16 or 32
 weights, `blocks.PackedWeight`'s "u4" / "u8" layouts, w = D q + M) the integer sums I_s = sum q qx and X_s = sum qx
-are exact, and y = sum_s D_s dx_s I_s + M_s dx_s X_s in fp32 in one fixed order (the C++ file's header). Each row is
-rounded and summed alone, so a row's result never depends on the other rows of a forward: a verified token's logits
-are bit for bit those of a one-token step in this arithmetic, as they are in fp32.
+are exact, and y = sum over blocks b of dx_b (sum_s D_s I_s + M_s X_s) in fp32 in one fixed order (the C++ file's
+header; a weight with M = -c D folds c X_s into I_s exactly). Each row is rounded and summed alone, so a row's result
+never depends on the other rows of a forward: a verified token's logits are bit for bit those of a one-token step in
+this arithmetic, as they are in fp32.
 
+`prepare` repacks a PackedWeight once into the kernel's tiles of 16 outputs (`Q8Weight`: one 64-byte load holds 4
+codes of 16 outputs, so one int8 dot-product instruction adds 16 outputs x 4 k and no sum is reduced across lanes).
 `reference` is the same arithmetic in numpy (the integer parts exact, the fp32 combination in the same order, each
 fma rounded once), which the tests compare with the kernel bit for bit. F16 / BF16 / F32 weights have no codes: they
 keep their fp32 products under q8 (the arithmetic applies to block weights only).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,9 +34,9 @@ def supports(w: PackedWeight) -> bool:
 
 def instruction_set() -> str:
     """The integer dot product the compiled kernel uses on this CPU (the arithmetic is the same on each)."""
-    from draftverify.kernels import has_vnni
+    from draftverify.kernels import has_avx_vnni, has_vnni
 
-    return "avx512-vnni" if has_vnni() else "avx2-maddubs"
+    return "avx512-vnni" if has_vnni() else "avx-vnni" if has_avx_vnni() else "avx2-maddubs"
 
 
 def from_blocks(blocks) -> PackedWeight:
@@ -46,22 +51,82 @@ def from_blocks(blocks) -> PackedWeight:
     raise ValueError(f"from_blocks: {blocks.kind} blocks have no q8 product (only exact q4_1 / q8_0)")
 
 
-def matmul(w: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, out] = x [M, in] @ W^T (+ bias) in the q8 arithmetic; without the compiled kernels, `reference`."""
+TILE = 16  # outputs a tile: one int8 dot-product instruction's int32 lanes on AVX-512
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    """A PackedWeight's codes and scales in the q8 kernel's tiles (csrc/products_q8.cpp's header): `codes` uint8
+    [tiles, tile bytes], `d` (and `m`) fp32 [tiles, in / sub, 16]; `centre` c >= 0 when M = -c D everywhere (then `m`
+    is empty), else -1. `source` is the PackedWeight's description (`type_name`, `shape`, `layout`, `sub`)."""
+
+    type_name: str
+    shape: tuple[int, int]
+    layout: str
+    sub: int
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    centre: int
+
+
+def centre(w: PackedWeight) -> int:
+    """c >= 0 when the weight's M is -c D in every sub-block (the types with signed codes: Q4_0, Q5_0, Q8_0, Q3_K,
+    Q6_K), so c X folds into the integer sum exactly; -1 otherwise."""
+    d, m = w.d, w.m
+    nonzero = d != 0
+    if not bool(nonzero.any()):
+        return 0 if bool((m == 0).all()) else -1
+    c = -(m[nonzero] / d[nonzero])
+    first = float(c[0])
+    if first < 0 or first != round(first) or first > 255:
+        return -1
+    return int(first) if bool(torch.equal(m, d * -first)) else -1
+
+
+def prepare(w: PackedWeight) -> Q8Weight:
+    """`w` (u4 / u8 codes) in the kernel's tiles of 16 outputs, the last tile padded with zero codes and scales."""
+    if not supports(w):
+        raise ValueError(f"q8: {w.type_name} in layout {w.layout} has no codes: use PackedWeight.matmul")
+    out, k = w.shape
+    tiles = -(-out // TILE)
+    q = codes(w).astype(np.uint8)
+    q = np.concatenate([q, np.zeros((tiles * TILE - out, k), np.uint8)]).reshape(tiles, TILE, k)
+    if w.layout == "u4":  # chunk j: k = 8 j + i low, 8 j + 4 + i high
+        q = q.reshape(tiles, TILE, k // 8, 2, 4)
+        packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(0, 2, 1, 3)
+    else:  # chunk g: k = 4 g + i
+        packed = q.reshape(tiles, TILE, k // 4, 4).transpose(0, 2, 1, 3)
+    c = centre(w)
+
+    def scales(t: torch.Tensor) -> torch.Tensor:
+        t = torch.cat([t.reshape(out, -1), torch.zeros(tiles * TILE - out, k // w.sub)])
+        return t.reshape(tiles, TILE, k // w.sub).transpose(1, 2).contiguous()
+
+    flat = torch.from_numpy(np.ascontiguousarray(packed).reshape(tiles, -1))
+    m = torch.empty(0) if c >= 0 else scales(w.m)
+    return Q8Weight(w.type_name, w.shape, w.layout, w.sub, flat, scales(w.d), m, c)
+
+
+def matmul(w: PackedWeight | Q8Weight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, out] = x [M, in] @ W^T (+ bias) in the q8 arithmetic; without the compiled kernels, `reference`.
+    A PackedWeight is prepared on each call: a caller that multiplies it again keeps `prepare(w)`."""
     from draftverify.kernels import cpu
 
-    if not supports(w):
-        raise ValueError(f"q8 matmul: {w.type_name} in layout {w.layout} has no codes: use PackedWeight.matmul")
     if x.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != torch.float32:
         raise ValueError(f"q8 matmul: x must be float32 [M, {w.shape[1]}], got {tuple(x.shape)} {x.dtype}")
     kernels = cpu()
     if kernels is None:
+        if isinstance(w, Q8Weight):
+            raise ValueError("q8 matmul without the compiled kernels takes the PackedWeight, not its tiles")
         b = None if bias is None else bias.numpy()
         return torch.from_numpy(reference(x.numpy(), w, b))
+    t = w if isinstance(w, Q8Weight) else prepare(w)
     empty = torch.empty(0)
     return kernels.q8_linear(
-        x.contiguous(), LAYOUTS[w.layout], w.sub, w.codes, w.d, w.m, empty if bias is None else bias.contiguous()
-    )
+        x.contiguous(), LAYOUTS[t.layout], t.sub, t.shape[0], t.codes, t.d, t.m, t.centre,
+        empty if bias is None else bias.contiguous(),
+    )  # fmt: skip
 
 
 def round_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -106,21 +171,25 @@ def reference(x: np.ndarray, w: PackedWeight, bias: np.ndarray | None = None) ->
     qx, dx = round_activations(x)
     m, k = qx.shape
     out, sub = w.shape[0], w.sub
-    subs, groups = k // sub, -(-(k // sub) // 8)
+    subs, c = k // sub, centre(w)
     q = codes(w).reshape(out, subs, sub)
     xs = qx.astype(np.int64).reshape(m, subs, sub)
     sums = np.einsum("osj,msj->mos", q, xs)  # I [M, out, subs], exact
-    pad = lambda t: np.concatenate([t, np.zeros((*t.shape[:-1], groups * 8 - subs), t.dtype)], -1)  # noqa: E731
-    big_i = pad(sums.astype(np.float32))
-    big_x = pad(xs.sum(-1).astype(np.float32))[:, None, :]  # X [M, 1, G*8]
-    dxs = pad(np.repeat(dx, 32 // sub, axis=1))[:, None, :]
-    a = pad(w.d.numpy().reshape(out, subs))[None] * dxs  # float32 products, rounded once
-    c = pad(w.m.numpy().reshape(out, subs))[None] * dxs
-    acc = np.zeros((m, out, 8), np.float32)
-    for g in range(groups):
-        lanes = slice(8 * g, 8 * g + 8)
-        acc = fma32(a[..., lanes], big_i[..., lanes], acc)
-        acc = fma32(c[..., lanes], np.broadcast_to(big_x[..., lanes], acc.shape), acc)
-    t = acc[..., :4] + acc[..., 4:]
-    y = (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
-    return (y if bias is None else y + np.asarray(bias, np.float32)).astype(np.float32)
+    big_x = np.broadcast_to(xs.sum(-1)[:, None, :], sums.shape)  # X [M, out, subs]
+    d = np.broadcast_to(w.d.numpy().reshape(1, out, subs), sums.shape)
+    f32 = lambda t: np.asarray(t, np.float32)  # noqa: E731
+    if c >= 0:  # M = -c D: I - c X exactly, and no M term
+        sums, mt = sums - c * big_x, None
+    else:
+        mt = np.broadcast_to(w.m.numpy().reshape(1, out, subs), sums.shape)
+    acc = np.zeros((m, out), np.float32)
+    per = 32 // sub  # sub-blocks a block of 32 activations
+    for b in range(k // 32):
+        t = None
+        for s in range(b * per, (b + 1) * per):
+            i = f32(sums[..., s])
+            t = f32(d[..., s] * i) if t is None else fma32(d[..., s], i, t)
+            if mt is not None:
+                t = fma32(mt[..., s], f32(big_x[..., s]), t)
+        acc = fma32(t, np.broadcast_to(dx[:, b : b + 1], acc.shape), acc)
+    return acc if bias is None else (acc + np.asarray(bias, np.float32)).astype(np.float32)

@@ -96,8 +96,8 @@ class GGUFWeights:
             f"{', '.join(DIRECT_ARCHITECTURES)}): load it with backend='eager'",
         )
         self.tied = "output.weight" not in self.file.tensors
-        self._packed: dict[str, PackedWeight] = {}
-        self._fused: dict[tuple[str, ...], list[PackedWeight]] = {}  # `fused`: shared by every decoder of the file
+        self._packed: dict[tuple[str, str], object] = {}  # (name, arithmetic) -> its weight, as `linear` gives it
+        self._fused: dict[tuple, list] = {}  # `fused`: shared by every decoder of the file
         self._said: set[str] = set()
 
     def name(self, name: str, suffix: str = "weight") -> str:
@@ -107,13 +107,18 @@ class GGUFWeights:
     def has(self, name: str, suffix: str = "weight") -> bool:
         return self.name(name, suffix) in self.file.tensors
 
-    def linear(self, name: str) -> PackedWeight:
-        """The weight [out, in] of the logical linear `name`, packed from the file's blocks (once)."""
+    def linear(self, name: str, arithmetic: str = "fp32"):
+        """The weight [out, in] of the logical linear `name`, packed from the file's blocks (once): a PackedWeight,
+        or in the q8 arithmetic the form its product takes (`backend.linear.for_arithmetic`; the PackedWeight is
+        then not kept beside it unless something asked for it in fp32)."""
         if name == "lm_head" and self.tied:
             name = "embed_tokens"
-        found = self._packed.get(name)
+        found = self._packed.get((name, arithmetic))
         if found is None:
-            self._packed[name] = found = self._pack(name)
+            from draftverify.backend.linear import for_arithmetic
+
+            found = for_arithmetic(self._packed.get((name, "fp32")) or self._pack(name), arithmetic)
+            self._packed[name, arithmetic] = found
         return found
 
     def _pack(self, name: str) -> PackedWeight:
@@ -127,16 +132,17 @@ class GGUFWeights:
             print(f"draftverify: {self.path.name}: {found.reason}", file=sys.stderr, flush=True)
         return found
 
-    def fused(self, names: list[str]) -> list[PackedWeight]:
+    def fused(self, names: list[str], arithmetic: str = "fp32") -> list:
         """The weights `names` fused along out as `backend.linear.BlockLinear` multiplies them (runs of one layout
-        concatenated, `concat_runs`), made once; a part packed only for the fusion is not kept beside it."""
-        key = tuple(names)
+        concatenated, `concat_runs`, each in `arithmetic`'s form), made once; a part packed only for the fusion is
+        not kept beside it."""
+        key = (tuple(names), arithmetic)
         found = self._fused.get(key)
         if found is None:
-            from draftverify.backend.linear import concat_runs
+            from draftverify.backend.linear import concat_runs, for_arithmetic
 
-            parts = [self.linear(n) if n in self._packed else self._pack(n) for n in names]
-            found = self._fused[key] = concat_runs(parts)
+            parts = [self._packed.get((n, "fp32")) or self._pack(n) for n in names]
+            found = self._fused[key] = [for_arithmetic(w, arithmetic) for w in concat_runs(parts)]
         return found
 
     def shape(self, name: str) -> tuple[int, int]:
@@ -162,9 +168,8 @@ class GGUFWeights:
         """What the stock embedding multiplies its rows by (Gemma: sqrt(hidden size)), or None."""
         return self.config.hidden_size**0.5 if self.architecture in SCALED_EMBEDDINGS else None
 
-    @property
-    def head(self) -> PackedWeight:
-        return self.linear("lm_head")
+    def head(self, arithmetic: str = "fp32"):
+        return self.linear("lm_head", arithmetic)
 
     @cached_property
     def embedding(self) -> PackedWeight:

@@ -38,6 +38,6 @@ std::tuple<std::vector<std::vector<int64_t>>, std::vector<std::vector<double>>> 
 // products_blocks.cpp: the GGUF block layouts (kernels/blocks.py packs them)
 torch::Tensor block_linear(torch::Tensor x, int64_t layout, int64_t sub, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
                            torch::Tensor bias);
-// products_q8.cpp: the q8 arithmetic over the U4 / U8 block layouts (kernels/q8.py)
-torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
-                        torch::Tensor bias);
+// products_q8.cpp: the q8 arithmetic over u4 / u8 codes in tiles of 16 outputs (kernels/q8.py prepare)
+torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, int64_t N, torch::Tensor codes, torch::Tensor d,
+                        torch::Tensor m, int64_t centre, torch::Tensor bias);

@@ -1,20 +1,27 @@
-// The q8 arithmetic (kernels/q8.py): y = x W^T with W a GGUF block weight in the U4 / U8 layouts of
-// products_blocks.cpp (codes q, fp32 D and M per sub-block of 16 or 32, w = D q + M) and x rounded to int8 per
+// The q8 arithmetic (kernels/q8.py): y = x W^T with W a GGUF block weight (codes q, fp32 D and M per sub-block of 16
+// or 32 weights, w = D q + M), repacked by kernels/q8.py `prepare` into tiles of 16 outputs, and x rounded to int8 per
 // block of 32 activations, as llama.cpp rounds them for its Q8_0 dot products:
 //   dx = max|x| / 127, qx = round-to-nearest-even(x * (1 / dx)) in -127..127 (dx = 0: all codes 0).
-// Per sub-block s the integer sums I_s = sum q qx (u8 x s8) and X_s = sum qx are exact (int32, below 2^24, so exact
-// in fp32 too); then, in fp32 and in this fixed order, lane s % 8 of an 8-lane accumulator takes
-//   acc = fma(D_s * dx_s, I_s, acc); acc = fma(M_s * dx_s, X_s, acc)
-// over the sub-blocks in order (zero lanes past the last sub-block), and y = ((a0 + a4) + (a2 + a6)) +
-// ((a1 + a5) + (a3 + a7)) (+ bias). Every row is rounded and summed alone, whatever M is, so each row of a forward is
-// bit for bit the one-row product of that row (row independence by construction), and the integer parts do not depend
-// on the instruction set: AVX-512 VNNI (vpdpbusd), AVX-VNNI where built with it, else AVX2 maddubs + madd give the
-// same bits. kernels/q8.py `reference` is this arithmetic in numpy, which the tests compare bit for bit.
+// Per sub-block s the integer sums I_s = sum q qx and X_s = sum qx are exact in int32. A "centred" weight (M = -c D
+// for one whole c, as Q4_0, Q5_0, Q8_0, Q3_K and Q6_K are) folds M in exactly: I_s <- I_s - c X_s. Then, in fp32
+// and in this fixed order, per block b of 32 activations (one sub-block s of 32, or two s0, s1 of 16):
+//   centred:  t = D_s I_s                      | t = fma(D_s1, I_s1, D_s0 I_s0)
+//   else:     t = fma(M_s, X_s, D_s I_s)       | t = fma(M_s1, X_s1, fma(D_s1, I_s1, fma(M_s0, X_s0, D_s0 I_s0)))
+//   acc = fma(t, dx_b, acc)   (acc starts at 0, the blocks in order), y = acc (+ bias).
+// Each row is rounded and summed alone, so each row of a forward is bit for bit the one-row product of that row (row
+// independence by construction), and integer sums do not depend on the order or the instructions that form them:
+// AVX-512 VNNI (vpdpbusd on 16 outputs x 4 k a instruction), AVX-VNNI, or AVX2 maddubs + madd give the same bits.
+// kernels/q8.py `reference` is this arithmetic in numpy, which the tests compare bit for bit.
+//
+// Tiles (kernels/q8.py `prepare`): outputs in tiles of 16 (the last padded with zero codes and scales). Codes of a
+// tile are 64-byte chunks, output o's 4 bytes at 4 o: u8, chunk g holds k = 4 g .. 4 g + 3; u4, chunk j holds k = 8 j
+// + i in the low nibble and k = 8 j + 4 + i in the high one (i < 4). D and M: [tiles, sub-blocks, 16].
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "ops.h"
@@ -22,152 +29,220 @@
 namespace {
 enum Layout : int64_t { U4 = 0, U8 = 1 };
 
-// Lane j: sum of w[4j + i] * x[4j + i], i < 4 (codes u8 x activations s8), as vpdpbusd forms it.
-template <int L>
-inline __m256i dot32(__m256i w, __m256i x) {
-#if defined(__AVX512VNNI__)
-  const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_zextsi256_si512(w), _mm512_zextsi256_si512(x));
-  return _mm512_castsi512_si256(s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// 16 int32 / float lanes in one register; codes of a chunk in one register.
+struct Q {
+  using I = __m512i;
+  using F = __m512;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I nib_lo(I w) { return _mm512_and_si512(w, _mm512_set1_epi8(15)); }
+  static I nib_hi(I w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(15)); }
+  static I bcast(const int8_t* x) { int32_t v; std::memcpy(&v, x, 4); return _mm512_set1_epi32(v); }
+  template <int L> static I dot(I w, I x) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x); }
+  template <int L> static I dpacc(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub_scalar(I a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static void storef(float* p, F a) { _mm512_storeu_ps(p, a); }
+  static F set1(float a) { return _mm512_set1_ps(a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+};
 #else
-  // maddubs adds pairs in int16 with saturation: codes <= 15 keep each pair within 2 * 15 * 127; U8 codes are split
-  // into nibbles so that it holds for them too.
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
-  if constexpr (L == U4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-  const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, low), x), ones);
-  const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), low), x), ones);
-  return _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4));
+// 16 lanes as two AVX2 registers (outputs 0..7, 8..15): a chunk's first 32 bytes are outputs 0..7.
+struct Q {
+  struct I { __m256i a, b; };
+  struct F { __m256 a, b; };
+  static I load(const uint8_t* p) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+  }
+  static __m256i lo4(__m256i w) { return _mm256_and_si256(w, _mm256_set1_epi8(15)); }
+  static __m256i hi4(__m256i w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(15)); }
+  static I nib_lo(I w) { return {lo4(w.a), lo4(w.b)}; }
+  static I nib_hi(I w) { return {hi4(w.a), hi4(w.b)}; }
+  static I bcast(const int8_t* x) { int32_t v; std::memcpy(&v, x, 4); const __m256i s = _mm256_set1_epi32(v); return {s, s}; }
+  // Lane j: sum of 4 codes (u8) x 4 activations (s8). maddubs adds pairs in int16 with saturation: codes <= 15 keep a
+  // pair within 2 * 15 * 127, so u8 codes are split into nibbles.
+  template <int L> static __m256i dot8(__m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    if constexpr (L == U4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+    const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo4(w), x), ones);
+    const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi4(w), x), ones);
+    return _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4));
 #endif
-}
-
-// The 32 codes of block b of output row n, one a byte, in weight order.
-template <int L>
-inline __m256i codes32(const uint8_t* codes, int64_t K, int64_t n, int64_t b) {
-  if constexpr (L == U4) {
-    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + n * (K / 2) + b * 16));
-    const __m128i f = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), f), _mm_and_si128(p, f));
-  } else {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + n * K + b * 32));
   }
-}
+  template <int L> static I dot(I w, I x) { return {dot8<L>(w.a, x.a), dot8<L>(w.b, x.b)}; }
+  template <int L> static I dpacc(I acc, I w, I x) { return add(acc, dot<L>(w, x)); }
+  static I add(I p, I q) { return {_mm256_add_epi32(p.a, q.a), _mm256_add_epi32(p.b, q.b)}; }
+  static I sub_scalar(I p, int32_t s) { const __m256i v = _mm256_set1_epi32(s); return {_mm256_sub_epi32(p.a, v), _mm256_sub_epi32(p.b, v)}; }
+  static F cvt(I p) { return {_mm256_cvtepi32_ps(p.a), _mm256_cvtepi32_ps(p.b)}; }
+  static F zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static F loadf(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static void storef(float* p, F v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
+  static F set1(float s) { const __m256 v = _mm256_set1_ps(s); return {v, v}; }
+  static F mul(F p, F q) { return {_mm256_mul_ps(p.a, q.a), _mm256_mul_ps(p.b, q.b)}; }
+  static F fma(F p, F q, F r) { return {_mm256_fmadd_ps(p.a, q.a, r.a), _mm256_fmadd_ps(p.b, q.b, r.b)}; }
+};
+#endif
 
-// Sub-block sums of a group of 8 sub-blocks, lane s = sub-block s: from 8 blocks of 32 (S = 32) or 4 (S = 16).
-template <int S>
-inline __m256i group_sums(const __m256i* v) {
-  if constexpr (S == 32) {
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    const __m128i s0 = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-    const __m128i s1 = _mm_add_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-    return _mm256_set_m128i(s1, s0);
-  } else {  // lanes: sub-blocks 0 2 4 6 | 1 3 5 7, put in order
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    return _mm256_permutevar8x32_epi32(a, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  }
-}
-
-// x [M, K] rounded per block of 32: qx int8 [M, K]; per sub-block, padded to whole groups of 8 with zeros,
-// dx [M, G * 8] (the block's scale) and sx [M, G * 8] (the sub-block's sum of qx, as a float).
-void round_rows(const float* x, int64_t M, int64_t K, int S, int64_t G, int8_t* qx, float* dx, float* sx) {
-  std::fill(dx, dx + M * G * 8, 0.0f);
-  std::fill(sx, sx + M * G * 8, 0.0f);
+// x [M, K] rounded per block of 32: qx int8 [M, K], dx [M, K / 32], and per sub-block of S the sum of qx, sx
+// [M, K / S] (times -c when the weight is centred, so that I + sx is I - c X). Vectorised; every step is the same
+// IEEE operation as the scalar rule at the top of this file (one multiply, round to nearest even, clamp).
+void round_rows(const float* x, int64_t M, int64_t K, int S, int32_t centre, int8_t* qx, float* dx, int32_t* sx) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < K / 32; ++b) {
       const float* xb = x + r * K + b * 32;
-      float amax = 0.0f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float d = amax / 127.0f, inv = amax > 0.0f ? 1.0f / d : 0.0f;
-      int32_t sum[2] = {0, 0};
-      for (int i = 0; i < 32; ++i) {
-        const float q = std::min(127.0f, std::max(-127.0f, std::nearbyint(xb[i] * inv)));
-        qx[r * K + b * 32 + i] = static_cast<int8_t>(q);
-        sum[S == 16 && i >= 16] += static_cast<int32_t>(q);
+      __m256 v[4], amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float a = _mm_cvtss_f32(m4), d = a / 127.0f, inv = a > 0.0f ? 1.0f / d : 0.0f;
+      const __m256 iv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m256 t = _mm256_round_ps(_mm256_mul_ps(v[i], iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, t)));
       }
-      for (int h = 0; h < 32 / S; ++h) {
-        const int64_t s = b * (32 / S) + h;
-        dx[r * G * 8 + s] = d;
-        sx[r * G * 8 + s] = static_cast<float>(sum[h]);
+      // int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + r * K + b * 32),
+                          _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      dx[r * (K / 32) + b] = d;
+      const __m256i h0 = _mm256_add_epi32(q[0], q[1]), h1 = _mm256_add_epi32(q[2], q[3]);
+      auto hsum = [](__m256i s) {
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
+        return _mm_cvtsi128_si32(t);
+      };
+      const int32_t s0 = hsum(h0), s1 = hsum(h1), factor = centre >= 0 ? -centre : 1;
+      if (S == 32) {
+        sx[r * (K / 32) + b] = factor * (s0 + s1);
+      } else {
+        sx[r * (K / 16) + 2 * b] = factor * s0;
+        sx[r * (K / 16) + 2 * b + 1] = factor * s1;
       }
     }
 }
 
-struct Rounded {
-  const int8_t* qx;
-  const float* dx;
-  const float* sx;
-};
+// The integer sums of one sub-block: C chunks of codes (each 4 k for 16 outputs) times row r's activations from xr,
+// in four independent chains (C = 8) or two (C = 4), so that one row does not wait on one chain of dot products.
+template <int L, int C>
+inline Q::I sums(const Q::I* w, const int8_t* xr) {
+  if constexpr (C == 8) {
+    Q::I a0 = Q::dot<L>(w[0], Q::bcast(xr)), a1 = Q::dot<L>(w[1], Q::bcast(xr + 4));
+    Q::I a2 = Q::dot<L>(w[2], Q::bcast(xr + 8)), a3 = Q::dot<L>(w[3], Q::bcast(xr + 12));
+    a0 = Q::dpacc<L>(a0, w[4], Q::bcast(xr + 16)), a1 = Q::dpacc<L>(a1, w[5], Q::bcast(xr + 20));
+    a2 = Q::dpacc<L>(a2, w[6], Q::bcast(xr + 24)), a3 = Q::dpacc<L>(a3, w[7], Q::bcast(xr + 28));
+    return Q::add(Q::add(a0, a1), Q::add(a2, a3));
+  } else {
+    Q::I a0 = Q::dot<L>(w[0], Q::bcast(xr)), a1 = Q::dot<L>(w[1], Q::bcast(xr + 4));
+    a0 = Q::dpacc<L>(a0, w[2], Q::bcast(xr + 8)), a1 = Q::dpacc<L>(a1, w[3], Q::bcast(xr + 12));
+    return Q::add(a0, a1);
+  }
+}
 
-// Output n for every row of x: y[r, n].
+// Outputs [16 t0, 16 t1) for every row: y[r, n]. acc: M * 16 floats per tile of scratch.
+template <int L, int S, bool Centred>
+void q8_tiles(const int8_t* qx, const float* dx, const int32_t* sx, const uint8_t* codes, const float* d, const float* m,
+              const float* bias, float* y, float* acc, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1) {
+  const int64_t blocks = K / 32, subs = K / S, tile_bytes = K * 16 / (L == U4 ? 2 : 1);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* ct = codes + t * tile_bytes;
+    const float *dt = d + t * subs * 16, *mt = Centred ? nullptr : m + t * subs * 16;
+    for (int64_t r = 0; r < M; ++r) Q::storef(acc + r * 16, Q::zero());
+    for (int64_t b = 0; b < blocks; ++b) {
+      Q::I w[8];  // chunk g: k = 32 b + 4 g .. + 3
+      if constexpr (L == U4) {
+        for (int j = 0; j < 4; ++j) {
+          const Q::I raw = Q::load(ct + (b * 4 + j) * 64);
+          w[2 * j] = Q::nib_lo(raw), w[2 * j + 1] = Q::nib_hi(raw);
+        }
+      } else {
+        for (int g = 0; g < 8; ++g) w[g] = Q::load(ct + (b * 8 + g) * 64);
+      }
+      for (int64_t r = 0; r < M; ++r) {
+        const int8_t* xr = qx + r * K + b * 32;
+        Q::F tb;
+        if constexpr (S == 32) {
+          Q::I i = sums<L, 8>(w, xr);
+          const int32_t x = sx[r * subs + b];
+          if constexpr (Centred) {
+            tb = Q::mul(Q::loadf(dt + b * 16), Q::cvt(Q::sub_scalar(i, -x)));
+          } else {
+            tb = Q::fma(Q::loadf(mt + b * 16), Q::set1(static_cast<float>(x)), Q::mul(Q::loadf(dt + b * 16), Q::cvt(i)));
+          }
+        } else {
+          Q::I i0 = sums<L, 4>(w, xr), i1 = sums<L, 4>(w + 4, xr + 16);
+          const int32_t x0 = sx[r * subs + 2 * b], x1 = sx[r * subs + 2 * b + 1];
+          const Q::F d0 = Q::loadf(dt + 2 * b * 16), d1 = Q::loadf(dt + (2 * b + 1) * 16);
+          if constexpr (Centred) {
+            tb = Q::fma(d1, Q::cvt(Q::sub_scalar(i1, -x1)), Q::mul(d0, Q::cvt(Q::sub_scalar(i0, -x0))));
+          } else {
+            const Q::F m0 = Q::loadf(mt + 2 * b * 16), m1 = Q::loadf(mt + (2 * b + 1) * 16);
+            tb = Q::fma(m0, Q::set1(static_cast<float>(x0)), Q::mul(d0, Q::cvt(i0)));
+            tb = Q::fma(d1, Q::cvt(i1), tb);
+            tb = Q::fma(m1, Q::set1(static_cast<float>(x1)), tb);
+          }
+        }
+        Q::storef(acc + r * 16, Q::fma(tb, Q::set1(dx[r * blocks + b]), Q::loadf(acc + r * 16)));
+      }
+    }
+    const int64_t n0 = t * 16, live = std::min<int64_t>(16, N - n0);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t o = 0; o < live; ++o) y[r * N + n0 + o] = bias ? acc[r * 16 + o] + bias[n0 + o] : acc[r * 16 + o];
+  }
+}
+
+using TilesFn = decltype(&q8_tiles<U4, 32, true>);
+
 template <int L, int S>
-void q8_output(const Rounded& a, const uint8_t* codes, const float* d, const float* m, const float* bias, float* y, float* acc,
-               int64_t M, int64_t K, int64_t N, int64_t G, int64_t n) {
-  constexpr int kBlocks = S == 32 ? 8 : 4;  // blocks of 32 in a group of 8 sub-blocks
-  const int64_t subs = K / S, blocks = K / 32;
-  std::fill(acc, acc + M * 8, 0.0f);
-  for (int64_t g = 0; g < G; ++g) {
-    __m256i w[kBlocks];
-    const int64_t b0 = g * kBlocks, nb = std::min<int64_t>(kBlocks, blocks - b0);
-    for (int i = 0; i < kBlocks; ++i) w[i] = i < nb ? codes32<L>(codes, K, n, b0 + i) : _mm256_setzero_si256();
-    alignas(32) float dg[8] = {0}, mg[8] = {0};
-    for (int64_t j = 0; j < std::min<int64_t>(8, subs - g * 8); ++j) dg[j] = d[n * subs + g * 8 + j], mg[j] = m[n * subs + g * 8 + j];
-    const __m256 D = _mm256_load_ps(dg), Mv = _mm256_load_ps(mg);
-    for (int64_t r = 0; r < M; ++r) {
-      const int8_t* xr = a.qx + r * K + b0 * 32;
-      __m256i v[kBlocks];
-      for (int i = 0; i < kBlocks; ++i)
-        v[i] = i < nb ? dot32<L>(w[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32 * i))) : _mm256_setzero_si256();
-      const __m256 I = _mm256_cvtepi32_ps(group_sums<S>(v));
-      const __m256 dx = _mm256_loadu_ps(a.dx + (r * G + g) * 8), X = _mm256_loadu_ps(a.sx + (r * G + g) * 8);
-      __m256 s = _mm256_loadu_ps(acc + r * 8);
-      s = _mm256_fmadd_ps(_mm256_mul_ps(D, dx), I, s);
-      s = _mm256_fmadd_ps(_mm256_mul_ps(Mv, dx), X, s);
-      _mm256_storeu_ps(acc + r * 8, s);
-    }
-  }
-  for (int64_t r = 0; r < M; ++r) {
-    const float* l = acc + r * 8;
-    const float t0 = l[0] + l[4], t1 = l[1] + l[5], t2 = l[2] + l[6], t3 = l[3] + l[7];
-    const float total = (t0 + t2) + (t1 + t3);
-    y[r * N + n] = bias ? total + bias[n] : total;
-  }
-}
+TilesFn pick_centred(bool centred) { return centred ? q8_tiles<L, S, true> : q8_tiles<L, S, false>; }
 
-using OutputFn = decltype(&q8_output<U4, 32>);
-
-OutputFn pick(int64_t layout, int64_t sub) {
-  if (layout == U4) return sub == 16 ? q8_output<U4, 16> : q8_output<U4, 32>;
-  return sub == 16 ? q8_output<U8, 16> : q8_output<U8, 32>;
+TilesFn pick(int64_t layout, int64_t sub, bool centred) {
+  if (layout == U4) return sub == 16 ? pick_centred<U4, 16>(centred) : pick_centred<U4, 32>(centred);
+  return sub == 16 ? pick_centred<U8, 16>(centred) : pick_centred<U8, 32>(centred);
 }
 }  // namespace
 
-// x [M, K] float32 contiguous, K a multiple of 32; layout 0 (U4) or 1 (U8); sub 16 or 32; codes uint8 [N, row bytes];
-// d, m float32 [N, K / sub]; bias [N] or empty. Returns y [M, N] in the q8 arithmetic (top of this file).
-torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
-                        torch::Tensor bias) {
+// x [M, K] float32 contiguous, K a multiple of 32; layout 0 (u4) or 1 (u8); sub 16 or 32; codes uint8 in tiles (top of
+// this file) for N outputs; d, m float32 [tiles, K / sub, 16] (m empty when centre >= 0: M = -centre D); bias [N] or
+// empty. Returns y [M, N] in the q8 arithmetic.
+torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, int64_t N, torch::Tensor codes, torch::Tensor d,
+                        torch::Tensor m, int64_t centre, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q8_linear: x must be [M, K] float32");
   TORCH_CHECK((layout == U4 || layout == U8) && (sub == 16 || sub == 32), "q8_linear: layout 0 (u4) or 1 (u8), sub 16 or 32");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), width = layout == U4 ? K / 2 : K;
-  TORCH_CHECK(K % 32 == 0 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == N * width,
-              "q8_linear: codes must be uint8 [N, row bytes] and K a multiple of 32");
-  TORCH_CHECK(d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat && d.is_contiguous() && m.is_contiguous() &&
-                  d.numel() == N * K / sub && m.numel() == N * K / sub,
-              "q8_linear: d and m must be float32 [N, K / sub]");
+  const int64_t M = x.size(0), K = x.size(1), tiles = (N + 15) / 16;
+  TORCH_CHECK(K % 32 == 0 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.numel() == tiles * K * 16 / (layout == U4 ? 2 : 1),
+              "q8_linear: codes must be uint8 tiles of 16 outputs (kernels/q8.py prepare) and K a multiple of 32");
+  const bool centred = centre >= 0;
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == tiles * (K / sub) * 16 &&
+                  (centred || (m.scalar_type() == at::kFloat && m.is_contiguous() && m.numel() == d.numel())),
+              "q8_linear: d (and m unless centred) must be float32 [tiles, K / sub, 16]");
   TORCH_CHECK(!bias.numel() || (bias.scalar_type() == at::kFloat && bias.numel() == N && bias.is_contiguous()), "q8_linear: bias");
-  const int64_t G = (K / sub + 7) / 8;
   std::vector<int8_t> qx(M * K);
-  std::vector<float> dx(M * G * 8), sx(M * G * 8);
-  round_rows(x.data_ptr<float>(), M, K, static_cast<int>(sub), G, qx.data(), dx.data(), sx.data());
+  std::vector<float> dx(M * K / 32);
+  std::vector<int32_t> sx(M * K / sub);
+  round_rows(x.data_ptr<float>(), M, K, static_cast<int>(sub), static_cast<int32_t>(centre), qx.data(), dx.data(), sx.data());
   auto y = torch::empty({M, N}, x.options());
-  const Rounded a{qx.data(), dx.data(), sx.data()};
-  const OutputFn out = pick(layout, sub);
+  const TilesFn run = pick(layout, sub, centred);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>(), *bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  const float *dp = d.data_ptr<float>(), *mp = centred ? nullptr : m.data_ptr<float>();
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> acc(M * 8);
-    for (int64_t n = n0; n < n1; ++n) out(a, cp, dp, mp, bp, yp, acc.data(), M, K, N, G, n);
+  // a thread's share at least ~64 K multiply-adds: smaller products run on one thread
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * 16));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> acc(M * 16);
+    run(qx.data(), dx.data(), sx.data(), cp, dp, mp, bp, yp, acc.data(), M, K, N, t0, t1);
   });
   return y;
 }
