@@ -8,6 +8,8 @@ tokens follow the target's law (chi-square)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -139,6 +141,29 @@ def test_direct_path_matches_the_stock_model(direct, stock):
     want = stock.model(torch.tensor([seq])).logits[0]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert direct.identity == stock.identity  # the shipped heads' fingerprint: the same value either way
+
+
+@pytest.mark.parametrize("arithmetic", ["fp32", "q8"])
+def test_the_one_call_layer_gives_the_op_by_op_layers_bits(direct, arithmetic, monkeypatch):
+    """A short forward of one sequence runs each layer of the file's blocks in one kernel call (every block type,
+    F16 and BF16 of this file, in either arithmetic); logits and cache are bit for bit the op-by-op layers'."""
+    from draftverify.backend.linear import Packs
+    from draftverify.kernels import cpu, unavailable
+    from draftverify.models import Shared
+
+    if cpu() is None:
+        pytest.skip(unavailable())
+    fused, plain = (Runner(direct.model, shared=Shared(packs=Packs(arithmetic))) for _ in range(2))
+    calls = []
+    monkeypatch.setattr(fused.static, "layer_kernel", lambda *a: calls.append(1) or cpu().layer(*a))
+    assert all(layer.fused is not None for layer in fused.static.layers)
+    plain.static.layers = [replace(layer, fused=None) for layer in plain.static.layers]
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    for feed in ({"tokens": [3, 17, 5, 9, 14, 2]}, {"tokens": [11]}, {"tokens": [12, 13, 14], "tree_mask": tree}):
+        assert torch.equal(fused.forward(**feed).logits, plain.forward(**feed).logits), feed
+    assert len(calls) == 3 * LAYERS
+    for (ka, va), (kb, vb) in zip(fused.cached_kv(), plain.cached_kv()):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
 def test_every_method_is_token_identical_to_autoregressive(direct):

@@ -175,8 +175,8 @@ class BlockLinear:
     in the file's own blocks. Consecutive parts of one layout are concatenated into one weight (one call); a fused
     product of mixed layouts (Q4_K_M's q, k in Q4_K and v in Q6_K) runs one call per run of parts. Each output
     element is one part's row dotted with x, so fusing changes no bits. Quacks as PackedLinear where the decoder
-    and `Spans` ask: `blocks` (row-invariant: stacked rows share one call), `quant` (None: no q4q8 one-call layer),
-    `out_features`."""
+    and `Spans` ask: `blocks` (row-invariant: stacked rows share one call), `quant` (the weight as the kernels'
+    one-call `layer` takes it, `layer_weight`), `out_features`."""
 
     def __init__(self, weights: list, bias: torch.Tensor | None = None, arithmetic: str = "fp32"):
         self.parts = [for_arithmetic(w, arithmetic) for w in concat_runs(weights)]
@@ -184,7 +184,26 @@ class BlockLinear:
         self.bias = bias
         self.out_features = sum(w.shape[0] for w in self.parts)
         self.blocks = self  # row-invariant at every row count (`Spans` may stack any rows into one call)
-        self.quant = None
+        self.quant = self.layer_weight()
+
+    def layer_weight(self) -> list | None:
+        """The parts as csrc/layer.cpp's `dv::quant_product` takes a file's weight: per part {spec, codes, d, m}
+        (spec: its product, layout, sub, out, centre), then the bias; the product of each part is the one this
+        linear calls for every row count the one-call layer takes (1..QUANT_ROWS), so the bits are the same.
+        None where a part has no such product (no kernels, in-features not a multiple of 32)."""
+        from draftverify.kernels.blocks import LAYOUTS
+
+        if cpu_kernels() is None:
+            return None
+        codes = {"blocks": 0, "q8": 1}
+        out = []
+        for w in self.parts:
+            name = product(w, 1, self.arithmetic)
+            if w.shape[1] % 32 or name not in codes or product(w, QUANT_ROWS, self.arithmetic) != name:
+                return None
+            spec = [codes[name], LAYOUTS[w.layout], w.sub, w.shape[0], getattr(w, "centre", -1)]
+            out += [torch.tensor(spec, dtype=torch.int64), w.codes, w.d, w.m]
+        return [*out, self.bias if self.bias is not None else torch.empty(0)]
 
     def __call__(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:  # [m, in] -> [m, out]
         x = x.contiguous()

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from draftverify.backend.linear import BlockLinear
+from draftverify.backend.linear import BlockLinear, layer_weights
 from draftverify.backend.recipe import Recipe, activation
 
 
 @dataclass
 class SourceLayer:
-    """One layer's weights as `decoder._Layer` holds them (`fused`: None, the one-call layer takes q4q8 only)."""
+    """One layer's weights as `decoder._Layer` holds them (`fused`: the products as the kernels' one-call `layer`
+    takes them, for a plain pre-norm SiLU layer; else None)."""
 
     qkv: BlockLinear
     o: BlockLinear
@@ -34,7 +35,7 @@ class SourceLayer:
     q_norm: tuple | None
     k_norm: tuple | None
     scaling: float
-    fused: None = None
+    fused: list | None = None
     norm_attn_out: tuple | None = None  # Gemma's sandwich norms (weight, eps), on the sub-layers' outputs
     norm_mlp_out: tuple | None = None
     softcap: float | None = None
@@ -69,11 +70,17 @@ def source_layer(source, i: int, recipe: Recipe, config, eps: float, arithmetic:
         for name in (recipe.norm_attn_out, recipe.norm_mlp_out)
     )
     scalar = getattr(config, "query_pre_attn_scalar", None) or head_dim  # Gemma scales scores by its own scalar
+    qkv = BlockLinear(source.fused(qkv_names, arithmetic), bias, arithmetic)
+    o = BlockLinear([source.linear(at("self_attn", recipe.out), arithmetic)], arithmetic=arithmetic)
+    gate_up = BlockLinear(source.fused([at("mlp", n) for n in recipe.gate_up], arithmetic), arithmetic=arithmetic)
+    down = BlockLinear([source.linear(at("mlp", recipe.down), arithmetic)], arithmetic=arithmetic)
+    plain = recipe.llama_shaped and activation(config) == "silu"  # what the one-call layer computes
     return SourceLayer(
-        qkv=BlockLinear(source.fused(qkv_names, arithmetic), bias, arithmetic),
-        o=BlockLinear([source.linear(at("self_attn", recipe.out), arithmetic)], arithmetic=arithmetic),
-        gate_up=BlockLinear(source.fused([at("mlp", n) for n in recipe.gate_up], arithmetic), arithmetic=arithmetic),
-        down=BlockLinear([source.linear(at("mlp", recipe.down), arithmetic)], arithmetic=arithmetic),
+        qkv=qkv,
+        o=o,
+        gate_up=gate_up,
+        down=down,
+        fused=layer_weights(qkv, o, gate_up, down) if plain else None,
         q_size=heads * head_dim,
         kv_size=kv_heads * head_dim,
         norm_in=norm(f"layers.{i}.{recipe.norm_in}"),

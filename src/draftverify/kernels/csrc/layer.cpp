@@ -28,14 +28,28 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return y;
 }
 
-// A quantized weight as the static path holds it: {q, d, m (empty for Q8_0), bias (empty for none)}.
+// A weight as the one-call layer takes it, either exact Q4_1 / Q8_0 blocks recovered from fp32 weights, {q, d, m
+// (empty for Q8_0), bias (empty for none)} (quant_linear), or a file's weight (backend/linear.py BlockLinear
+// `layer_weight`): runs fused along out, each {spec, codes, d, m} with spec int64 [product, layout, sub, out,
+// centre] (product 0: block_linear, 1: q8_linear), then the bias (empty for none). Each run is the product the
+// op-by-op path calls for it, the runs joined and the bias added as it joins and adds them, so the bits are the same.
 torch::Tensor dv::quant_product(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
-  TORCH_CHECK(w.size() == 4, "layer: a weight is {q, d, m, bias}");
-  return quant_linear(x, w[0], w[1], w[2], w[3]);
+  if (w.size() == 4) return quant_linear(x, w[0], w[1], w[2], w[3]);
+  TORCH_CHECK(w.size() % 4 == 1, "layer: a weight is {q, d, m, bias} or runs of {spec, codes, d, m} then the bias");
+  std::vector<torch::Tensor> outs;
+  for (size_t i = 0; i + 1 < w.size(); i += 4) {
+    TORCH_CHECK(w[i].scalar_type() == at::kLong && w[i].numel() == 5, "layer: a run's spec is int64 [product, layout, sub, out, centre]");
+    const int64_t* spec = w[i].data_ptr<int64_t>();
+    const auto none = torch::empty({0}, x.options());
+    outs.push_back(spec[0] == 0 ? block_linear(x, spec[1], spec[2], w[i + 1], w[i + 2], w[i + 3], none)
+                                : q8_linear(x, spec[1], spec[2], spec[3], w[i + 1], w[i + 2], w[i + 3], spec[4], none));
+  }
+  torch::Tensor y = outs.size() == 1 ? outs[0] : torch::cat(outs, 1);
+  return w.back().numel() ? y + w.back() : y;
 }
 
 // One pre-norm decoder layer (Llama family, no q/k norms) for a few new rows h [n, H] of one sequence, every
-// product quantized: h + o(attention(rope(qkv(norm_in(h))))), then + down(silu_mul(gate_up(norm_post(.)))).
+// product quantized or a file's blocks (`dv::quant_product`): h + o(attention(rope(qkv(norm_in(h))))), then + down(silu_mul(gate_up(norm_post(.)))).
 // The same kernels, in the same order, as the static path's op-by-op layer, so the result is the same to the
 // bit; one call instead of about a dozen small ops and their dispatch, which dominate at decoding sizes.
 torch::Tensor layer(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_post, double eps, std::vector<torch::Tensor> qkv,

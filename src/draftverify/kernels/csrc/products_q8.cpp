@@ -149,55 +149,90 @@ inline Q::I sums(const Q::I* w, const int8_t* xr) {
   }
 }
 
-// Outputs [16 t0, 16 t1) for every row: y[r, n]. acc: M * 16 floats per tile of scratch.
+// The codes of block b of a tile, one register a chunk (chunk g: k = 32 b + 4 g .. + 3).
+template <int L>
+inline void block_codes(const uint8_t* ct, int64_t b, Q::I* w) {
+  if constexpr (L == U4) {
+    for (int j = 0; j < 4; ++j) {
+      const Q::I raw = Q::load(ct + (b * 4 + j) * 64);
+      w[2 * j] = Q::nib_lo(raw), w[2 * j + 1] = Q::nib_hi(raw);
+    }
+  } else {
+    for (int g = 0; g < 8; ++g) w[g] = Q::load(ct + (b * 8 + g) * 64);
+  }
+}
+
+// t of block b for one row (the header's formula): xr the row's activations of the block, xs its sub-block sums.
 template <int L, int S, bool Centred>
-void q8_tiles(const int8_t* qx, const float* dx, const int32_t* sx, const uint8_t* codes, const float* d, const float* m,
-              const float* bias, float* y, float* acc, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1) {
-  const int64_t blocks = K / 32, subs = K / S, tile_bytes = K * 16 / (L == U4 ? 2 : 1);
+inline Q::F block_term(const Q::I* w, const int8_t* xr, const int32_t* xs, const float* dt, const float* mt, int64_t b) {
+  if constexpr (S == 32) {
+    const Q::I i = sums<L, 8>(w, xr);
+    if constexpr (Centred) return Q::mul(Q::loadf(dt + b * 16), Q::cvt(Q::sub_scalar(i, -xs[b])));
+    return Q::fma(Q::loadf(mt + b * 16), Q::set1(static_cast<float>(xs[b])), Q::mul(Q::loadf(dt + b * 16), Q::cvt(i)));
+  } else {
+    const Q::I i0 = sums<L, 4>(w, xr), i1 = sums<L, 4>(w + 4, xr + 16);
+    const Q::F d0 = Q::loadf(dt + 2 * b * 16), d1 = Q::loadf(dt + (2 * b + 1) * 16);
+    if constexpr (Centred) {
+      return Q::fma(d1, Q::cvt(Q::sub_scalar(i1, -xs[2 * b + 1])), Q::mul(d0, Q::cvt(Q::sub_scalar(i0, -xs[2 * b]))));
+    } else {
+      const Q::F m0 = Q::loadf(mt + 2 * b * 16), m1 = Q::loadf(mt + (2 * b + 1) * 16);
+      Q::F t = Q::fma(m0, Q::set1(static_cast<float>(xs[2 * b])), Q::mul(d0, Q::cvt(i0)));
+      t = Q::fma(d1, Q::cvt(i1), t);
+      return Q::fma(m1, Q::set1(static_cast<float>(xs[2 * b + 1])), t);
+    }
+  }
+}
+
+struct Args {
+  const int8_t* qx;
+  const float* dx;
+  const int32_t* sx;
+  const uint8_t* codes;
+  const float *d, *m, *bias;
+  float* y;
+  int64_t M, K, N;
+};
+
+// Rows [r0, r0 + R) of outputs [16 t0, 16 t1): each row's accumulator stays in a register over the whole of K.
+template <int L, int S, bool Centred, int R>
+void q8_rows(const Args& a, int64_t r0, int64_t t0, int64_t t1) {
+  const int64_t K = a.K, blocks = K / 32, subs = K / S, tile_bytes = K * 16 / (L == U4 ? 2 : 1);
   for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* ct = codes + t * tile_bytes;
-    const float *dt = d + t * subs * 16, *mt = Centred ? nullptr : m + t * subs * 16;
-    for (int64_t r = 0; r < M; ++r) Q::storef(acc + r * 16, Q::zero());
+    const uint8_t* ct = a.codes + t * tile_bytes;
+    const float *dt = a.d + t * subs * 16, *mt = Centred ? nullptr : a.m + t * subs * 16;
+    Q::F acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = Q::zero();
     for (int64_t b = 0; b < blocks; ++b) {
-      Q::I w[8];  // chunk g: k = 32 b + 4 g .. + 3
-      if constexpr (L == U4) {
-        for (int j = 0; j < 4; ++j) {
-          const Q::I raw = Q::load(ct + (b * 4 + j) * 64);
-          w[2 * j] = Q::nib_lo(raw), w[2 * j + 1] = Q::nib_hi(raw);
-        }
-      } else {
-        for (int g = 0; g < 8; ++g) w[g] = Q::load(ct + (b * 8 + g) * 64);
-      }
-      for (int64_t r = 0; r < M; ++r) {
-        const int8_t* xr = qx + r * K + b * 32;
-        Q::F tb;
-        if constexpr (S == 32) {
-          Q::I i = sums<L, 8>(w, xr);
-          const int32_t x = sx[r * subs + b];
-          if constexpr (Centred) {
-            tb = Q::mul(Q::loadf(dt + b * 16), Q::cvt(Q::sub_scalar(i, -x)));
-          } else {
-            tb = Q::fma(Q::loadf(mt + b * 16), Q::set1(static_cast<float>(x)), Q::mul(Q::loadf(dt + b * 16), Q::cvt(i)));
-          }
-        } else {
-          Q::I i0 = sums<L, 4>(w, xr), i1 = sums<L, 4>(w + 4, xr + 16);
-          const int32_t x0 = sx[r * subs + 2 * b], x1 = sx[r * subs + 2 * b + 1];
-          const Q::F d0 = Q::loadf(dt + 2 * b * 16), d1 = Q::loadf(dt + (2 * b + 1) * 16);
-          if constexpr (Centred) {
-            tb = Q::fma(d1, Q::cvt(Q::sub_scalar(i1, -x1)), Q::mul(d0, Q::cvt(Q::sub_scalar(i0, -x0))));
-          } else {
-            const Q::F m0 = Q::loadf(mt + 2 * b * 16), m1 = Q::loadf(mt + (2 * b + 1) * 16);
-            tb = Q::fma(m0, Q::set1(static_cast<float>(x0)), Q::mul(d0, Q::cvt(i0)));
-            tb = Q::fma(d1, Q::cvt(i1), tb);
-            tb = Q::fma(m1, Q::set1(static_cast<float>(x1)), tb);
-          }
-        }
-        Q::storef(acc + r * 16, Q::fma(tb, Q::set1(dx[r * blocks + b]), Q::loadf(acc + r * 16)));
+      Q::I w[8];
+      block_codes<L>(ct, b, w);
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const Q::F tb = block_term<L, S, Centred>(w, a.qx + row * K + b * 32, a.sx + row * subs, dt, mt, b);
+        acc[r] = Q::fma(tb, Q::set1(a.dx[row * blocks + b]), acc[r]);
       }
     }
-    const int64_t n0 = t * 16, live = std::min<int64_t>(16, N - n0);
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t o = 0; o < live; ++o) y[r * N + n0 + o] = bias ? acc[r * 16 + o] + bias[n0 + o] : acc[r * 16 + o];
+    const int64_t n0 = t * 16, live = std::min<int64_t>(16, a.N - n0);
+    alignas(64) float out[16];
+    for (int r = 0; r < R; ++r) {
+      Q::storef(out, acc[r]);
+      float* yr = a.y + (r0 + r) * a.N + n0;
+      for (int64_t o = 0; o < live; ++o) yr[o] = a.bias ? out[o] + a.bias[n0 + o] : out[o];
+    }
+  }
+}
+
+constexpr int kRows = 4;  // rows a pass holds in registers
+
+// Every row of outputs [16 t0, 16 t1), kRows rows a pass.
+template <int L, int S, bool Centred>
+void q8_tiles(const Args& a, int64_t t0, int64_t t1) {
+  int64_t r0 = 0;
+  for (; r0 + kRows <= a.M; r0 += kRows) q8_rows<L, S, Centred, kRows>(a, r0, t0, t1);
+  switch (a.M - r0) {
+    case 3: q8_rows<L, S, Centred, 3>(a, r0, t0, t1); break;
+    case 2: q8_rows<L, S, Centred, 2>(a, r0, t0, t1); break;
+    case 1: q8_rows<L, S, Centred, 1>(a, r0, t0, t1); break;
+    default: break;
   }
 }
 
@@ -234,15 +269,11 @@ torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, int64_t N,
   round_rows(x.data_ptr<float>(), M, K, static_cast<int>(sub), static_cast<int32_t>(centre), qx.data(), dx.data(), sx.data());
   auto y = torch::empty({M, N}, x.options());
   const TilesFn run = pick(layout, sub, centred);
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float *dp = d.data_ptr<float>(), *mp = centred ? nullptr : m.data_ptr<float>();
-  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
+  const Args a{qx.data(), dx.data(), sx.data(), codes.data_ptr<uint8_t>(), d.data_ptr<float>(),
+               centred ? nullptr : m.data_ptr<float>(), bias.numel() ? bias.data_ptr<float>() : nullptr,
+               y.data_ptr<float>(), M, K, N};
   // a thread's share at least ~64 K multiply-adds: smaller products run on one thread
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * 16));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> acc(M * 16);
-    run(qx.data(), dx.data(), sx.data(), cp, dp, mp, bp, yp, acc.data(), M, K, N, t0, t1);
-  });
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { run(a, t0, t1); });
   return y;
 }
