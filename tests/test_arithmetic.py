@@ -35,13 +35,13 @@ def test_default_rule(tmp_path, monkeypatch):
         json.dumps({"m.gguf": {"ppl_fp32": 10.0, "ppl_q8": 10.01}, "bad.gguf": {"ppl_fp32": 1, "ppl_q8": 2}})
     )
     monkeypatch.setattr(kernels, "has_vnni", lambda: True)
-    arithmetic, why = ar.default_arithmetic("/x/m.gguf", "cpu", path)
-    assert (arithmetic, "slowly" in why) == ("fp32", True)  # every condition met, but q8 is not on by default
-    monkeypatch.setattr(ar, "Q8_DEFAULT", True)
-    assert ar.default_arithmetic("/x/m.gguf", "cpu", path)[0] == "q8"
+    assert ar.Q8_DEFAULT and ar.default_arithmetic("/x/m.gguf", "cpu", path)[0] == "q8"
     assert ar.default_arithmetic("/x/bad.gguf", "cpu", path)[0] == "fp32"
     assert ar.default_arithmetic("/x/unknown.gguf", "cpu", path)[0] == "fp32"
     assert ar.default_arithmetic("/x/model-folder", "cpu", path)[0] == "fp32"  # safetensors
     assert ar.default_arithmetic("/x/m.gguf", "cuda", path)[0] == "fp32"
+    monkeypatch.setattr(ar, "Q8_DEFAULT", False)  # the switch: every condition met, fp32
+    assert ar.default_arithmetic("/x/m.gguf", "cpu", path) == ("fp32", "q8 is switched off (arithmetic.Q8_DEFAULT)")
+    monkeypatch.setattr(ar, "Q8_DEFAULT", True)
     monkeypatch.setattr(kernels, "has_vnni", lambda: False)
     assert ar.default_arithmetic("/x/m.gguf", "cpu", path)[0] == "fp32"

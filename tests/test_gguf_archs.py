@@ -16,6 +16,8 @@ import pytest
 import torch
 from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType as T
+from phrase_sampling import broken_rule, second_token_pvalue
+from test_auto import Guess
 from test_gguf_direct import finish, raw_blocks
 
 from draftverify import Engine
@@ -24,6 +26,9 @@ from draftverify.loading.gguf_model import GGUFModel
 from draftverify.loading.gguf_weights import GGUFWeights
 from draftverify.loading.hf import direct_gguf
 from draftverify.models import Runner
+from draftverify.round import decode
+from draftverify.sampling import Sampling
+from draftverify.session import Session, Stopping
 
 VOCAB = 100  # the character tokenizer of conftest (its ids stay below it)
 # Per architecture: hidden, ffn, heads, kv heads, head_dim, layers, and each tensor's block type.
@@ -158,3 +163,31 @@ def test_speculative_is_token_identical_to_autoregressive(pair):
     ar = engine.generate(ids, method="autoregressive", max_new_tokens=20, eos_token_id=[]).tokens
     for method in ("speculative", "prompt-lookup", "lookahead"):
         assert engine.generate(ids, method=method, max_new_tokens=20, eos_token_id=[]).tokens == ar, method
+
+
+def test_sampling_follows_the_targets_law(pair, monkeypatch):
+    """The second token (the first that goes through verification) follows the target's law on each family's
+    file (Gemma's soft-capped logits included), drafted by a fixed guess of its likeliest value; the classic
+    wrong rejection rule is caught. Two candidates at a high temperature: these random models' distributions are
+    too peaked for a rejection to happen often enough otherwise."""
+    direct, stock = pair
+    runner, prompt, sampling = Runner(direct.model), [5, 6, 7], Sampling(temperature=4.0, top_k=2)
+    with torch.inference_mode():
+        p1 = sampling.probs(stock.model(torch.tensor([prompt])).logits[0, -1])
+        p2 = sum(
+            p1[x] * sampling.probs(stock.model(torch.tensor([prompt + [x]])).logits[0, -1])
+            for x in p1.nonzero().flatten().tolist()
+        )
+    guesses = p2.topk(1).indices.tolist()
+
+    def pvalue() -> float:
+        counts: dict[int, int] = {}
+        for seed in range(1200):
+            s = Session(prompt, Sampling(temperature=4.0, top_k=2, seed=seed), Stopping(3, ()))
+            decode(s, runner, Guess(guesses))
+            counts[s.output[1]] = counts.get(s.output[1], 0) + 1
+        return second_token_pvalue(stock.model, prompt, sampling, counts)
+
+    assert pvalue() > 1e-3
+    broken_rule(monkeypatch)
+    assert pvalue() < 1e-4
