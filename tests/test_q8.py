@@ -15,8 +15,11 @@ from draftverify.kernels.quant import exact_blocks
 needs_kernels = pytest.mark.skipif(cpu() is None, reason="the compiled CPU kernels are unavailable")
 
 
-def weight(layout: str, sub: int, out: int, k: int, seed: int = 0, centre: int | None = None) -> PackedWeight:
-    """Random codes and scales; `centre` c: M = -c D (a type with signed codes), which the kernel folds into I."""
+def weight(
+    layout: str, sub: int, out: int, k: int, seed: int = 0, centre: int | None = None, half: bool = False
+) -> PackedWeight:
+    """Random codes and scales; `centre` c: M = -c D (a type with signed codes), which the kernel folds into I;
+    `half`: scales exact in fp16 (as Q4_0..Q8_0's are), which the kernel's tiles keep in fp16."""
     g = torch.Generator().manual_seed(seed)
     top = 16 if layout == "u4" else 256
     q = torch.randint(0, top, (out, k), generator=g, dtype=torch.int32).to(torch.uint8)
@@ -24,7 +27,9 @@ def weight(layout: str, sub: int, out: int, k: int, seed: int = 0, centre: int |
         c = q.view(out, k // 32, 2, 16)
         q = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(out, k // 2)
     d = torch.rand(out, k // sub, generator=g) * 0.02
+    d = d.half().float() if half else d
     m = -(torch.rand(out, k // sub, generator=g) * 0.1) if centre is None else d * -float(centre)
+    m = m.half().float() if half else m
     return PackedWeight("test", (out, k), layout, sub, q.contiguous(), d, m)
 
 
@@ -42,12 +47,14 @@ CENTRES = {"u4": 8, "u8": 128}  # Q4_0's and Q8_0's
 
 
 @needs_kernels
+@pytest.mark.parametrize("half", [False, True], ids=["fp32-scales", "fp16-scales"])
 @pytest.mark.parametrize("centred", [False, True], ids=["asymmetric", "centred"])
 @pytest.mark.parametrize("layout,sub,k", CASES)
-def test_kernel_matches_reference_bit_for_bit(layout, sub, k, centred):
-    w = weight(layout, sub, 40, k, centre=CENTRES[layout] if centred else None)
+def test_kernel_matches_reference_bit_for_bit(layout, sub, k, centred, half):
+    w = weight(layout, sub, 40, k, centre=CENTRES[layout] if centred else None, half=half)
     assert q8k.centre(w) == (CENTRES[layout] if centred else -1)
     x, bias, tiles = activations(7, k), torch.randn(40), q8k.prepare(w)
+    assert tiles.d.dtype == (torch.float16 if half else torch.float32)
     for b in (None, bias):
         y = q8k.matmul(tiles, x, b).numpy()
         ref = q8k.reference(x.numpy(), w, None if b is None else b.numpy())

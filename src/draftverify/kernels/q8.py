@@ -57,7 +57,8 @@ TILE = 16  # outputs a tile: one int8 dot-product instruction's int32 lanes on A
 @dataclass(frozen=True)
 class Q8Weight:
     """A PackedWeight's codes and scales in the q8 kernel's tiles (csrc/products_q8.cpp's header): `codes` uint8
-    [tiles, tile bytes], `d` (and `m`) fp32 [tiles, in / sub, 16]; `centre` c >= 0 when M = -c D everywhere (then `m`
+    [tiles, tile bytes], `d` (and `m`) [tiles, in / sub, 16], fp16 where every scale is exact in fp16 (the Q4_0..Q8_0
+    types: their scales are the file's fp16 values), else fp32; `centre` c >= 0 when M = -c D everywhere (then `m`
     is empty), else -1. `source` is the PackedWeight's description (`type_name`, `shape`, `layout`, `sub`)."""
 
     type_name: str
@@ -104,8 +105,10 @@ def prepare(w: PackedWeight) -> Q8Weight:
         return t.reshape(tiles, TILE, k // w.sub).transpose(1, 2).contiguous()
 
     flat = torch.from_numpy(np.ascontiguousarray(packed).reshape(tiles, -1))
-    m = torch.empty(0) if c >= 0 else scales(w.m)
-    return Q8Weight(w.type_name, w.shape, w.layout, w.sub, flat, scales(w.d), m, c)
+    d, m = scales(w.d), torch.empty(0) if c >= 0 else scales(w.m)
+    if all(torch.equal(t.half().float(), t) for t in (d, m)):  # every scale exact in fp16: half the bytes, same values
+        d, m = d.half(), m.half()
+    return Q8Weight(w.type_name, w.shape, w.layout, w.sub, flat, d, m, c)
 
 
 def matmul(w: PackedWeight | Q8Weight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,7 +15,9 @@
 //
 // Tiles (kernels/q8.py `prepare`): outputs in tiles of 16 (the last padded with zero codes and scales). Codes of a
 // tile are 64-byte chunks, output o's 4 bytes at 4 o: u8, chunk g holds k = 4 g .. 4 g + 3; u4, chunk j holds k = 8 j
-// + i in the low nibble and k = 8 j + 4 + i in the high one (i < 4). D and M: [tiles, sub-blocks, 16].
+// + i in the low nibble and k = 8 j + 4 + i in the high one (i < 4). D and M: [tiles, sub-blocks, 16], fp32, or
+// fp16 where every one of them is exact in fp16 (Q4_0..Q8_0 keep fp16 scales in the file): upcast exactly, so the
+// arithmetic is the same and a one-row product streams fewer bytes.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -45,6 +47,8 @@ struct Q {
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
   static F zero() { return _mm512_setzero_ps(); }
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static F scales(const float* p) { return loadf(p); }
+  static F scales(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static void storef(float* p, F a) { _mm512_storeu_ps(p, a); }
   static F set1(float a) { return _mm512_set1_ps(a); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -83,6 +87,11 @@ struct Q {
   static F cvt(I p) { return {_mm256_cvtepi32_ps(p.a), _mm256_cvtepi32_ps(p.b)}; }
   static F zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static F loadf(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static F scales(const float* p) { return loadf(p); }
+  static F scales(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
   static void storef(float* p, F v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
   static F set1(float s) { const __m256 v = _mm256_set1_ps(s); return {v, v}; }
   static F mul(F p, F q) { return {_mm256_mul_ps(p.a, q.a), _mm256_mul_ps(p.b, q.b)}; }
@@ -163,19 +172,19 @@ inline void block_codes(const uint8_t* ct, int64_t b, Q::I* w) {
 }
 
 // t of block b for one row (the header's formula): xr the row's activations of the block, xs its sub-block sums.
-template <int L, int S, bool Centred>
-inline Q::F block_term(const Q::I* w, const int8_t* xr, const int32_t* xs, const float* dt, const float* mt, int64_t b) {
+template <int L, int S, bool Centred, typename T>
+inline Q::F block_term(const Q::I* w, const int8_t* xr, const int32_t* xs, const T* dt, const T* mt, int64_t b) {
   if constexpr (S == 32) {
     const Q::I i = sums<L, 8>(w, xr);
-    if constexpr (Centred) return Q::mul(Q::loadf(dt + b * 16), Q::cvt(Q::sub_scalar(i, -xs[b])));
-    return Q::fma(Q::loadf(mt + b * 16), Q::set1(static_cast<float>(xs[b])), Q::mul(Q::loadf(dt + b * 16), Q::cvt(i)));
+    if constexpr (Centred) return Q::mul(Q::scales(dt + b * 16), Q::cvt(Q::sub_scalar(i, -xs[b])));
+    return Q::fma(Q::scales(mt + b * 16), Q::set1(static_cast<float>(xs[b])), Q::mul(Q::scales(dt + b * 16), Q::cvt(i)));
   } else {
     const Q::I i0 = sums<L, 4>(w, xr), i1 = sums<L, 4>(w + 4, xr + 16);
-    const Q::F d0 = Q::loadf(dt + 2 * b * 16), d1 = Q::loadf(dt + (2 * b + 1) * 16);
+    const Q::F d0 = Q::scales(dt + 2 * b * 16), d1 = Q::scales(dt + (2 * b + 1) * 16);
     if constexpr (Centred) {
       return Q::fma(d1, Q::cvt(Q::sub_scalar(i1, -xs[2 * b + 1])), Q::mul(d0, Q::cvt(Q::sub_scalar(i0, -xs[2 * b]))));
     } else {
-      const Q::F m0 = Q::loadf(mt + 2 * b * 16), m1 = Q::loadf(mt + (2 * b + 1) * 16);
+      const Q::F m0 = Q::scales(mt + 2 * b * 16), m1 = Q::scales(mt + (2 * b + 1) * 16);
       Q::F t = Q::fma(m0, Q::set1(static_cast<float>(xs[2 * b])), Q::mul(d0, Q::cvt(i0)));
       t = Q::fma(d1, Q::cvt(i1), t);
       return Q::fma(m1, Q::set1(static_cast<float>(xs[2 * b + 1])), t);
@@ -188,18 +197,21 @@ struct Args {
   const float* dx;
   const int32_t* sx;
   const uint8_t* codes;
-  const float *d, *m, *bias;
+  const void *d, *m;  // float or fp16 (uint16_t) scales: the kernels' T
+  const float* bias;
   float* y;
   int64_t M, K, N;
 };
 
 // Rows [r0, r0 + R) of outputs [16 t0, 16 t1): each row's accumulator stays in a register over the whole of K.
-template <int L, int S, bool Centred, int R>
+// T: how D and M are stored, float or fp16 (uint16_t, where every scale is exact in fp16: fewer bytes to stream).
+template <int L, int S, bool Centred, typename T, int R>
 void q8_rows(const Args& a, int64_t r0, int64_t t0, int64_t t1) {
   const int64_t K = a.K, blocks = K / 32, subs = K / S, tile_bytes = K * 16 / (L == U4 ? 2 : 1);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* ct = a.codes + t * tile_bytes;
-    const float *dt = a.d + t * subs * 16, *mt = Centred ? nullptr : a.m + t * subs * 16;
+    const T* dt = static_cast<const T*>(a.d) + t * subs * 16;
+    const T* mt = Centred ? nullptr : static_cast<const T*>(a.m) + t * subs * 16;
     Q::F acc[R];
     for (int r = 0; r < R; ++r) acc[r] = Q::zero();
     for (int64_t b = 0; b < blocks; ++b) {
@@ -207,7 +219,7 @@ void q8_rows(const Args& a, int64_t r0, int64_t t0, int64_t t1) {
       block_codes<L>(ct, b, w);
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
-        const Q::F tb = block_term<L, S, Centred>(w, a.qx + row * K + b * 32, a.sx + row * subs, dt, mt, b);
+        const Q::F tb = block_term<L, S, Centred, T>(w, a.qx + row * K + b * 32, a.sx + row * subs, dt, mt, b);
         acc[r] = Q::fma(tb, Q::set1(a.dx[row * blocks + b]), acc[r]);
       }
     }
@@ -224,26 +236,29 @@ void q8_rows(const Args& a, int64_t r0, int64_t t0, int64_t t1) {
 constexpr int kRows = 4;  // rows a pass holds in registers
 
 // Every row of outputs [16 t0, 16 t1), kRows rows a pass.
-template <int L, int S, bool Centred>
+template <int L, int S, bool Centred, typename T>
 void q8_tiles(const Args& a, int64_t t0, int64_t t1) {
   int64_t r0 = 0;
-  for (; r0 + kRows <= a.M; r0 += kRows) q8_rows<L, S, Centred, kRows>(a, r0, t0, t1);
+  for (; r0 + kRows <= a.M; r0 += kRows) q8_rows<L, S, Centred, T, kRows>(a, r0, t0, t1);
   switch (a.M - r0) {
-    case 3: q8_rows<L, S, Centred, 3>(a, r0, t0, t1); break;
-    case 2: q8_rows<L, S, Centred, 2>(a, r0, t0, t1); break;
-    case 1: q8_rows<L, S, Centred, 1>(a, r0, t0, t1); break;
+    case 3: q8_rows<L, S, Centred, T, 3>(a, r0, t0, t1); break;
+    case 2: q8_rows<L, S, Centred, T, 2>(a, r0, t0, t1); break;
+    case 1: q8_rows<L, S, Centred, T, 1>(a, r0, t0, t1); break;
     default: break;
   }
 }
 
-using TilesFn = decltype(&q8_tiles<U4, 32, true>);
+using TilesFn = decltype(&q8_tiles<U4, 32, true, float>);
+
+template <int L, int S, bool Centred>
+TilesFn pick_scales(bool half) { return half ? q8_tiles<L, S, Centred, uint16_t> : q8_tiles<L, S, Centred, float>; }
 
 template <int L, int S>
-TilesFn pick_centred(bool centred) { return centred ? q8_tiles<L, S, true> : q8_tiles<L, S, false>; }
+TilesFn pick_centred(bool centred, bool half) { return centred ? pick_scales<L, S, true>(half) : pick_scales<L, S, false>(half); }
 
-TilesFn pick(int64_t layout, int64_t sub, bool centred) {
-  if (layout == U4) return sub == 16 ? pick_centred<U4, 16>(centred) : pick_centred<U4, 32>(centred);
-  return sub == 16 ? pick_centred<U8, 16>(centred) : pick_centred<U8, 32>(centred);
+TilesFn pick(int64_t layout, int64_t sub, bool centred, bool half) {
+  if (layout == U4) return sub == 16 ? pick_centred<U4, 16>(centred, half) : pick_centred<U4, 32>(centred, half);
+  return sub == 16 ? pick_centred<U8, 16>(centred, half) : pick_centred<U8, 32>(centred, half);
 }
 }  // namespace
 
@@ -258,20 +273,19 @@ torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, int64_t N,
   TORCH_CHECK(K % 32 == 0 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.numel() == tiles * K * 16 / (layout == U4 ? 2 : 1),
               "q8_linear: codes must be uint8 tiles of 16 outputs (kernels/q8.py prepare) and K a multiple of 32");
-  const bool centred = centre >= 0;
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == tiles * (K / sub) * 16 &&
-                  (centred || (m.scalar_type() == at::kFloat && m.is_contiguous() && m.numel() == d.numel())),
-              "q8_linear: d (and m unless centred) must be float32 [tiles, K / sub, 16]");
+  const bool centred = centre >= 0, half = d.scalar_type() == at::kHalf;
+  TORCH_CHECK((d.scalar_type() == at::kFloat || half) && d.is_contiguous() && d.numel() == tiles * (K / sub) * 16 &&
+                  (centred || (m.scalar_type() == d.scalar_type() && m.is_contiguous() && m.numel() == d.numel())),
+              "q8_linear: d (and m unless centred) must be float32 or float16 [tiles, K / sub, 16], one dtype");
   TORCH_CHECK(!bias.numel() || (bias.scalar_type() == at::kFloat && bias.numel() == N && bias.is_contiguous()), "q8_linear: bias");
   std::vector<int8_t> qx(M * K);
   std::vector<float> dx(M * K / 32);
   std::vector<int32_t> sx(M * K / sub);
   round_rows(x.data_ptr<float>(), M, K, static_cast<int>(sub), static_cast<int32_t>(centre), qx.data(), dx.data(), sx.data());
   auto y = torch::empty({M, N}, x.options());
-  const TilesFn run = pick(layout, sub, centred);
-  const Args a{qx.data(), dx.data(), sx.data(), codes.data_ptr<uint8_t>(), d.data_ptr<float>(),
-               centred ? nullptr : m.data_ptr<float>(), bias.numel() ? bias.data_ptr<float>() : nullptr,
-               y.data_ptr<float>(), M, K, N};
+  const TilesFn run = pick(layout, sub, centred, half);
+  const Args a{qx.data(), dx.data(), sx.data(), codes.data_ptr<uint8_t>(), d.data_ptr(), centred ? nullptr : m.data_ptr(),
+               bias.numel() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N};
   // a thread's share at least ~64 K multiply-adds: smaller products run on one thread
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * 16));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { run(a, t0, t1); });
