@@ -166,6 +166,33 @@ def test_the_one_call_layer_gives_the_op_by_op_layers_bits(direct, arithmetic, m
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
+@pytest.mark.parametrize("arithmetic", ["fp32", "q8"])
+def test_a_stacked_batch_step_gives_each_sequence_its_own_bits(direct, arithmetic):
+    """A batch's decoding steps and trees stacked in one forward (each layer one `layer_many` call) give every
+    sequence the logits and cache its forward alone gives (one `layer` call a layer)."""
+    from draftverify.backend import Feed
+    from draftverify.backend.linear import Packs
+    from draftverify.models import Shared, forward_many
+
+    make = lambda: Runner(direct.model, shared=Shared(packs=Packs(arithmetic)))  # noqa: E731
+    prompts = [[3, 17, 5, 9], [5, 9, 14], [8] * 7]
+    alone, stacked = [make() for _ in prompts], [make() for _ in prompts]
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    steps = [
+        [{"tokens": p} for p in prompts],
+        [{"tokens": [11]}, {"tokens": [12, 13, 14], "tree_mask": tree, "positions": torch.tensor([3, 4, 4])},
+         {"tokens": [20, 21]}],
+    ]  # fmt: skip
+    for feeds in steps:
+        want = [r.forward(**f) for r, f in zip(alone, feeds)]
+        got = forward_many(stacked, [Feed(**f) for f in feeds])
+        for r, (w, g) in enumerate(zip(want, got)):
+            assert torch.equal(w.logits, g.logits), (feeds, r)
+    for a, b in zip(alone, stacked):
+        for (ka, va), (kb, vb) in zip(a.cached_kv(), b.cached_kv()):
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
 def test_every_method_is_token_identical_to_autoregressive(direct):
     draft = load_draft_source("self:layers=1", direct)
     engine = Engine(direct, draft, backend="static")

@@ -121,6 +121,7 @@ class StaticDecoder:
         self.attention_kernel = kernels.attention if kernels is not None else None
         self.rope_attention = kernels.rope_attention if kernels is not None else None
         self.layer_kernel = kernels.layer if kernels is not None else None
+        self.layer_many = kernels.layer_many if kernels is not None else None
         self.no_mask = torch.empty(0, dtype=torch.bool)
         self._rope_probe = torch.zeros(1, 1, 1, dtype=self.dtype, device=self.device)  # the rotary's dtype, device
 
@@ -169,12 +170,13 @@ class StaticDecoder:
         skip_attn = set(skip.attention) if skip is not None else ()
         skip_mlp = set(skip.mlp) if skip is not None else ()
         spans = Spans([(p.first, p.n) for p in parts], self.device)
-        # one short sequence: each layer with nothing skipped in one kernel call (`layer`: the same kernels as below)
-        one = parts[0] if len(parts) == 1 and parts[0].n <= QUANT_ROWS and self.layer_kernel is not None else None
+        # short sequences (one, or a batch's steps and trees): each layer with nothing skipped in one kernel call
+        # (`layer` / `layer_many`: the same kernels, on the same rows, as below)
+        short = self.layer_kernel is not None and all(p.n <= QUANT_ROWS for p in parts)
         for i, layer in enumerate(self.layers):
             cos, sin = ropes[self.rope_keys[i]]
-            if one is not None and layer.fused is not None and i not in skip_attn and i not in skip_mlp:
-                h = self._fused_layer(i, layer, h, cos[:, 0], sin[:, 0], one)
+            if short and layer.fused is not None and i not in skip_attn and i not in skip_mlp:
+                h = self._fused_layer(i, layer, h, cos[:, 0], sin[:, 0], parts)
                 continue
             if i not in skip_attn:
                 qkv = spans(layer.qkv, rms_norm(h, layer.norm_in, layer.eps))
@@ -214,13 +216,20 @@ class StaticDecoder:
             return parts, all_tokens[0], all_positions[0]
         return parts, torch.cat(all_tokens), torch.cat(all_positions)
 
-    def _fused_layer(self, i: int, layer: _Layer, h, cos, sin, part: Part) -> torch.Tensor:
-        """Layer i of one short sequence in one kernel call; cos, sin [n, head_dim] (the kernels' layout)."""
-        mask = part.masks[self.windows[i]]
-        cache = part.cache
-        return self.layer_kernel(
-            h, layer.norm_in, layer.norm_mlp, layer.eps, *layer.fused, cos, sin, cache.keys[i], cache.values[i],
-            part.past, self.n_heads, self.no_mask if mask is None else mask, layer.scaling,
+    def _fused_layer(self, i: int, layer: _Layer, h, cos, sin, parts: list[Part]) -> torch.Tensor:
+        """Layer i of short sequences in one kernel call; cos, sin [rows, head_dim] (the kernels' layout)."""
+        masks = [p.masks[self.windows[i]] for p in parts]
+        masks = [self.no_mask if mask is None else mask for mask in masks]
+        if len(parts) == 1:
+            part = parts[0]
+            return self.layer_kernel(
+                h, layer.norm_in, layer.norm_mlp, layer.eps, *layer.fused, cos, sin, part.cache.keys[i],
+                part.cache.values[i], part.past, self.n_heads, masks[0], layer.scaling,
+            )  # fmt: skip
+        return self.layer_many(
+            h, layer.norm_in, layer.norm_mlp, layer.eps, *layer.fused, cos, sin,
+            [p.cache.keys[i] for p in parts], [p.cache.values[i] for p in parts],
+            [p.first for p in parts], [p.n for p in parts], [p.past for p in parts], self.n_heads, masks, layer.scaling,
         )  # fmt: skip
 
     def _outputs(self, h: torch.Tensor, parts: list[Part], feeds: list[Feed]) -> list[Forward]:

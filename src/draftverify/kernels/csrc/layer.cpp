@@ -59,3 +59,29 @@ torch::Tensor layer(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_p
   h = h + dv::quant_product(attended, o);
   return h + dv::quant_product(silu_mul(dv::quant_product(rms_norm(h, norm_post, eps), gate_up)), down);
 }
+
+// The same layer for several sequences stacked row-wise (a batch of decoding steps or trees): sequence j owns rows
+// [firsts[j], firsts[j] + ns[j]) of h, cos and sin, its cache (keys[j], values[j], past[j]) and its mask (empty: none).
+// The products run once over every row (each row's product is that row's own: the weights are row-invariant), the
+// attention per sequence, as the op-by-op path's `Spans` and `attend` do, so each sequence gets its own bits.
+torch::Tensor layer_many(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_post, double eps, std::vector<torch::Tensor> qkv,
+                         std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
+                         torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+                         std::vector<int64_t> firsts, std::vector<int64_t> ns, std::vector<int64_t> pasts, int64_t heads,
+                         std::vector<torch::Tensor> masks, double scale) {
+  const size_t parts = firsts.size();
+  TORCH_CHECK(parts && ns.size() == parts && pasts.size() == parts && keys.size() == parts && values.size() == parts &&
+                  masks.size() == parts, "layer_many: one first, n, past, cache and mask per sequence");
+  const auto projected = dv::quant_product(rms_norm(h, norm_in, eps), qkv);
+  // The sequences' attentions share one parallel region (each runs whole on its thread: an attention's result does
+  // not depend on how its tasks are split), rather than one short region each.
+  std::vector<torch::Tensor> outs(parts);
+  at::parallel_for(0, static_cast<int64_t>(parts), 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const auto rows = [&](const torch::Tensor& t) { return t.narrow(0, firsts[j], ns[j]); };
+      outs[j] = rope_attention(rows(projected), rows(cos), rows(sin), keys[j], values[j], pasts[j], heads, masks[j], scale);
+    }
+  });
+  h = h + dv::quant_product(parts == 1 ? outs[0] : torch::cat(outs), o);
+  return h + dv::quant_product(silu_mul(dv::quant_product(rms_norm(h, norm_post, eps), gate_up)), down);
+}

@@ -4,6 +4,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [M, 2 I] gate | up product, float32");
   m.def("layer", &layer, "one pre-norm decoder layer on quantized weights for a few rows, float32");
+  m.def("layer_many", &layer_many, "the same layer for several sequences' rows stacked, each with its own cache, float32");
   m.def("linear", &linear, "x @ w.T (+ bias) for one row, float32");
   m.def("quant_linear", &quant_linear, "x @ w.T (+ bias) with w in exact Q4_1 / Q8_0 blocks (or a draft's int8 rows), float32");
   m.def("block_linear", &block_linear, "x @ w.T (+ bias) with w in a GGUF block layout (kernels/blocks.py), float32");

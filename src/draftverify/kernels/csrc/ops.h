@@ -30,6 +30,11 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor layer(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_post, double eps, std::vector<torch::Tensor> qkv,
                     std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, torch::Tensor cos,
                     torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t past, int64_t heads, torch::Tensor mask, double scale);
+torch::Tensor layer_many(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_post, double eps, std::vector<torch::Tensor> qkv,
+                         std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
+                         torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+                         std::vector<int64_t> firsts, std::vector<int64_t> ns, std::vector<int64_t> pasts, int64_t heads,
+                         std::vector<torch::Tensor> masks, double scale);
 // draft_ops.cpp
 torch::Tensor head_inputs(torch::Tensor features, torch::Tensor tokens, torch::Tensor embed, torch::Tensor w_feature,
                           torch::Tensor w_embed, double eps, std::vector<torch::Tensor> fc);
