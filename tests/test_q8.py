@@ -21,7 +21,8 @@ def weight(
     """Random codes and scales; `centre` c: M = -c D (a type with signed codes), which the kernel folds into I;
     `half`: scales exact in fp16 (as Q4_0..Q8_0's are), which the kernel's tiles keep in fp16."""
     g = torch.Generator().manual_seed(seed)
-    top = 16 if layout == "u4" else 256
+    top = {"u4": 16, "u5": 32}.get(layout, 256)
+    layout = "u8" if layout == "u5" else layout  # u5: u8 codes below 32 (Q5_*), which `prepare` packs in 5 bits
     q = torch.randint(0, top, (out, k), generator=g, dtype=torch.int32).to(torch.uint8)
     if layout == "u4":
         c = q.view(out, k // 32, 2, 16)
@@ -42,8 +43,8 @@ def activations(rows: int, k: int, seed: int = 1) -> torch.Tensor:
     return x
 
 
-CASES = [("u4", 32, 576), ("u4", 16, 576), ("u8", 32, 256), ("u8", 16, 320)]
-CENTRES = {"u4": 8, "u8": 128}  # Q4_0's and Q8_0's
+CASES = [("u4", 32, 576), ("u4", 16, 576), ("u8", 32, 256), ("u8", 16, 320), ("u5", 32, 576), ("u5", 16, 320)]
+CENTRES = {"u4": 8, "u8": 128, "u5": 16}  # Q4_0's, Q8_0's and Q5_0's
 
 
 @needs_kernels
@@ -54,7 +55,7 @@ def test_kernel_matches_reference_bit_for_bit(layout, sub, k, centred, half):
     w = weight(layout, sub, 40, k, centre=CENTRES[layout] if centred else None, half=half)
     assert q8k.centre(w) == (CENTRES[layout] if centred else -1)
     x, bias, tiles = activations(7, k), torch.randn(40), q8k.prepare(w)
-    assert tiles.d.dtype == (torch.float16 if half else torch.float32)
+    assert tiles.d.dtype == (torch.float16 if half else torch.float32) and tiles.layout == layout
     for b in (None, bias):
         y = q8k.matmul(tiles, x, b).numpy()
         ref = q8k.reference(x.numpy(), w, None if b is None else b.numpy())

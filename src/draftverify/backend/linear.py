@@ -157,6 +157,7 @@ PRODUCTS_Q8: dict[str, tuple[str, range]] = {
     **PRODUCTS,
     "u4": ("q8", range(1, 1 << 62)),
     "u8": ("q8", range(1, 1 << 62)),
+    "u5": ("q8", range(1, 1 << 62)),  # the q8 tiles of u8 codes below 32 (`kernels.q8.prepare`)
 }
 PRODUCT_TABLES = {"fp32": PRODUCTS, "q8": PRODUCTS_Q8}  # arithmetic -> its table (`arithmetic.ARITHMETICS`)
 
@@ -192,6 +193,7 @@ class BlockLinear:
         linear calls for every row count the one-call layer takes (1..QUANT_ROWS), so the bits are the same.
         None where a part has no such product (no kernels, in-features not a multiple of 32)."""
         from draftverify.kernels.blocks import LAYOUTS
+        from draftverify.kernels.q8 import TILE_LAYOUTS
 
         if cpu_kernels() is None:
             return None
@@ -201,7 +203,8 @@ class BlockLinear:
             name = product(w, 1, self.arithmetic)
             if w.shape[1] % 32 or name not in codes or product(w, QUANT_ROWS, self.arithmetic) != name:
                 return None
-            spec = [codes[name], LAYOUTS[w.layout], w.sub, w.shape[0], getattr(w, "centre", -1)]
+            layout = (TILE_LAYOUTS if name == "q8" else LAYOUTS)[w.layout]
+            spec = [codes[name], layout, w.sub, w.shape[0], getattr(w, "centre", -1)]
             out += [torch.tensor(spec, dtype=torch.int64), w.codes, w.d, w.m]
         return [*out, self.bias if self.bias is not None else torch.empty(0)]
 

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from draftverify.kernels.blocks import LAYOUTS, PackedWeight
+from draftverify.kernels.blocks import PackedWeight
 
 CODE_LAYOUTS = ("u4", "u8")
+TILE_LAYOUTS = {"u4": 0, "u8": 1, "u5": 2}  # csrc/products_q8.cpp's `Layout` (u5: u8 codes below 32, in 5 bits)
 
 
 def supports(w: PackedWeight) -> bool:
@@ -56,10 +57,11 @@ TILE = 16  # outputs a tile: one int8 dot-product instruction's int32 lanes on A
 
 @dataclass(frozen=True)
 class Q8Weight:
-    """A PackedWeight's codes and scales in the q8 kernel's tiles (csrc/products_q8.cpp's header): `codes` uint8
-    [tiles, tile bytes], `d` (and `m`) [tiles, in / sub, 16], fp16 where every scale is exact in fp16 (the Q4_0..Q8_0
-    types: their scales are the file's fp16 values), else fp32; `centre` c >= 0 when M = -c D everywhere (then `m`
-    is empty), else -1. `source` is the PackedWeight's description (`type_name`, `shape`, `layout`, `sub`)."""
+    """A PackedWeight's codes and scales in the q8 kernel's tiles (csrc/products_q8.cpp's header): `layout` "u4",
+    "u8", or "u5" (u8 codes all below 32: nibbles and a bit plane, 5 bits a weight); `codes` uint8 [tiles, tile
+    bytes]; `d` (and `m`) [tiles, in / sub, 16], fp16 where every scale is exact in fp16 (the Q4_0..Q8_0 types:
+    their scales are the file's fp16 values), else fp32; `centre` c >= 0 when M = -c D everywhere (then `m` is
+    empty), else -1. `type_name`, `shape` and `sub` are the PackedWeight's."""
 
     type_name: str
     shape: tuple[int, int]
@@ -93,11 +95,17 @@ def prepare(w: PackedWeight) -> Q8Weight:
     tiles = -(-out // TILE)
     q = codes(w).astype(np.uint8)
     q = np.concatenate([q, np.zeros((tiles * TILE - out, k), np.uint8)]).reshape(tiles, TILE, k)
-    if w.layout == "u4":  # chunk j: k = 8 j + i low, 8 j + 4 + i high
-        q = q.reshape(tiles, TILE, k // 8, 2, 4)
-        packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(0, 2, 1, 3)
-    else:  # chunk g: k = 4 g + i
+    layout = "u5" if w.layout == "u8" and int(q.max(initial=0)) < 32 else w.layout  # Q5_0 / Q5_1 / Q5_K: 5 bits
+    if layout == "u8":  # chunk g: k = 4 g + i
         packed = q.reshape(tiles, TILE, k // 4, 4).transpose(0, 2, 1, 3)
+    else:  # chunk j: k = 8 j + i low nibble, 8 j + 4 + i high nibble
+        low = q & 15
+        pairs = low.reshape(tiles, TILE, k // 8, 2, 4)
+        packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).transpose(0, 2, 1, 3)  # [tiles, k / 8, 16, 4]
+        if layout == "u5":  # per block of 32: its 4 chunks' nibbles, then their high bits (a byte an output a chunk)
+            bits = (q >> 4).reshape(tiles, TILE, k // 8, 8) << np.arange(8, dtype=np.uint8)
+            high = bits.sum(-1, dtype=np.uint8).transpose(0, 2, 1)  # [tiles, k / 8, 16]: bit i = k 8 j + i
+            packed = np.concatenate([packed.reshape(tiles, k // 32, 256), high.reshape(tiles, k // 32, 64)], axis=-1)
     c = centre(w)
 
     def scales(t: torch.Tensor) -> torch.Tensor:
@@ -108,7 +116,7 @@ def prepare(w: PackedWeight) -> Q8Weight:
     d, m = scales(w.d), torch.empty(0) if c >= 0 else scales(w.m)
     if all(torch.equal(t.half().float(), t) for t in (d, m)):  # every scale exact in fp16: half the bytes, same values
         d, m = d.half(), m.half()
-    return Q8Weight(w.type_name, w.shape, w.layout, w.sub, flat, d, m, c)
+    return Q8Weight(w.type_name, w.shape, layout, w.sub, flat, d, m, c)
 
 
 def matmul(w: PackedWeight | Q8Weight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,7 +135,7 @@ def matmul(w: PackedWeight | Q8Weight, x: torch.Tensor, bias: torch.Tensor | Non
     t = w if isinstance(w, Q8Weight) else prepare(w)
     empty = torch.empty(0)
     return kernels.q8_linear(
-        x.contiguous(), LAYOUTS[t.layout], t.sub, t.shape[0], t.codes, t.d, t.m, t.centre,
+        x.contiguous(), TILE_LAYOUTS[t.layout], t.sub, t.shape[0], t.codes, t.d, t.m, t.centre,
         empty if bias is None else bias.contiguous(),
     )  # fmt: skip
 

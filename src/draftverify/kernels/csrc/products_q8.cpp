@@ -15,7 +15,8 @@
 //
 // Tiles (kernels/q8.py `prepare`): outputs in tiles of 16 (the last padded with zero codes and scales). Codes of a
 // tile are 64-byte chunks, output o's 4 bytes at 4 o: u8, chunk g holds k = 4 g .. 4 g + 3; u4, chunk j holds k = 8 j
-// + i in the low nibble and k = 8 j + 4 + i in the high one (i < 4). D and M: [tiles, sub-blocks, 16], fp32, or
+// + i in the low nibble and k = 8 j + 4 + i in the high one (i < 4); u5 (codes 0..31, Q5_0 / Q5_1 / Q5_K), u4's
+// nibbles and then, per block of 32, the four chunks' high bits (`block_bytes`). D and M: [tiles, sub-blocks, 16], fp32, or
 // fp16 where every one of them is exact in fp16 (Q4_0..Q8_0 keep fp16 scales in the file): upcast exactly, so the
 // arithmetic is the same and a one-row product streams fewer bytes.
 #include <ATen/Parallel.h>
@@ -29,7 +30,11 @@
 #include "ops.h"
 
 namespace {
-enum Layout : int64_t { U4 = 0, U8 = 1 };
+enum Layout : int64_t { U4 = 0, U8 = 1, U5 = 2 };
+
+// Bytes of one block of 32 k of a tile: 16 outputs x 32 codes as nibbles (u4), bytes (u8), or nibbles then one
+// high bit each (u5: per chunk of 8 k, 16 bytes, output o's byte holding bit 4 of its codes k = 8 j + i as bit i).
+constexpr int64_t block_bytes(int L) { return L == U4 ? 256 : L == U8 ? 512 : 320; }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // 16 int32 / float lanes in one register; codes of a chunk in one register.
@@ -40,6 +45,17 @@ struct Q {
   static I nib_lo(I w) { return _mm512_and_si512(w, _mm512_set1_epi8(15)); }
   static I nib_hi(I w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(15)); }
   static I bcast(const int8_t* x) { int32_t v; std::memcpy(&v, x, 4); return _mm512_set1_epi32(v); }
+  // u5: 16 to the codes of lanes o * 4 + i whose high bit is set, from output o's byte, bit i (lo) or 4 + i (hi).
+  static void high_bits(const uint8_t* p, I& lo, I& hi) {
+    const __m512i bytes = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                                              _mm512_set_epi8(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12,
+                                                              11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8,
+                                                              7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4,
+                                                              3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0));
+    const __m512i bit = _mm512_set1_epi32(0x08040201), sixteen = _mm512_set1_epi8(16);
+    lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(bytes, bit), lo, sixteen);
+    hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(bytes, _mm512_slli_epi32(bit, 4)), hi, sixteen);
+  }
   template <int L> static I dot(I w, I x) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x); }
   template <int L> static I dpacc(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
@@ -67,14 +83,28 @@ struct Q {
   static I nib_lo(I w) { return {lo4(w.a), lo4(w.b)}; }
   static I nib_hi(I w) { return {hi4(w.a), hi4(w.b)}; }
   static I bcast(const int8_t* x) { int32_t v; std::memcpy(&v, x, 4); const __m256i s = _mm256_set1_epi32(v); return {s, s}; }
-  // Lane j: sum of 4 codes (u8) x 4 activations (s8). maddubs adds pairs in int16 with saturation: codes <= 15 keep a
-  // pair within 2 * 15 * 127, so u8 codes are split into nibbles.
+  static __m256i add_high(__m256i w, __m256i bytes, __m256i bit) {
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+    return _mm256_add_epi8(w, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+  }
+  // u5: 16 to the codes of lanes o * 4 + i whose high bit is set, from output o's byte, bit i (lo) or 4 + i (hi).
+  static void high_bits(const uint8_t* p, I& lo, I& hi) {
+    const __m256i all = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i first = _mm256_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3,
+                                           4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+    const __m256i a = _mm256_shuffle_epi8(all, first), b = _mm256_shuffle_epi8(all, _mm256_add_epi8(first, _mm256_set1_epi8(8)));
+    const __m256i bit = _mm256_set1_epi32(0x08040201), bit_hi = _mm256_slli_epi32(bit, 4);
+    lo = {add_high(lo.a, a, bit), add_high(lo.b, b, bit)};
+    hi = {add_high(hi.a, a, bit_hi), add_high(hi.b, b, bit_hi)};
+  }
+  // Lane j: sum of 4 codes (u8) x 4 activations (s8). maddubs adds pairs in int16 with saturation: codes <= 31 keep a
+  // pair within 2 * 31 * 127, so u8 codes are split into nibbles.
   template <int L> static __m256i dot8(__m256i w, __m256i x) {
 #if defined(__AVXVNNI__)
     return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
 #else
     const __m256i ones = _mm256_set1_epi16(1);
-    if constexpr (L == U4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+    if constexpr (L != U8) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);  // codes <= 31: no saturation
     const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo4(w), x), ones);
     const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi4(w), x), ones);
     return _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4));
@@ -161,13 +191,15 @@ inline Q::I sums(const Q::I* w, const int8_t* xr) {
 // The codes of block b of a tile, one register a chunk (chunk g: k = 32 b + 4 g .. + 3).
 template <int L>
 inline void block_codes(const uint8_t* ct, int64_t b, Q::I* w) {
-  if constexpr (L == U4) {
-    for (int j = 0; j < 4; ++j) {
-      const Q::I raw = Q::load(ct + (b * 4 + j) * 64);
-      w[2 * j] = Q::nib_lo(raw), w[2 * j + 1] = Q::nib_hi(raw);
-    }
+  const uint8_t* block = ct + b * block_bytes(L);
+  if constexpr (L == U8) {
+    for (int g = 0; g < 8; ++g) w[g] = Q::load(block + g * 64);
   } else {
-    for (int g = 0; g < 8; ++g) w[g] = Q::load(ct + (b * 8 + g) * 64);
+    for (int j = 0; j < 4; ++j) {
+      const Q::I raw = Q::load(block + j * 64);
+      w[2 * j] = Q::nib_lo(raw), w[2 * j + 1] = Q::nib_hi(raw);
+      if constexpr (L == U5) Q::high_bits(block + 256 + j * 16, w[2 * j], w[2 * j + 1]);
+    }
   }
 }
 
@@ -207,7 +239,7 @@ struct Args {
 // T: how D and M are stored, float or fp16 (uint16_t, where every scale is exact in fp16: fewer bytes to stream).
 template <int L, int S, bool Centred, typename T, int R>
 void q8_rows(const Args& a, int64_t r0, int64_t t0, int64_t t1) {
-  const int64_t K = a.K, blocks = K / 32, subs = K / S, tile_bytes = K * 16 / (L == U4 ? 2 : 1);
+  const int64_t K = a.K, blocks = K / 32, subs = K / S, tile_bytes = blocks * block_bytes(L);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* ct = a.codes + t * tile_bytes;
     const T* dt = static_cast<const T*>(a.d) + t * subs * 16;
@@ -258,6 +290,7 @@ TilesFn pick_centred(bool centred, bool half) { return centred ? pick_scales<L, 
 
 TilesFn pick(int64_t layout, int64_t sub, bool centred, bool half) {
   if (layout == U4) return sub == 16 ? pick_centred<U4, 16>(centred, half) : pick_centred<U4, 32>(centred, half);
+  if (layout == U5) return sub == 16 ? pick_centred<U5, 16>(centred, half) : pick_centred<U5, 32>(centred, half);
   return sub == 16 ? pick_centred<U8, 16>(centred, half) : pick_centred<U8, 32>(centred, half);
 }
 }  // namespace
@@ -268,10 +301,11 @@ TilesFn pick(int64_t layout, int64_t sub, bool centred, bool half) {
 torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, int64_t N, torch::Tensor codes, torch::Tensor d,
                         torch::Tensor m, int64_t centre, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q8_linear: x must be [M, K] float32");
-  TORCH_CHECK((layout == U4 || layout == U8) && (sub == 16 || sub == 32), "q8_linear: layout 0 (u4) or 1 (u8), sub 16 or 32");
+  TORCH_CHECK((layout == U4 || layout == U8 || layout == U5) && (sub == 16 || sub == 32),
+              "q8_linear: layout 0 (u4), 1 (u8) or 2 (u5), sub 16 or 32");
   const int64_t M = x.size(0), K = x.size(1), tiles = (N + 15) / 16;
   TORCH_CHECK(K % 32 == 0 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.numel() == tiles * K * 16 / (layout == U4 ? 2 : 1),
+                  codes.numel() == tiles * (K / 32) * block_bytes(static_cast<int>(layout)),
               "q8_linear: codes must be uint8 tiles of 16 outputs (kernels/q8.py prepare) and K a multiple of 32");
   const bool centred = centre >= 0, half = d.scalar_type() == at::kHalf;
   TORCH_CHECK((d.scalar_type() == at::kFloat || half) && d.is_contiguous() && d.numel() == tiles * (K / sub) * 16 &&
