@@ -36,7 +36,7 @@ def test_a_finished_build_records_itself_and_loads_without_the_builder(monkeypat
     if module is None:
         pytest.skip(f"no compiled kernels here: {kernels.unavailable()}")
     folder = Path(module.__file__).parent
-    flags = kernels._flags(kernels.has_avx512(), kernels.has_vnni())
+    flags = kernels.machine_flags()
     record = kernels._build_record(flags)
     assert (folder / kernels.BUILT_FILE).read_text() == record
     import torch.utils.cpp_extension as builder

@@ -109,6 +109,11 @@ def _flags(wide: bool, vnni: bool, avx_vnni: bool = False) -> list[str]:
     ]
 
 
+def machine_flags() -> list[str]:
+    """The compiler flags of this CPU's build (`_flags` of its vector width and int8 dot products)."""
+    return _flags(has_avx512(), has_vnni(), has_avx_vnni())
+
+
 def _compile(load, name: str, folder, flags: list[str]):
     """Build (or load the cached build of) the extension `name` in `folder` with torch's `load`. Raises what the
     build raises."""
@@ -181,7 +186,7 @@ def cpu():
     isa = "avx512vnni" if vnni else "avx512" if wide else "avx2"
     name = f"draftverify_cpu_{source_tag()}_{isa}{'_avxvnni' if avx_vnni and not vnni else ''}"
     folder = cache_root() / "kernels" / name
-    flags = _flags(wide, vnni, avx_vnni)
+    flags = machine_flags()
     record = _build_record(flags)
     try:
         module = _load_built(folder, name, record)
