@@ -463,6 +463,12 @@ def test_a_stacked_forward_gives_each_sequence_of_a_quantized_model_its_own_bits
         [{"tokens": [30 + i for i in range(QUANT_ROWS - 1)]}, {"tokens": [40, 41]}, {"tokens": [42]}],
     ]  # short, over 32 together
     alone, stacked = [Runner(model, "static") for _ in prompts], [Runner(model, "static") for _ in prompts]
+    assert_stacked_is_alone(alone, stacked, steps)
+
+
+def assert_stacked_is_alone(alone: list, stacked: list, steps: list[list[dict]]) -> None:
+    """Each step's feeds (one per sequence) run alone on `alone`'s runners and stacked in one forward on
+    `stacked`'s: the same logits, and at the end the same caches, bit for bit."""
     for feeds in steps:
         want = [r.forward(**f) for r, f in zip(alone, feeds)]
         got = forward_many(stacked, [Feed(**f) for f in feeds])

@@ -170,9 +170,10 @@ def test_the_one_call_layer_gives_the_op_by_op_layers_bits(direct, arithmetic, m
 def test_a_stacked_batch_step_gives_each_sequence_its_own_bits(direct, arithmetic):
     """A batch's decoding steps and trees stacked in one forward (each layer one `layer_many` call) give every
     sequence the logits and cache its forward alone gives (one `layer` call a layer)."""
-    from draftverify.backend import Feed
+    from test_backends import assert_stacked_is_alone
+
     from draftverify.backend.linear import Packs
-    from draftverify.models import Shared, forward_many
+    from draftverify.models import Shared
 
     make = lambda: Runner(direct.model, shared=Shared(packs=Packs(arithmetic)))  # noqa: E731
     prompts = [[3, 17, 5, 9], [5, 9, 14], [8] * 7]
@@ -183,14 +184,7 @@ def test_a_stacked_batch_step_gives_each_sequence_its_own_bits(direct, arithmeti
         [{"tokens": [11]}, {"tokens": [12, 13, 14], "tree_mask": tree, "positions": torch.tensor([3, 4, 4])},
          {"tokens": [20, 21]}],
     ]  # fmt: skip
-    for feeds in steps:
-        want = [r.forward(**f) for r, f in zip(alone, feeds)]
-        got = forward_many(stacked, [Feed(**f) for f in feeds])
-        for r, (w, g) in enumerate(zip(want, got)):
-            assert torch.equal(w.logits, g.logits), (feeds, r)
-    for a, b in zip(alone, stacked):
-        for (ka, va), (kb, vb) in zip(a.cached_kv(), b.cached_kv()):
-            assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert_stacked_is_alone(alone, stacked, steps)
 
 
 def test_every_method_is_token_identical_to_autoregressive(direct):
