@@ -1,0 +1,95 @@
+"""What a fresh process's first request costs: `python -m draftverify.bench.first_request --out FOLDER`.
+
+Each of `--processes` fresh Python processes loads the engine (`Engine.load`, the default model unless `--target`)
+and sends `--requests` identical requests of `--method`; the time to first token of each, and the first one's
+ratio to the fastest later one, go in `FOLDER/report.md` (the command on its first line, written atomically).
+A first request pays for whatever a process does once: compiling or importing the kernels, measuring or reading the
+cost curves (`costs.curve`, cached on disk per machine, model, arithmetic and kernel build), loading a lazily
+loaded draft. Processes run one after another, so a later one finds what an earlier one left on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from draftverify.util import atomic_path
+
+PROBE = """
+import json, sys, time
+from draftverify import Engine
+target, method, prompt = sys.argv[1] or None, sys.argv[2], sys.argv[4]
+requests, tokens = int(sys.argv[3]), int(sys.argv[5])
+started = time.perf_counter()
+engine = Engine.load(target) if target else Engine.load()
+load_s = time.perf_counter() - started
+ttft = [engine.generate(prompt, method=method, chat=True, max_new_tokens=tokens).stats.ttft_s for _ in range(requests)]
+print(json.dumps({"load_s": load_s, "ttft_s": ttft, "arithmetic": engine.arithmetic}))
+"""
+PROMPT = "Explain why the sky is blue in two sentences."
+
+
+def probe(target: str | None, method: str, requests: int, tokens: int) -> dict:
+    """One fresh process's load time and per-request TTFTs."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    args = [sys.executable, "-c", PROBE, target or "", method, str(requests), PROMPT, str(tokens)]
+    run = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
+    if run.returncode != 0:
+        tail = run.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise SystemExit(f"first_request: the probe process failed ({tail[0][:200]})")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def report(runs: list[dict], command: str, method: str) -> str:
+    lines = [
+        "# First request of a fresh process",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"Each row: one fresh process, `Engine.load()` then identical `{method}` requests ({PROMPT!r}, chat);",
+        "first / warm = the first request's time to first token over the fastest later request's.",
+        "",
+        "| process | arithmetic | load (s) | TTFT per request (ms) | first / warm |",
+        "|---|---|---|---|---|",
+    ]
+    for i, run in enumerate(runs, 1):
+        ttft = run["ttft_s"]
+        ratio = ttft[0] / min(ttft[1:]) if len(ttft) > 1 and min(ttft[1:]) > 0 else None
+        cells = [str(i), run["arithmetic"], f"{run['load_s']:.2f}", ", ".join(f"{t * 1e3:.0f}" for t in ttft)]
+        lines.append("| " + " | ".join([*cells, "-" if ratio is None else f"{ratio:.2f}"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    prog = "python -m draftverify.bench.first_request"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="report folder (report.md, runs.json)")
+    parser.add_argument("--target", default=None, help="a model folder or .gguf file (default: the default model)")
+    parser.add_argument("--method", default="auto", help="the method of every request")
+    parser.add_argument("--processes", type=int, default=2, help="fresh processes, one after another")
+    parser.add_argument("--requests", type=int, default=3, help="requests per process (at least 2)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per request")
+    args = parser.parse_args(argv)
+    if args.requests < 2 or args.processes < 1:
+        raise SystemExit("first_request: --requests must be at least 2 and --processes at least 1")
+    command = f"{prog} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    runs = []
+    for i in range(args.processes):
+        runs.append(probe(args.target, args.method, args.requests, args.max_new_tokens))
+        print(f"first_request: process {i + 1} of {args.processes} done", file=sys.stderr, flush=True)
+    text = report(runs, command, args.method)
+    with atomic_path(args.out, folder=True) as tmp:
+        (tmp / "report.md").write_text(text)
+        (tmp / "runs.json").write_text(json.dumps(runs, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

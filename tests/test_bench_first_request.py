@@ -1,0 +1,23 @@
+"""`python -m draftverify.bench.first_request`: a fresh process's first request against its later ones."""
+
+import pytest
+
+from draftverify.bench.first_request import main, report
+
+
+def test_the_report_rows_are_the_processes_runs():
+    runs = [{"load_s": 2.5, "ttft_s": [0.06, 0.03, 0.04], "arithmetic": "q8"}]
+    text = report(runs, "cmd", "auto")
+    assert "| 1 | q8 | 2.50 | 60, 30, 40 | 2.00 |" in text and text.splitlines()[3] == "cmd"
+
+
+def test_it_measures_a_fresh_process_on_the_default_model(tmp_path, capsys):
+    main(["--out", str(tmp_path / "r"), "--processes", "1", "--requests", "2", "--max-new-tokens", "2",
+          "--method", "autoregressive"])  # fmt: skip
+    text = (tmp_path / "r" / "report.md").read_text()
+    assert "| 1 |" in text and (tmp_path / "r" / "runs.json").is_file()
+
+
+def test_bad_counts_are_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="at least 2"):
+        main(["--out", str(tmp_path), "--requests", "1"])
