@@ -93,8 +93,10 @@ def prepare(w: PackedWeight) -> Q8Weight:
         raise ValueError(f"q8: {w.type_name} in layout {w.layout} has no codes: use PackedWeight.matmul")
     out, k = w.shape
     tiles = -(-out // TILE)
-    q = codes(w).astype(np.uint8)
-    q = np.concatenate([q, np.zeros((tiles * TILE - out, k), np.uint8)]).reshape(tiles, TILE, k)
+    q = codes(w, np.uint8)
+    if tiles * TILE > out:
+        q = np.concatenate([q, np.zeros((tiles * TILE - out, k), np.uint8)])
+    q = q.reshape(tiles, TILE, k)
     layout = "u5" if w.layout == "u8" and int(q.max(initial=0)) < 32 else w.layout  # Q5_0 / Q5_1 / Q5_K: 5 bits
     if layout == "u8":  # chunk g: k = 4 g + i
         packed = q.reshape(tiles, TILE, k // 4, 4).transpose(0, 2, 1, 3)
@@ -152,14 +154,14 @@ def round_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return qx.reshape(m, k).astype(np.float32), dx.astype(np.float32)
 
 
-def codes(w: PackedWeight) -> np.ndarray:
-    """The weight's codes, one per weight: int64 [out, in]."""
+def codes(w: PackedWeight, dtype=np.int64) -> np.ndarray:
+    """The weight's codes, one per weight: [out, in] (`dtype` uint8: no wider copy of a large weight)."""
     out, k = w.shape
     c = w.codes.numpy()
     if w.layout == "u4":
         c = c.reshape(out, k // 32, 16)
-        return np.concatenate([c & 15, c >> 4], axis=-1).reshape(out, k).astype(np.int64)
-    return c.reshape(out, k).astype(np.int64)
+        return np.concatenate([c & 15, c >> 4], axis=-1).reshape(out, k).astype(dtype, copy=False)
+    return c.reshape(out, k).astype(dtype, copy=False)
 
 
 def fma32(a, b, c) -> np.ndarray:
