@@ -124,8 +124,8 @@ def test_runners_of_one_engine_share_packed_weights_and_two_engines_do_not(tiny)
 
 
 def test_a_draft_multiplies_with_rounded_copies_and_its_target_keeps_its_own_weights(tiny):
-    """Rounding is for drafts only: an fp32 draft gets int8 rows (AVX-512 VNNI) or Q8_0 blocks, the fp32 target
-    none, and a runner of the same model as a target (self-speculative, the target itself) does not share the
+    """Rounding is for drafts only: an fp32 draft gets Q8_0 blocks (in the q8 tiles with AVX-512 VNNI), the fp32
+    target none, and a runner of the same model as a target (self-speculative, the target itself) does not share the
     draft's copies."""
     from draftverify.kernels import cpu, unavailable
     from draftverify.kernels.quant import q8_blocks
@@ -135,7 +135,9 @@ def test_a_draft_multiplies_with_rounded_copies_and_its_target_keeps_its_own_wei
     target, draft = tiny("llama"), tiny("llama", seed=1, layers=2)
     engine = Engine(target, draft, backend="static")
     drafting, verifying = engine.draft_runner.static.layers[0].qkv, engine.target_runner.static.layers[0].qkv
-    assert drafting.blocks.kind == ("i8_rows" if cpu().int8_rows() else "q8_0") and verifying.blocks is None
+    assert drafting.blocks.kind == "q8_0" and verifying.blocks is None
+    assert (drafting.q8 is not None) == cpu().int8_rows()  # VNNI: the q8 tiles at every row count
+    assert drafting.q8 is None or drafting.weight is None  # and then no fp32 copy
     assert Runner(draft.model, "static").static.layers[0].qkv.blocks is None
     w = torch.randn(8, 64)
     rebuilt = q8_blocks(w).dequantize()

@@ -57,13 +57,12 @@ class Packs:
 class PackedLinear:
     """y = x W^T + b for several stock linears fused along the output dimension, prepacked on CPU.
 
-    `draft`: a draft's weight gets a rounded copy (`quant_blocks`): int8 rows, multiplied by int8 dot
-    products at any row count where the CPU has AVX-512 VNNI (`kernels.quant.i8_rows`), else Q8_0 blocks
-    for few-row forwards (`q8_blocks`): a draft's precision changes what it proposes, never what
-    verification accepts.
+    `draft`: a draft's weight gets a rounded copy (`quant_blocks`): Q8_0 blocks, multiplied in the q8 arithmetic's
+    tiles at any row count where the CPU has AVX-512 VNNI, else by the Q8_0 product for few-row forwards: a
+    draft's precision changes what it proposes, never what verification accepts.
 
     `arithmetic` "q8": a target weight with exact Q4_1 / Q8_0 blocks takes the q8 product (kernels/q8.py) at every
-    row count, and no one-call layer (`quant` None)."""
+    row count. A q8 weight's `quant` is what the one-call layer takes of it (`q8_layer_weight`)."""
 
     def __init__(self, linears: list[torch.nn.Linear], draft: bool = False, arithmetic: str = "fp32"):
         weights = [lin.weight.detach() for lin in linears]
@@ -72,27 +71,27 @@ class PackedLinear:
         self.out_features = weight.shape[0]
         self.blocks = quant_blocks(weight, draft)  # exact Q4_1 / Q8_0 blocks (or a draft's rounding), or None
         self._no_bias = torch.empty(0, dtype=weight.dtype, device=weight.device)
-        # int8 rows take every row count (`__call__`): no fp32 copy of the weight is ever multiplied, none is kept.
-        i8_rows = self.blocks is not None and self.blocks.kind == "i8_rows"
-        self.packed = packable(weight) and not i8_rows
+        vnni = self.blocks is not None and cpu_kernels().int8_rows()  # built with AVX-512 VNNI
+        self.q8 = q8_weight(self.blocks) if (arithmetic == "q8" and not draft) or (draft and vnni) else None
+        # q8 takes every row count (`__call__`): no fp32 copy of the weight is ever multiplied, none is kept.
+        self.packed = packable(weight) and self.q8 is None
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS) if self.packed else weight
-        if i8_rows:
+        if self.q8 is not None:
             self.weight = None
         b = self.blocks  # the quantized product's arguments, as `quant_linear` and the one-call `layer` take them
         self.quant = None if b is None else [b.q, b.d, b.m, self.bias if self.bias is not None else self._no_bias]
+        if self.q8 is not None:
+            self.quant = q8_layer_weight(self.q8, self.bias)
         # A weight with blocks takes the quantized product for one row, so it keeps no second plain copy.
         self.kernel = one_row_kernel(weight) if self.blocks is None else None
         self.dense = weight.contiguous() if self.kernel is not None else None
-        self.q8 = q8_weight(self.blocks) if arithmetic == "q8" and not draft else None
-        if self.q8 is not None:
-            self.quant = None
 
     def __call__(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:  # [m, in] -> [m, out]
-        """`quant`: the quantized product (if the weight has blocks) whatever the number of rows (a draft's int8
-        rows take it at any row count)."""
+        """`quant`: the quantized product (if the weight has blocks) whatever the number of rows (a q8 weight takes
+        its product at any row count)."""
         if self.q8 is not None:
             return q8_product(self.q8, x, self.bias)
-        if self.quant is not None and (quant or x.shape[0] <= QUANT_ROWS or self.blocks.kind == "i8_rows"):
+        if self.quant is not None and (quant or x.shape[0] <= QUANT_ROWS):
             return cpu_kernels().quant_linear(x.contiguous(), *self.quant)
         if self.kernel is not None and x.shape[0] == 1:
             return self.kernel.linear(x.contiguous(), self.dense, self.bias if self.bias is not None else self._no_bias)
@@ -116,15 +115,13 @@ def _fused_bias(linears: list[torch.nn.Linear], weight: torch.Tensor) -> torch.T
 
 def quant_blocks(weight: torch.Tensor, draft: bool = False):
     """The exact Q4_1 / Q8_0 blocks of `weight` when the compiled kernels can multiply them (else None); for a
-    draft, its int8 rows where the kernels have int8 dot products, else its Q8_0 rounding."""
+    draft, its Q8_0 rounding."""
     kernels = cpu_kernels()
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or kernels is None:
         return None
-    from draftverify.kernels.quant import exact_blocks, i8_rows, q8_blocks
+    from draftverify.kernels.quant import exact_blocks, q8_blocks
 
-    if not draft:
-        return exact_blocks(weight)
-    return (i8_rows(weight) if kernels.int8_rows() else None) or q8_blocks(weight)
+    return q8_blocks(weight) if draft else exact_blocks(weight)
 
 
 def one_row_kernel(weight: torch.Tensor):
@@ -192,20 +189,14 @@ class BlockLinear:
         (spec: its product, layout, sub, out, centre), then the bias; the product of each part is the one this
         linear calls for every row count the one-call layer takes (1..QUANT_ROWS), so the bits are the same.
         None where a part has no such product (no kernels, in-features not a multiple of 32)."""
-        from draftverify.kernels.blocks import LAYOUTS
-        from draftverify.kernels.q8 import TILE_LAYOUTS
-
         if cpu_kernels() is None:
             return None
-        codes = {"blocks": 0, "q8": 1}
         out = []
         for w in self.parts:
             name = product(w, 1, self.arithmetic)
-            if w.shape[1] % 32 or name not in codes or product(w, QUANT_ROWS, self.arithmetic) != name:
+            if w.shape[1] % 32 or name not in LAYER_PRODUCTS or product(w, QUANT_ROWS, self.arithmetic) != name:
                 return None
-            layout = (TILE_LAYOUTS if name == "q8" else LAYOUTS)[w.layout]
-            spec = [codes[name], layout, w.sub, w.shape[0], getattr(w, "centre", -1)]
-            out += [torch.tensor(spec, dtype=torch.int64), w.codes, w.d, w.m]
+            out += [layer_spec(name, w), w.codes, w.d, w.m]
         return [*out, self.bias if self.bias is not None else torch.empty(0)]
 
     def __call__(self, x: torch.Tensor, quant: bool = False) -> torch.Tensor:  # [m, in] -> [m, out]
@@ -275,6 +266,25 @@ def q8_weight(blocks):
     from draftverify.kernels.q8 import from_blocks, prepare
 
     return prepare(from_blocks(blocks))
+
+
+LAYER_PRODUCTS = {"blocks": 0, "q8": 1}  # the products csrc/layer.cpp's `dv::quant_product` runs, by its code
+
+
+def layer_spec(name: str, weight) -> torch.Tensor:
+    """A weight's spec as `dv::quant_product` reads it: int64 [product, layout, sub, out, centre]."""
+    from draftverify.kernels.blocks import LAYOUTS
+    from draftverify.kernels.q8 import TILE_LAYOUTS
+
+    layout = (TILE_LAYOUTS if name == "q8" else LAYOUTS)[weight.layout]
+    spec = [LAYER_PRODUCTS[name], layout, weight.sub, weight.shape[0], getattr(weight, "centre", -1)]
+    return torch.tensor(spec, dtype=torch.int64)
+
+
+def q8_layer_weight(weight, bias: torch.Tensor | None) -> list:
+    """A q8 weight (`Q8Weight`) as `dv::quant_product` takes it: {spec, codes, d, m}, then the bias: the product
+    `q8_product` calls, the bias added after it (one fp32 add either way)."""
+    return [layer_spec("q8", weight), weight.codes, weight.d, weight.m, bias if bias is not None else torch.empty(0)]
 
 
 def q8_product(weight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
