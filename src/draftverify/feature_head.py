@@ -124,8 +124,8 @@ class FeatureHead(nn.Module):
 
     def pack(self) -> "FeatureHead":
         """Draft through the static path's kernels in eval mode: its linears and its rows of the target's LM head
-        on rounded copies (`backend.linear.PackedLinear` with `draft`: int8 rows multiplied by int8 dot products where
-        the CPU has AVX-512 VNNI, else Q8_0 blocks for few rows; a draft's precision changes what it proposes,
+        on rounded copies (`backend.linear.PackedLinear` with `draft`: Q8_0 blocks, in the q8 tiles at any row count
+        where the CPU has AVX-512 VNNI, else for few rows; a draft's precision changes what it proposes,
         never what is accepted), its norms and attention on the target's one-pass kernels. For inference only:
         the packed copies do not follow later changes of the weights."""
         if self._fast is None and self.fc.weight.device.type == "cpu":

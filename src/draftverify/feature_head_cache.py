@@ -30,7 +30,7 @@ class HeadCache:
         kernels = cpu_kernels() if fast else None
         self.rope_attention = kernels.rope_attention if kernels is not None else None
         self.layer = kernels.layer if kernels is not None else None
-        # the rounded copies (int8 rows or Q8_0, `pack`): the one-call layer takes them
+        # the rounded copies (Q8_0, in the q8 tiles with VNNI, `pack`): the one-call layer takes them
         self.fused = (
             layer_weights(*(head._fast[name] for name in ("qkv", "o", "gate_up", "down")))
             if kernels is not None

@@ -99,7 +99,7 @@ class Runner:
 
     `backend` (see `choose_backend`) names the decoder (`self.decoder`) the forwards run on;
     `fallback_reason` says why `auto` chose eager. `draft=True`: a draft model's runner; on the static
-    path its forwards may use rounded weights (int8 rows or Q8_0: what it proposes, never what is accepted).
+    path its forwards may use rounded weights (Q8_0; what it proposes, never what is accepted).
     `shared`: what this runner shares with the other runners of its engine (`Shared`; a runner of its own
     when None).
     """
