@@ -136,7 +136,7 @@ def test_a_draft_multiplies_with_rounded_copies_and_its_target_keeps_its_own_wei
     engine = Engine(target, draft, backend="static")
     drafting, verifying = engine.draft_runner.static.layers[0].qkv, engine.target_runner.static.layers[0].qkv
     assert drafting.blocks.kind == "q8_0" and verifying.blocks is None
-    assert (drafting.q8 is not None) == cpu().int8_rows()  # VNNI: the q8 tiles at every row count
+    assert (drafting.q8 is not None) == cpu().vnni()  # VNNI: the q8 tiles at every row count
     assert drafting.q8 is None or drafting.weight is None  # and then no fp32 copy
     assert Runner(draft.model, "static").static.layers[0].qkv.blocks is None
     w = torch.randn(8, 64)
@@ -253,34 +253,6 @@ def test_quantized_product_matches_fp64_and_gives_each_row_the_same_bits_at_any_
         ):  # a row's sums do not depend on the rows that came with it (passes of 6, the last of up to 8 with AVX-512)
             assert torch.equal(kernel.quant_linear(x[:rows].contiguous(), b.q, b.d, b.m, bias), y[:rows])
             assert torch.equal(kernel.quant_linear(x[rows - 1 :].contiguous(), b.q, b.d, b.m, bias)[0], y[rows - 1])
-
-
-def test_int8_rows_product_is_its_integer_arithmetic_and_near_the_fp32_product():
-    """A draft's int8 rows (AVX-512 VNNI builds): each row of x rounded to int8 with its own scale, sums in int32
-    (exact), one scale per row and output; at any row count (also past QUANT_ROWS) and any number of outputs."""
-    from draftverify.kernels import cpu, unavailable
-    from draftverify.kernels.quant import i8_rows
-
-    kernel = cpu()
-    if kernel is None or not kernel.int8_rows():
-        pytest.skip(unavailable() or "no AVX-512 VNNI on this CPU")
-    torch.manual_seed(0)
-    assert i8_rows(torch.randn(4, 96)) is None  # rows not made of 64-byte steps
-    for m, k, n in ((1, 576, 1536), (3, 64, 7), (40, 1152, 301)):
-        w, x, bias = torch.randn(n, k), torch.randn(m, k) * 3, torch.randn(n)
-        b = i8_rows(w)
-        assert (
-            (b.dequantize() - w).abs().amax(-1).le(w.abs().amax(-1) / 254 + 1e-6).all()
-        )  # half a step of the row's scale
-        y = kernel.quant_linear(x, b.q, b.d, b.m, bias)
-        scale = x.abs().amax(-1) / 127
-        qx = torch.round(x / scale[:, None]).clamp(-127, 127)
-        ints = qx.double() @ b.q.double().T
-        torch.testing.assert_close(
-            y.double(), ints * (b.d.double() * scale.double()[:, None]) + bias.double(), atol=1e-5, rtol=1e-6
-        )
-        exact = x.double() @ w.double().T + bias.double()
-        assert ((y.double() - exact).abs().max() / exact.abs().max()).item() < 0.03
 
 
 def test_attention_kernel_matches_fp64_and_gives_each_row_the_same_bits_at_any_row_count():

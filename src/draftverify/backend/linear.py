@@ -71,7 +71,7 @@ class PackedLinear:
         self.out_features = weight.shape[0]
         self.blocks = quant_blocks(weight, draft)  # exact Q4_1 / Q8_0 blocks (or a draft's rounding), or None
         self._no_bias = torch.empty(0, dtype=weight.dtype, device=weight.device)
-        vnni = self.blocks is not None and cpu_kernels().int8_rows()  # built with AVX-512 VNNI
+        vnni = self.blocks is not None and cpu_kernels().vnni()  # the q8 tiles on AVX-512 VNNI
         self.q8 = q8_weight(self.blocks) if (arithmetic == "q8" and not draft) or (draft and vnni) else None
         # q8 takes every row count (`__call__`): no fp32 copy of the weight is ever multiplied, none is kept.
         self.packed = packable(weight) and self.q8 is None

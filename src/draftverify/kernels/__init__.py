@@ -1,9 +1,9 @@
 """The static path's CPU kernels (csrc/, one file per operation and weight layout, as ggml's CPU backend is split:
 products_fp32.cpp the one-row matmul, products_q4q8.cpp the exact Q4_1 / Q8_0 product, products_blocks.cpp the GGUF
-block layouts of blocks.py, products_i8rows.cpp a draft's int8 rows, attention.cpp the attention of new tokens (up
-to 32 in a decoding step or a tree, 128 rows a call in a prefill), norms.cpp RMSNorm, layer.cpp SiLU(gate) * up and a
-whole decoder layer in one call, draft_ops.cpp the feature head's ops; module.cpp registers them all), compiled once
-per machine and cached.
+block layouts of blocks.py, products_q8.cpp the q8 arithmetic's tiles (a target in q8, and drafts), attention.cpp
+the attention of new tokens (up to 32 in a decoding step or a tree, 128 rows a call in a prefill), norms.cpp
+RMSNorm, layer.cpp SiLU(gate) * up and a whole decoder layer in one call, draft_ops.cpp the feature head's ops;
+module.cpp registers them all), compiled once per machine and cached.
 
 `cpu()` returns the compiled module, or None with `unavailable()` saying why in one line
 (not x86-64 with AVX2 + FMA, no C++ compiler or ninja, a failed build, or
@@ -53,7 +53,7 @@ def has_avx512() -> bool:
 
 
 def has_vnni() -> bool:
-    """Whether this CPU has AVX-512 VNNI (int8 dot products: a draft's int8-row products, csrc/products_i8rows.cpp)."""
+    """Whether this CPU has AVX-512 VNNI (int8 dot products: the q8 products, csrc/products_q8.cpp)."""
     return has_avx512() and {"avx512bw", "avx512_vnni"} <= cpu_flags()
 
 

@@ -11,10 +11,9 @@ does); a weight that is not so quantized (a trained draft, a model loaded from s
 fp32) stays on oneDNN. No GGUF parsing: any weight that happens to be exactly such blocks
 qualifies, whatever file it came from.
 
-`q8_blocks` and `i8_rows` are the lossy conversions, for drafts only (the draft model, the feature
-head), whose precision changes what is proposed, never what verification accepts: Q8_0 blocks of
-any weight (d kept in fp32), or int8 rows with one scale a row, which the kernels multiply with
-int8 dot products (AVX-512 VNNI) after rounding each row of x the same way.
+`q8_blocks` is the lossy conversion, for drafts only (the draft model, the feature head), whose precision
+changes what is proposed, never what verification accepts: Q8_0 blocks of any weight (d kept in fp32), which
+the q8 products multiply in their tiles where the CPU has AVX-512 VNNI (backend/linear.py).
 """
 
 from __future__ import annotations
@@ -31,15 +30,13 @@ class Blocks:
     """A weight [N, K] as exact blocks of 32: `q` uint8 [N, K/2] (Q4_1, two per byte: byte j of a
     block holds q_j | q_{j+16} << 4) or int8 [N, K] (Q8_0); `d` [N, K/32]; `m` [N, K/32] or empty (Q8_0)."""
 
-    kind: str  # "q4_1", "q8_0" or "i8_rows" (`q` int8 [N, K], `d` [N], `m` int32 [N]: each row's sum of q)
+    kind: str  # "q4_1" or "q8_0"
     q: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight the blocks stand for (what the kernel rebuilds, for tests)."""
-        if self.kind == "i8_rows":
-            return self.q.float() * self.d[:, None]
         n, blocks = self.d.shape
         if self.kind == "q8_0":
             return (self.q.view(n, blocks, BLOCK).float() * self.d[..., None]).view(n, blocks * BLOCK)
@@ -104,20 +101,3 @@ def q8_blocks(weight: torch.Tensor) -> Blocks | None:
     NOT the same weight. For drafts, whose outputs are only proposals."""
     w = _in_blocks(weight)
     return None if w is None else _q8_0_blocks(*_q8_rounding(w))
-
-
-def i8_rows(weight: torch.Tensor) -> Blocks | None:
-    """`weight` [N, K] (fp32, CPU, K a multiple of 64) rounded to int8 with one scale a row (d = the row's largest
-    magnitude / 127): NOT the same weight. For drafts, which the kernels multiply with int8 dot products.
-
-    Measured on the shipped feature head's build data (teacher-forced, the drafting path, its 4,096 most frequent
-    tokens): depth-1 agreement with the target 0.500 on int8 rows against 0.504 on Q8_0 blocks (4,015 held-out
-    reply tokens) and 0.446 against 0.447 (1,308 of held-out template prompts): within the few near-ties that any
-    rounding flips."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 64:
-        return None
-    w = weight.detach()
-    d = torch.maximum(w.amax(-1), -w.amin(-1)) / 127  # the largest magnitude, without an |w| copy of the weight
-    scaled = w / torch.where(d > 0, d, 1.0)[:, None]  # the one fp32 temporary: rounded and clamped in place
-    q = scaled.round_().clamp_(-127, 127).to(torch.int8)
-    return Blocks("i8_rows", q.contiguous(), d.contiguous(), q.sum(-1, dtype=torch.int32).contiguous())

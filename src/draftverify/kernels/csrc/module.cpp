@@ -6,10 +6,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer", &layer, "one pre-norm decoder layer on quantized weights for a few rows, float32");
   m.def("layer_many", &layer_many, "the same layer for several sequences' rows stacked, each with its own cache, float32");
   m.def("linear", &linear, "x @ w.T (+ bias) for one row, float32");
-  m.def("quant_linear", &quant_linear, "x @ w.T (+ bias) with w in exact Q4_1 / Q8_0 blocks (or a draft's int8 rows), float32");
+  m.def("quant_linear", &quant_linear, "x @ w.T (+ bias) with w in exact Q4_1 / Q8_0 blocks, float32");
   m.def("block_linear", &block_linear, "x @ w.T (+ bias) with w in a GGUF block layout (kernels/blocks.py), float32");
   m.def("q8_linear", &q8_linear, "x @ w.T (+ bias) in the q8 arithmetic: x rounded to int8 per 32, integer dot products with u4 / u8 block codes");
-  m.def("int8_rows", &int8_rows, "whether quant_linear takes int8 rows (built with AVX-512 VNNI)");
+  m.def("vnni", &vnni, "whether the q8 products were built with AVX-512 VNNI");
   m.def("attention", &attention, "softmax(q k^T * scale, masked) v per query row and head, float32");
   m.def("rope_attention", &rope_attention, "rotate q, k; store k, v in the cache; attention; float32");
   m.def("rms_norm", &rms_norm, "w * x / sqrt(mean(x^2) + eps) per row, float32");

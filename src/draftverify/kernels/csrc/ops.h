@@ -16,9 +16,6 @@ torch::Tensor quant_product(const torch::Tensor& x, const std::vector<torch::Ten
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
 // products_q4q8.cpp
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, torch::Tensor bias);
-// products_i8rows.cpp
-torch::Tensor i8_rows_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor sums, torch::Tensor bias);
-bool int8_rows();
 // norms.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 // attention.cpp
@@ -46,3 +43,4 @@ torch::Tensor block_linear(torch::Tensor x, int64_t layout, int64_t sub, torch::
 // products_q8.cpp: the q8 arithmetic over u4 / u8 codes in tiles of 16 outputs (kernels/q8.py prepare)
 torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, int64_t N, torch::Tensor codes, torch::Tensor d,
                         torch::Tensor m, int64_t centre, torch::Tensor bias);
+bool vnni();

@@ -115,7 +115,6 @@ void quant_block(const float* x, const Quant& w, float* y, int64_t M, int64_t K,
 // (q4) or empty (q8); bias [N] or empty. Returns y [M, N].
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "quant_linear: x must be [M, K] float32");
-  if (d.dim() == 1) return i8_rows_linear(x, q, d, m, bias);  // a draft's int8 rows (m: the rows' sums of q)
   const int64_t M = x.size(0), K = x.size(1), N = d.size(0);
   const bool q4 = m.numel() > 0;
   TORCH_CHECK(K % 32 == 0 && d.size(1) == K / 32 && q.size(0) == N && q.size(1) == (q4 ? K / 2 : K), "quant_linear: shapes");

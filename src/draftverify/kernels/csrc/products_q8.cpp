@@ -295,6 +295,14 @@ TilesFn pick(int64_t layout, int64_t sub, bool centred, bool half) {
 }
 }  // namespace
 
+bool vnni() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // x [M, K] float32 contiguous, K a multiple of 32; layout 0 (u4) or 1 (u8); sub 16 or 32; codes uint8 in tiles (top of
 // this file) for N outputs; d, m float32 [tiles, K / sub, 16] (m empty when centre >= 0: M = -centre D); bias [N] or
 // empty. Returns y [M, N] in the q8 arithmetic.
