@@ -71,9 +71,7 @@ class _Layer:
         self.scaling = float(getattr(attn, "scaling", attn.head_dim**-0.5))  # Gemma: query_pre_attn_scalar ** -0.5
         self.softcap = getattr(cfg, "attn_logit_softcapping", None) if recipe.attn_softcap else None
         self.activation = activation(cfg)
-        # a plain pre-norm SiLU layer: a few rows may go through the kernels' one-call layer
-        plain = recipe.llama_shaped and self.activation == "silu"
-        self.fused = layer_weights(self.qkv, self.o, self.gate_up, self.down) if plain else None
+        self.fused = layer_weights(self.qkv, self.o, self.gate_up, self.down) if recipe.one_call(cfg) else None
 
 
 def norm_weight(norm: torch.nn.Module, offset: float) -> torch.Tensor:

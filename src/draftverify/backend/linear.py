@@ -79,9 +79,10 @@ class PackedLinear:
         if self.q8 is not None:
             self.weight = None
         b = self.blocks  # the quantized product's arguments, as `quant_linear` and the one-call `layer` take them
-        self.quant = None if b is None else [b.q, b.d, b.m, self.bias if self.bias is not None else self._no_bias]
         if self.q8 is not None:
             self.quant = q8_layer_weight(self.q8, self.bias)
+        else:
+            self.quant = None if b is None else [b.q, b.d, b.m, self.bias if self.bias is not None else self._no_bias]
         # A weight with blocks takes the quantized product for one row, so it keeps no second plain copy.
         self.kernel = one_row_kernel(weight) if self.blocks is None else None
         self.dense = weight.contiguous() if self.kernel is not None else None

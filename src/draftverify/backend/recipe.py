@@ -46,6 +46,10 @@ class Recipe:
         """Whether a layer is the plain pre-norm Llama layer (what the kernels' one-call `layer` computes)."""
         return not (self.qk_norm or self.norm_attn_out or self.norm_mlp_out or self.norm_offset or self.attn_softcap)
 
+    def one_call(self, config) -> bool:
+        """Whether a few rows of a layer may go through the kernels' one-call layer: a plain pre-norm SiLU layer."""
+        return self.llama_shaped and activation(config) == "silu"
+
 
 _GEMMA = dict(
     norm_mlp="pre_feedforward_layernorm",

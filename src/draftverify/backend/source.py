@@ -74,13 +74,12 @@ def source_layer(source, i: int, recipe: Recipe, config, eps: float, arithmetic:
     o = BlockLinear([source.linear(at("self_attn", recipe.out), arithmetic)], arithmetic=arithmetic)
     gate_up = BlockLinear(source.fused([at("mlp", n) for n in recipe.gate_up], arithmetic), arithmetic=arithmetic)
     down = BlockLinear([source.linear(at("mlp", recipe.down), arithmetic)], arithmetic=arithmetic)
-    plain = recipe.llama_shaped and activation(config) == "silu"  # what the one-call layer computes
     return SourceLayer(
         qkv=qkv,
         o=o,
         gate_up=gate_up,
         down=down,
-        fused=layer_weights(qkv, o, gate_up, down) if plain else None,
+        fused=layer_weights(qkv, o, gate_up, down) if recipe.one_call(config) else None,
         q_size=heads * head_dim,
         kv_size=kv_heads * head_dim,
         norm_in=norm(f"layers.{i}.{recipe.norm_in}"),

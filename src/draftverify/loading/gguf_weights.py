@@ -117,9 +117,13 @@ class GGUFWeights:
         if found is None:
             from draftverify.backend.linear import for_arithmetic
 
-            found = for_arithmetic(self._packed.get((name, "fp32")) or self._pack(name), arithmetic)
+            found = for_arithmetic(self._fp32(name), arithmetic)
             self._packed[name, arithmetic] = found
         return found
+
+    def _fp32(self, name: str) -> PackedWeight:
+        """The PackedWeight of `name`: the one kept for the fp32 arithmetic, else packed now and not kept."""
+        return self._packed.get((name, "fp32")) or self._pack(name)
 
     def _pack(self, name: str) -> PackedWeight:
         info = self._tensor(self.name(name))
@@ -141,7 +145,7 @@ class GGUFWeights:
         if found is None:
             from draftverify.backend.linear import concat_runs, for_arithmetic
 
-            parts = [self._packed.get((n, "fp32")) or self._pack(n) for n in names]
+            parts = [self._fp32(n) for n in names]
             found = self._fused[key] = [for_arithmetic(w, arithmetic) for w in concat_runs(parts)]
         return found
 

@@ -36,11 +36,11 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 torch::Tensor dv::quant_product(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
   if (w.size() == 4) return quant_linear(x, w[0], w[1], w[2], w[3]);
   TORCH_CHECK(w.size() % 4 == 1, "layer: a weight is {q, d, m, bias} or runs of {spec, codes, d, m} then the bias");
+  const auto none = torch::empty({0}, x.options());
   std::vector<torch::Tensor> outs;
   for (size_t i = 0; i + 1 < w.size(); i += 4) {
     TORCH_CHECK(w[i].scalar_type() == at::kLong && w[i].numel() == 5, "layer: a run's spec is int64 [product, layout, sub, out, centre]");
     const int64_t* spec = w[i].data_ptr<int64_t>();
-    const auto none = torch::empty({0}, x.options());
     outs.push_back(spec[0] == 0 ? block_linear(x, spec[1], spec[2], w[i + 1], w[i + 2], w[i + 3], none)
                                 : q8_linear(x, spec[1], spec[2], spec[3], w[i + 1], w[i + 2], w[i + 3], spec[4], none));
   }
@@ -49,15 +49,15 @@ torch::Tensor dv::quant_product(const torch::Tensor& x, const std::vector<torch:
 }
 
 // One pre-norm decoder layer (Llama family, no q/k norms) for a few new rows h [n, H] of one sequence, every
-// product quantized or a file's blocks (`dv::quant_product`): h + o(attention(rope(qkv(norm_in(h))))), then + down(silu_mul(gate_up(norm_post(.)))).
-// The same kernels, in the same order, as the static path's op-by-op layer, so the result is the same to the
-// bit; one call instead of about a dozen small ops and their dispatch, which dominate at decoding sizes.
+// product quantized or a file's blocks (`dv::quant_product`): h + o(attention(rope(qkv(norm_in(h))))), then
+// + down(silu_mul(gate_up(norm_post(.)))). The same kernels, in the same order, as the static path's op-by-op layer,
+// so the result is the same to the bit; one call instead of about a dozen small ops and their dispatch, which
+// dominate at decoding sizes. It is `layer_many` with one sequence.
 torch::Tensor layer(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_post, double eps, std::vector<torch::Tensor> qkv,
                     std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, torch::Tensor cos,
                     torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t past, int64_t heads, torch::Tensor mask, double scale) {
-  auto attended = rope_attention(dv::quant_product(rms_norm(h, norm_in, eps), qkv), cos, sin, keys, values, past, heads, mask, scale);
-  h = h + dv::quant_product(attended, o);
-  return h + dv::quant_product(silu_mul(dv::quant_product(rms_norm(h, norm_post, eps), gate_up)), down);
+  return layer_many(h, norm_in, norm_post, eps, qkv, o, gate_up, down, cos, sin, {keys}, {values}, {0}, {h.size(0)}, {past}, heads,
+                    {mask}, scale);
 }
 
 // The same layer for several sequences stacked row-wise (a batch of decoding steps or trees): sequence j owns rows
@@ -73,15 +73,20 @@ torch::Tensor layer_many(torch::Tensor h, torch::Tensor norm_in, torch::Tensor n
   TORCH_CHECK(parts && ns.size() == parts && pasts.size() == parts && keys.size() == parts && values.size() == parts &&
                   masks.size() == parts, "layer_many: one first, n, past, cache and mask per sequence");
   const auto projected = dv::quant_product(rms_norm(h, norm_in, eps), qkv);
-  // The sequences' attentions share one parallel region (each runs whole on its thread: an attention's result does
-  // not depend on how its tasks are split), rather than one short region each.
   std::vector<torch::Tensor> outs(parts);
-  at::parallel_for(0, static_cast<int64_t>(parts), 1, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      const auto rows = [&](const torch::Tensor& t) { return t.narrow(0, firsts[j], ns[j]); };
-      outs[j] = rope_attention(rows(projected), rows(cos), rows(sin), keys[j], values[j], pasts[j], heads, masks[j], scale);
-    }
-  });
+  const auto attend = [&](size_t j) {
+    const auto rows = [&](const torch::Tensor& t) { return t.narrow(0, firsts[j], ns[j]); };
+    outs[j] = rope_attention(rows(projected), rows(cos), rows(sin), keys[j], values[j], pasts[j], heads, masks[j], scale);
+  };
+  if (parts == 1) {
+    attend(0);  // its own parallel region: a region around it would run it on one thread (ParallelGuard)
+  } else {
+    // The sequences' attentions share one parallel region (each runs whole on its thread: an attention's result
+    // does not depend on how its tasks are split), rather than one short region each.
+    at::parallel_for(0, static_cast<int64_t>(parts), 1, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) attend(static_cast<size_t>(j));
+    });
+  }
   h = h + dv::quant_product(parts == 1 ? outs[0] : torch::cat(outs), o);
   return h + dv::quant_product(silu_mul(dv::quant_product(rms_norm(h, norm_post, eps), gate_up)), down);
 }
