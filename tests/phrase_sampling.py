@@ -66,14 +66,20 @@ def pvalue(counts: Counter, exact: dict[tuple[int, ...], float]) -> float:
     return chisquare(np.array(observed), np.array(expected) / sum(expected) * n).pvalue
 
 
-def second_token_pvalue(model, prompt: list[int], sampling: Sampling, counts: dict[int, int]) -> float:
-    """Chi-square p-value of observed second new tokens against their exact law after `prompt`:
-    sum over x1 of p(x1) p(x2 | x1), the first token coming from the prefill."""
+def second_token_law(model, prompt: list[int], sampling: Sampling) -> torch.Tensor:
+    """The exact law of the second new token after `prompt` (fp64 [V]): sum over x1 of p(x1) p(x2 | x1)."""
     with torch.inference_mode():
         p1 = sampling.probs(model(torch.tensor([prompt])).logits[0, -1]).double()
         p2 = torch.zeros_like(p1)
         for x1 in p1.nonzero().flatten().tolist():
             p2 += p1[x1] * sampling.probs(model(torch.tensor([prompt + [x1]])).logits[0, -1]).double()
+    return p2
+
+
+def second_token_pvalue(model, prompt: list[int], sampling: Sampling, counts: dict[int, int]) -> float:
+    """Chi-square p-value of observed second new tokens against their exact law after `prompt`
+    (`second_token_law`), the first token coming from the prefill."""
+    p2 = second_token_law(model, prompt, sampling)
     support = (p2 > 0).nonzero().flatten().tolist()
     assert set(counts) <= set(support), "a token the target cannot produce was produced"
     n = sum(counts.values())
