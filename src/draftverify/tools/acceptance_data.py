@@ -23,6 +23,7 @@ from draftverify.errors import require
 from draftverify.loading import Loaded
 from draftverify.models import Runner
 from draftverify.sampling import Sampling
+from draftverify.tools import replies
 from draftverify.util import atomic_path, atomic_write
 from draftverify.verify import fit_vocab
 
@@ -78,9 +79,6 @@ def answer_prompts(
         return cached
     from tqdm import tqdm
 
-    model = target.model
-    pad = model.generation_config.pad_token_id
-    pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
     device = target.device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
@@ -91,7 +89,7 @@ def answer_prompts(
         torch.manual_seed((sampling.seed or 0) + len(batches) - len(todo))  # `generate` samples from the global one
         already = len(batches) - len(todo)
         for rows in tqdm(todo, "target answers", len(batches), disable=not progress, unit="batch", initial=already):
-            out = _generate([prompts[i] for i in rows], target, pad, eos_ids, max_new_tokens, sampling)
+            out = _generate([prompts[i] for i in rows], target, eos_ids, max_new_tokens, sampling)
             done.update(zip(rows, out))
             _write_json(cache_dir, f"answers-{key}.partial.json", {"batch_size": batch_size, "done": done})
     answers = [done[i] for i in range(len(prompts))]
@@ -102,37 +100,14 @@ def answer_prompts(
 
 
 def _generate(
-    prompts: list[list[int]],
-    target: Loaded,
-    pad: int,
-    eos_ids: tuple[int, ...],
-    max_new_tokens: int,
-    sampling: Sampling,
+    prompts: list[list[int]], target: Loaded, eos_ids: tuple[int, ...], max_new_tokens: int, sampling: Sampling
 ) -> list[list[int]]:
-    """One left-padded batch through `generate`: each prompt's answer, cut after its first EOS."""
-    width, device = max(len(p) for p in prompts), target.device
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    sample = {"do_sample": False}
+    """One left-padded batch through `generate` (`tools.replies`): each prompt's answer, cut after its first EOS."""
+    sample = None
     if not sampling.greedy:
-        sample = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or None}
-        sample["top_p"] = sampling.top_p
-    out = target.model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=pad,
-        eos_token_id=list(eos_ids) or None,
-        **sample,
-    )
-    return [_cut_after_eos(row[width:].tolist(), eos_ids) for row in out]
-
-
-def _cut_after_eos(tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
-    for n, token in enumerate(tokens):
-        if token in eos_ids:
-            return tokens[: n + 1]
-    return tokens
+        sample = {"temperature": sampling.temperature, "top_k": sampling.top_k or None, "top_p": sampling.top_p}
+    got = replies.answer(target, prompts, max_new_tokens, sample)
+    return [replies.cut_after_eos(reply, eos_ids) for reply in got.replies]
 
 
 # -- labels and mixing ------------------------------------------------------------------------

@@ -21,7 +21,8 @@ import torch
 from draftverify.errors import DraftVerifyError, require
 from draftverify.loading import Loaded
 from draftverify.tools.make_draft.prompts import Stdlib, make_documents, make_prompts
-from draftverify.util import atomic_path, atomic_write, eos_ids
+from draftverify.tools.replies import SAMPLED, answer
+from draftverify.util import atomic_path, atomic_write
 
 MAX_PROMPT_TOKENS = 256  # longer template prompts are skipped: padding them costs more than they teach
 
@@ -71,53 +72,16 @@ def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> li
     return list(out["input_ids"])
 
 
-def left_padded(target: Loaded, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
-    """`prompts` as one left-padded batch for `generate`: ids [B, P], attention mask [B, P], the pad id and the
-    target's EOS ids."""
-    eos = list(eos_ids(target))
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else eos[0]
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p) :] = torch.tensor(p)
-        mask[b, width - len(p) :] = 1
-    return ids, mask, pad, eos
-
-
-@torch.inference_mode()
 def generated_records(
     target: Loaded, prompts: list[list[int]], max_new_tokens: int, k: int, sample: bool
 ) -> list[TrainingRecord]:
     """The target's continuations of `prompts` (one batched generate), with top-k targets per new token."""
-    from transformers import GenerationConfig
-
-    input_ids, mask, pad, eos = left_padded(target, prompts)  # [B, P]
-    width = input_ids.shape[1]
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=sample,
-        temperature=0.8 if sample else None,
-        top_p=0.95 if sample else None,
-        top_k=None,
-        pad_token_id=pad,
-        eos_token_id=eos,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    device = target.device
-    out = target.model.generate(
-        input_ids=input_ids.to(device), attention_mask=mask.to(device), generation_config=config
-    )
-    new = out.sequences[:, width:].cpu()  # [B, G]
-    logits = torch.stack(out.logits, dim=1)  # [B, G, V] raw logits of every step
+    got = answer(target, prompts, max_new_tokens, SAMPLED if sample else None, output_logits=True)
+    logits = torch.stack(got.out.logits, dim=1)  # [B, G, V] raw logits of every step
     records = []
-    for b, p in enumerate(prompts):
-        ends = [j for j, t in enumerate(new[b].tolist()) if t in eos]
-        g = ends[0] + 1 if ends else new.shape[1]
-        logp, idx = topk_logprobs(logits[b, :g], k)
-        ids = torch.tensor(p + new[b, :g].tolist(), dtype=torch.int32)
-        records.append(TrainingRecord(ids, len(p) - 1, logp.cpu(), idx.cpu()))
+    for b, (p, reply) in enumerate(zip(prompts, got.replies)):
+        logp, idx = topk_logprobs(logits[b, : len(reply)], k)
+        records.append(TrainingRecord(torch.tensor(p + reply, dtype=torch.int32), len(p) - 1, logp.cpu(), idx.cpu()))
     return records
 
 

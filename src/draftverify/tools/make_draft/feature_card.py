@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from draftverify.tools.make_draft.features import SAMPLED
+from draftverify.tools.replies import SAMPLED
 
 
 def model_card(f: dict) -> str:

@@ -26,7 +26,7 @@ class HeadTraining:
     gen_batch: int = 64
     max_new_tokens: int = 96
     max_prompt_tokens: int = 256
-    sampled: int = 0  # replies per prompt sampled besides the greedy one (features.SAMPLED)
+    sampled: int = 0  # replies per prompt sampled besides the greedy one (tools.replies.SAMPLED)
     templates: int = (
         0  # more prompts written from the project's stdlib templates (code, summaries, ...), answered greedily
     )

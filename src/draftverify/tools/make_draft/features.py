@@ -33,10 +33,9 @@ from draftverify.models import Runner
 from draftverify.sampling import Sampling
 from draftverify.session import Session, Stopping
 from draftverify.step import Proposal, Step
-from draftverify.tools.make_draft.data import ShardFolder, chat_ids, left_padded
+from draftverify.tools.make_draft.data import ShardFolder, chat_ids
+from draftverify.tools.replies import SAMPLED, answer
 from draftverify.util import atomic_path, eos_ids
-
-SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # how the extra replies (`FeaturePlan.sampled`) are drawn
 
 
 @dataclass
@@ -107,41 +106,21 @@ def generate(
     ]
 
 
-@torch.inference_mode()
 def _generated(
     target: Loaded, prompts: list[list[int]], max_new_tokens: int, seeds: list[int | None]
 ) -> list[Sequence]:
     """`generate` by one batched `model.generate`."""
-    from transformers import GenerationConfig
-
     sample = seeds[0] is not None
     require(all((seed is not None) == sample for seed in seeds), "one model.generate samples every reply or none")
     if sample:
         torch.manual_seed(seeds[0])
-    ids, mask, pad, eos = left_padded(target, prompts)  # [B, P]
-    width = ids.shape[1]
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=sample,
-        temperature=SAMPLED["temperature"] if sample else None,
-        top_p=SAMPLED["top_p"] if sample else None,
-        top_k=None,
-        pad_token_id=pad,
-        eos_token_id=eos,
-        output_hidden_states=True,
-        return_dict_in_generate=True,
-    )
-    out = target.model.generate(
-        input_ids=ids.to(target.device), attention_mask=mask.to(target.device), generation_config=config
-    )
+    got = answer(target, prompts, max_new_tokens, SAMPLED if sample else None, output_hidden_states=True)
     # per step, every layer's states; the last entry is after the final norm (what the LM head reads)
-    states = torch.cat([step[-1] for step in out.hidden_states], dim=1).half().cpu()  # [B, P + G - 1, H]
-    new = out.sequences[:, width:].tolist()
+    states = torch.cat([step[-1] for step in got.out.hidden_states], dim=1).half().cpu()  # [B, P + G - 1, H]
     sequences = []
-    for b, p in enumerate(prompts):
-        reply = new[b][: next((j + 1 for j, t in enumerate(new[b]) if t in eos), len(new[b]))]
+    for b, (p, reply) in enumerate(zip(prompts, got.replies)):
         full = p + reply
-        rows = states[b, width - len(p) : width - len(p) + len(full) - 1]  # after each token but the last
+        rows = states[b, got.width - len(p) : got.width - len(p) + len(full) - 1]  # after each token but the last
         sequences.append(Sequence(torch.tensor(full, dtype=torch.int32), len(p), rows.clone()))
     return sequences
 
