@@ -265,7 +265,11 @@ void q8_rows(const Args& a, int64_t r0, int64_t t0, int64_t t1) {
   }
 }
 
-constexpr int kRows = 4;  // rows a pass holds in registers
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int kRows = 6;  // rows a pass holds in registers
+#else
+constexpr int kRows = 4;  // 16 registers: 4 accumulators beside the codes
+#endif
 
 // Every row of outputs [16 t0, 16 t1), kRows rows a pass.
 template <int L, int S, bool Centred, typename T>
@@ -273,6 +277,10 @@ void q8_tiles(const Args& a, int64_t t0, int64_t t1) {
   int64_t r0 = 0;
   for (; r0 + kRows <= a.M; r0 += kRows) q8_rows<L, S, Centred, T, kRows>(a, r0, t0, t1);
   switch (a.M - r0) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    case 5: q8_rows<L, S, Centred, T, 5>(a, r0, t0, t1); break;
+    case 4: q8_rows<L, S, Centred, T, 4>(a, r0, t0, t1); break;
+#endif
     case 3: q8_rows<L, S, Centred, T, 3>(a, r0, t0, t1); break;
     case 2: q8_rows<L, S, Centred, T, 2>(a, r0, t0, t1); break;
     case 1: q8_rows<L, S, Centred, T, 1>(a, r0, t0, t1); break;
