@@ -363,6 +363,35 @@ def test_rope_attention_kernel_equals_rotation_cache_writes_and_attention():
         )
 
 
+def test_attention_kernels_read_and_write_an_fp16_cache_as_its_exact_float32_upcast():
+    """A q8 target's cache holds fp16 keys and values: rope_attention stores each rounded to the nearest fp16 (ties
+    to even, as torch's copy rounds), and attention reads them upcast exactly, so both give the bits of the float32
+    kernels on the rounded values."""
+    from draftverify.kernels import cpu, unavailable
+
+    kernel = cpu()
+    if kernel is None:
+        pytest.skip(unavailable())
+    torch.manual_seed(2)
+    for n, past, heads, kv, d in ((1, 300, 9, 3, 64), (6, 140, 4, 2, 16), (3, 20, 2, 1, 256)):
+        qkv = torch.randn(n, (heads + 2 * kv) * d)
+        angles = torch.randn(n, d // 2)
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+        keys, values = torch.randn(kv, past + n + 3, d), torch.randn(kv, past + n + 3, d)
+        half_keys, half_values = keys.half(), values.half()
+        mask = torch.rand(n, past + n) > 0.3
+        mask[:, past:] |= torch.eye(n, dtype=torch.bool)
+        out = kernel.rope_attention(qkv, cos, sin, keys, values, past, heads, mask, 0.3)
+        half_out = kernel.rope_attention(qkv, cos, sin, half_keys, half_values, past, heads, mask, 0.3)
+        assert torch.equal(half_keys, keys.half()) and torch.equal(half_values, values.half())  # stored, rounded
+        q = torch.randn(n, heads, d)
+        assert torch.equal(
+            kernel.attention(q, half_keys, half_values, past + n, mask, 0.3),
+            kernel.attention(q, half_keys.float(), half_values.float(), past + n, mask, 0.3),
+        )
+        torch.testing.assert_close(half_out, out, atol=1e-2, rtol=1e-2)  # the same attention, on rounded keys
+
+
 def gguf_style_llama():
     """A tiny Llama whose weights are exact Q4_1 (layers) and Q8_0 (embeddings, tied head) blocks, as a GGUF model
     loads."""

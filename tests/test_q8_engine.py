@@ -33,6 +33,8 @@ def test_q8_methods_match_q8_autoregressive(tiny):
         assert engine.generate(prompt, method, max_new_tokens=24).tokens == ref, method
     fp32 = Engine(target, draft, backend="static", arithmetic="fp32")
     assert fp32.arithmetic == "fp32"
+    # q8 keeps the target's keys and values in fp16; fp32 keeps transformers' float32 cache
+    assert engine.target_runner.cache.dtype == torch.float16 and fp32.target_runner.cache.dtype == torch.float32
 
 
 def test_q8_needs_block_weights(tiny):

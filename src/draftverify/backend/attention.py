@@ -11,7 +11,8 @@ and writes the new keys and values at slots past..past+n-1 of the sequence's cac
 4. without the kernels: one query over every key as three small ops, else SDPA with the mask;
 5. soft-capped scores (Gemma 2), which no kernel caps: `capped`, batched products in Python.
 Each token's row is computed alone on the kernel paths and, for few new tokens, in `capped`, so a row's bits do
-not depend on the others.
+not depend on the others. A q8 target's cache is fp16 (`StaticDecoder.kv_dtype`): the kernels store each key and
+value rounded and read them upcast, the Python paths store through torch's rounding copy and read an upcast copy.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def attend(dec, i: int, layer, qkv: torch.Tensor, cos, sin, part: Part) -> torch
     keys[:, past : past + n] = k.transpose(0, 1)
     values[:, past : past + n] = v.transpose(0, 1)
     if layer.softcap is not None:  # 5.
-        return capped(dec, layer, q, keys[:, : past + n], values[:, : past + n], mask)
+        return capped(dec, layer, q, keys[:, : past + n].to(q.dtype), values[:, : past + n].to(q.dtype), mask)
     if dec.attention_kernel is not None and n <= QUANT_ROWS:  # 2.
         return dec.attention_kernel(q, keys, values, past + n, no_mask, layer.scaling)
     if dec.attention_kernel is not None:  # 3. (n > 1, so a mask)

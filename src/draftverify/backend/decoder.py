@@ -120,6 +120,9 @@ class StaticDecoder:
         self.rope_attention = kernels.rope_attention if kernels is not None else None
         self.layer_kernel = kernels.layer if kernels is not None else None
         self.layer_many = kernels.layer_many if kernels is not None else None
+        # the q8 arithmetic keeps keys and values in fp16, rounded as they are stored (as llama.cpp's default f16
+        # cache does): every attention reads the rounded values, so a row's bits still do not depend on its forward
+        self.kv_dtype = torch.float16 if kernels is not None and not draft and packs.arithmetic == "q8" else self.dtype
         self.no_mask = torch.empty(0, dtype=torch.bool)
         self._rope_probe = torch.zeros(1, 1, 1, dtype=self.dtype, device=self.device)  # the rotary's dtype, device
 
@@ -147,7 +150,7 @@ class StaticDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     def new_cache(self) -> StaticCache:
-        return StaticCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device, self.max_length)
+        return StaticCache(len(self.layers), self.n_kv, self.head_dim, self.kv_dtype, self.device, self.max_length)
 
     def forward(self, cache: StaticCache, feed: Feed) -> Forward:
         """Feed `feed.tokens` [n] (a tensor on the decoder's device) after `cache`'s tokens."""

@@ -22,8 +22,8 @@ constexpr int64_t kChunk = 128;
 // each head's partial: top[g] (the chunk's largest score), total[g] and acc (G * d floats, unnormalised). The
 // scores go 16 keys at a time (`sums16`: one transposing sum instead of 16 horizontal ones); a key's score, like
 // every sum here, is formed the same way wherever the key sits in its 16 and for any G.
-template <int C, int G>
-void attend_chunk(const float* q, const float* keys, const float* values, const int64_t* idx, int64_t count,
+template <int C, int G, typename T>
+void attend_chunk(const float* q, const T* keys, const T* values, const int64_t* idx, int64_t count,
                   float scale, float* top, float* total, float* out) {
   alignas(64) float scores[G][kChunk];
   const int64_t blocks = (count + 15) / 16;
@@ -34,7 +34,7 @@ void attend_chunk(const float* q, const float* keys, const float* values, const 
     for (int64_t b = 0; b < blocks; ++b) {
       V16 dots[16];
       for (int k = 0; k < 16; ++k) {
-        const float* key = keys + idx[16 * b + k] * 16 * C;
+        const T* key = keys + idx[16 * b + k] * 16 * C;
         V16 acc = V16::mul(qv[0], V16::load(key));
         for (int c = 1; c < C; ++c) acc = V16::fma(qv[c], V16::load(key + 16 * c), acc);
         dots[k] = acc;
@@ -59,7 +59,7 @@ void attend_chunk(const float* q, const float* keys, const float* values, const 
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = V16::zero();
   for (int64_t a = 0; a < count; ++a) {
-    const float* v = values + idx[a] * 16 * C;
+    const T* v = values + idx[a] * 16 * C;
     V16 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = V16::load(v + 16 * c);
     for (int g = 0; g < G; ++g) {
@@ -74,15 +74,15 @@ void attend_chunk(const float* q, const float* keys, const float* values, const 
 // The heads of one kv group (`group` of them) for one query row and one chunk, up to kHeadsAtOnce at a time.
 constexpr int kHeadsAtOnce = 3;
 
-template <int C>
-void attend_group(const float* q, const float* keys, const float* values, const int64_t* idx, int64_t count, float scale,
+template <int C, typename T>
+void attend_group(const float* q, const T* keys, const T* values, const int64_t* idx, int64_t count, float scale,
                   float* top, float* total, float* out, int64_t group) {
   const int64_t d = 16 * C;
   int64_t h = 0;
   for (; h + kHeadsAtOnce <= group; h += kHeadsAtOnce)
-    attend_chunk<C, kHeadsAtOnce>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
-  for (; h + 2 <= group; h += 2) attend_chunk<C, 2>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
-  for (; h < group; ++h) attend_chunk<C, 1>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
+    attend_chunk<C, kHeadsAtOnce, T>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
+  for (; h + 2 <= group; h += 2) attend_chunk<C, 2, T>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
+  for (; h < group; ++h) attend_chunk<C, 1, T>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
 }
 
 }  // namespace
@@ -93,14 +93,18 @@ void attend_group(const float* q, const float* keys, const float* values, const 
 // attend) or empty (every key); d 16, 32, 64, 128 or 256. All float32. Returns [n, H * d].
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t S, torch::Tensor mask, double scale) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "attention: shapes");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat, "attention: float32 only");
+  const bool half = keys.scalar_type() == at::kHalf;  // a q8 target's cache (keys and values rounded to fp16)
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (half || keys.scalar_type() == at::kFloat) && values.scalar_type() == keys.scalar_type(),
+              "attention: q float32, keys and values both float32 or both float16");
   const int64_t n = q.size(0), H = q.size(1), d = q.size(2), kv = keys.size(0), cap = keys.size(1);
   TORCH_CHECK(keys.size(2) == d && (d == 16 || d == 32 || d == 64 || d == 128 || d == 256) && H % kv == 0 && S <= cap, "attention: sizes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && keys.is_contiguous() && values.is_contiguous(), "attention: layout");
   const bool masked = mask.numel() > 0;
   TORCH_CHECK(!masked || (mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.size(0) == n && mask.size(1) == S), "attention: mask");
   auto out = torch::empty({n, H * d}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const char *kp = static_cast<const char*>(keys.data_ptr()), *vp = static_cast<const char*>(values.data_ptr());
+  const int64_t item = keys.element_size();
   const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t group = H / kv, row_stride = q.stride(0);
@@ -147,14 +151,21 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
       }
       for (int64_t a = count; a % 16; ++a) idx[a] = idx[count - 1];
       const float* qh = qp + i * row_stride + g * group * d;
-      const float *kg = kp + g * cap * d, *vg = vp + g * cap * d;
       float* acc = mine == 1 ? op + i * H * d + g * group * d : &accs[slot * d];
-      switch (d) {
-        case 16: attend_group<1>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
-        case 32: attend_group<2>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
-        case 64: attend_group<4>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
-        case 128: attend_group<8>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
-        default: attend_group<16>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;  // Gemma's 256
+      const auto run = [&](const auto* kg, const auto* vg) {
+        switch (d) {
+          case 16: attend_group<1>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
+          case 32: attend_group<2>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
+          case 64: attend_group<4>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
+          case 128: attend_group<8>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
+          default: attend_group<16>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;  // Gemma's 256
+        }
+      };
+      const int64_t at = g * cap * d * item;
+      if (half) {
+        run(reinterpret_cast<const uint16_t*>(kp + at), reinterpret_cast<const uint16_t*>(vp + at));
+      } else {
+        run(reinterpret_cast<const float*>(kp + at), reinterpret_cast<const float*>(vp + at));
       }
       if (mine == 1)
         for (int64_t h = 0; h < group; ++h) {
@@ -203,23 +214,36 @@ torch::Tensor rope_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == n && cos.size(1) == d && cos.stride(1) == 1 && sin.sizes() == cos.sizes() && sin.stride(1) == 1 &&
               cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "rope_attention: rotary tables");
   TORCH_CHECK(past + n <= keys.size(1), "rope_attention: cache too small");
+  const bool fp16 = keys.scalar_type() == at::kHalf;
+  TORCH_CHECK((fp16 || keys.scalar_type() == at::kFloat) && values.scalar_type() == keys.scalar_type(), "rope_attention: cache dtype");
   auto q = torch::empty({n, heads, d}, qkv.options());
   const float* src = qkv.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
   const int64_t cap = keys.size(1), width = qkv.size(1);
+  // a key or value row into the cache: as it is, or rounded to the nearest fp16 (ties to even, as torch's copy rounds)
+  const auto put = [&](const torch::Tensor& cache, int64_t g, int64_t slot, const float* x) {
+    if (fp16) {
+      at::Half* to = cache.data_ptr<at::Half>() + (g * cap + slot) * d;
+      for (int64_t j = 0; j < d; ++j) to[j] = static_cast<at::Half>(x[j]);
+    } else {
+      std::memcpy(cache.data_ptr<float>() + (g * cap + slot) * d, x, d * sizeof(float));
+    }
+  };
+  std::vector<float> k(d);
   for (int64_t i = 0; i < n; ++i) {
     const float* row = src + i * width;
     const float* c = cos.data_ptr<float>() + i * cos.stride(0);
     const float* sn = sin.data_ptr<float>() + i * sin.stride(0);
     for (int64_t h = 0; h < heads + kv; ++h) {  // q heads, then k heads: rotated
       const float* x = row + h * d;
-      float* out = h < heads ? qp + (i * heads + h) * d : kp + ((h - heads) * cap + past + i) * d;
+      float* out = h < heads ? qp + (i * heads + h) * d : k.data();
       for (int64_t j = 0; j < half; ++j) {
         out[j] = x[j] * c[j] - x[j + half] * sn[j];
         out[j + half] = x[j + half] * c[j + half] + x[j] * sn[j + half];
       }
+      if (h >= heads) put(keys, h - heads, past + i, out);
     }
-    for (int64_t g = 0; g < kv; ++g) std::memcpy(vp + (g * cap + past + i) * d, row + (heads + kv + g) * d, d * sizeof(float));
+    for (int64_t g = 0; g < kv; ++g) put(values, g, past + i, row + (heads + kv + g) * d);
   }
   return attention(q, keys, values, past + n, mask, scale);
 }
