@@ -32,6 +32,9 @@ def test_a_row_per_report_with_its_link(tmp_path):
     assert rows[0].startswith("| [a](a/report.md) | `model.Q4_K_M.gguf` | q8 | 120.0 | `auto` 1.25x / 1.30x |")
     assert "5.0 / 7.5 (1.50x) | 1.80 | 100 |" in rows[0]
     assert "| fp32 |" in rows[1] and "(2 differ)" in rows[1]
+    assert text.startswith("# Latest bench reports at a glance\n")
+    main([str(a), "--out", str(tmp_path / "t.md"), "--title", "Before and after"])
+    assert (tmp_path / "t.md").read_text().startswith("# Before and after\n")
 
 
 def test_a_folder_without_results_is_one_line(tmp_path):

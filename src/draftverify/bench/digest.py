@@ -73,9 +73,12 @@ HEADER = [
 ]
 
 
-def digest(folders: list[Path], out: Path, command: str) -> str:
+TITLE = "Latest bench reports at a glance"
+
+
+def digest(folders: list[Path], out: Path, command: str, title: str = TITLE) -> str:
     lines = [
-        "# Latest bench reports at a glance",
+        f"# {title}",
         "",
         f"Written by `{command}` from each report's `results.json`; every number links back to its report (the",
         "command that ran it is that report's first line). Speedups are geometric means over the report's prompts;",
@@ -99,9 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m draftverify.bench.digest", description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", type=Path, help="bench report folders (each with results.json)")
     parser.add_argument("--out", type=Path, required=True, help="the markdown page to write")
+    parser.add_argument("--title", default=TITLE, help="the page's heading")
     args = parser.parse_args(argv)
     command = "python -m draftverify.bench.digest " + shlex.join(sys.argv[1:] if argv is None else argv)
-    digest(args.folders, args.out, command)
+    digest(args.folders, args.out, command, args.title)
     print(f"digest: {args.out}")
 
 
