@@ -331,6 +331,18 @@ def test_attention_kernel_gives_a_tree_token_the_bits_of_its_one_token_step_acro
             assert torch.equal(alone[0], tree[r]), (past, r)
 
 
+def rope_attention_inputs(n: int, past: int, heads: int, kv: int, d: int):
+    """Random rope_attention arguments: qkv [n, (heads + 2 kv) d], rotary cos / sin [n, d], a cache of keys and
+    values [kv, past + n + 3, d] and a mask [n, past + n] in which each new token sees itself."""
+    qkv = torch.randn(n, (heads + 2 * kv) * d)
+    angles = torch.randn(n, d // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    keys, values = torch.randn(kv, past + n + 3, d), torch.randn(kv, past + n + 3, d)
+    mask = torch.rand(n, past + n) > 0.3
+    mask[:, past:] |= torch.eye(n, dtype=torch.bool)
+    return qkv, cos, sin, keys, values, mask
+
+
 def test_rope_attention_kernel_equals_rotation_cache_writes_and_attention():
     """attention.cpp's rope_attention (the static path's layer step for few tokens) against the Python formula:
     q and k rotated (rotate-half), k and v stored at the cache slots past.., then the attention kernel."""
@@ -342,13 +354,8 @@ def test_rope_attention_kernel_equals_rotation_cache_writes_and_attention():
         pytest.skip(unavailable())
     torch.manual_seed(1)
     for n, past, heads, kv, d in ((1, 30, 9, 3, 64), (5, 12, 4, 2, 16)):
-        qkv = torch.randn(n, (heads + 2 * kv) * d)
-        angles = torch.randn(n, d // 2)
-        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-        keys, values = torch.randn(kv, past + n + 3, d), torch.randn(kv, past + n + 3, d)
+        qkv, cos, sin, keys, values, mask = rope_attention_inputs(n, past, heads, kv, d)
         k2, v2 = keys.clone(), values.clone()
-        mask = torch.rand(n, past + n) > 0.3
-        mask[:, past:] |= torch.eye(n, dtype=torch.bool)
         out = kernel.rope_attention(qkv, cos, sin, keys, values, past, heads, mask, 0.3)
         x = qkv.view(n, heads + 2 * kv, d)
         qk = x[:, : heads + kv] * cos[:, None] + rotate_half(x[:, : heads + kv]) * sin[:, None]
@@ -374,13 +381,8 @@ def test_attention_kernels_read_and_write_an_fp16_cache_as_its_exact_float32_upc
         pytest.skip(unavailable())
     torch.manual_seed(2)
     for n, past, heads, kv, d in ((1, 300, 9, 3, 64), (6, 140, 4, 2, 16), (3, 20, 2, 1, 256)):
-        qkv = torch.randn(n, (heads + 2 * kv) * d)
-        angles = torch.randn(n, d // 2)
-        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-        keys, values = torch.randn(kv, past + n + 3, d), torch.randn(kv, past + n + 3, d)
+        qkv, cos, sin, keys, values, mask = rope_attention_inputs(n, past, heads, kv, d)
         half_keys, half_values = keys.half(), values.half()
-        mask = torch.rand(n, past + n) > 0.3
-        mask[:, past:] |= torch.eye(n, dtype=torch.bool)
         out = kernel.rope_attention(qkv, cos, sin, keys, values, past, heads, mask, 0.3)
         half_out = kernel.rope_attention(qkv, cos, sin, half_keys, half_values, past, heads, mask, 0.3)
         assert torch.equal(half_keys, keys.half()) and torch.equal(half_values, values.half())  # stored, rounded

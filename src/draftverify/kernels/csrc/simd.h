@@ -25,8 +25,7 @@ struct V16 {
   __m512 v;
   static V16 zero() { return {_mm512_setzero_ps()}; }
   static V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  // 16 IEEE half floats upcast (exactly) to float32
-  static V16 load(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+  static V16 load(const uint16_t* p) { return halves(p); }  // 16 IEEE halves, upcast exactly
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   static V16 set1(float a) { return {_mm512_set1_ps(a)}; }
   static V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
@@ -88,10 +87,7 @@ struct V16 {
   __m256 a, b;  // lanes 0..7, 8..15
   static V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-  static V16 load(const uint16_t* p) {
-    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
-  }
+  static V16 load(const uint16_t* p) { return halves(p); }  // 16 IEEE halves, upcast exactly
   void store(float* p) const { _mm256_storeu_ps(p, a); _mm256_storeu_ps(p + 8, b); }
   static V16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
   static V16 fma(V16 x, V16 y, V16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
