@@ -90,7 +90,8 @@ void attend_group(const float* q, const T* keys, const T* values, const int64_t*
 
 // q [n, H, d] (rows may be strided; heads and features contiguous); keys, values [kv, capacity, d], the
 // first S slots valid (kv divides H: query head h reads kv head h / (H / kv)); mask [n, S] bool (True = may
-// attend) or empty (every key); d 16, 32, 64, 128 or 256. All float32. Returns [n, H * d].
+// attend) or empty (every key); d 16, 32, 64, 128 or 256. q float32; keys and values float32, or float16 (a q8
+// target's cache: each read upcast exactly, so the arithmetic is the fp32 one on the stored values). Returns [n, H * d].
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t S, torch::Tensor mask, double scale) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "attention: shapes");
   const bool half = keys.scalar_type() == at::kHalf;  // a q8 target's cache (keys and values rounded to fp16)
@@ -202,7 +203,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
 
 // qkv [n, (H + 2 kv) d]: a layer's fused q/k/v projection of n new tokens (float32, contiguous); cos, sin
 // [n, d]: their rotary tables. Rotates q and k (rotate-half convention: x * cos + rotate_half(x) * sin),
-// writes k and v into the cache slots past..past + n - 1 of keys / values [kv, capacity, d], and returns
+// writes k and v into the cache slots past..past + n - 1 of keys / values [kv, capacity, d] (float32, or float16:
+// each value rounded to the nearest half, ties to even, as it is stored), and returns
 // attention(q, keys, values, past + n, mask, scale) [n, H d]: one call for what is otherwise about ten
 // small ops a layer. Each row is handled alone, as in `attention`.
 torch::Tensor rope_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
