@@ -372,8 +372,8 @@ def test_rope_attention_kernel_equals_rotation_cache_writes_and_attention():
 
 def test_attention_kernels_read_and_write_an_fp16_cache_as_its_exact_float32_upcast():
     """A q8 target's cache holds fp16 keys and values: rope_attention stores each rounded to the nearest fp16 (ties
-    to even, as torch's copy rounds), and attention reads them upcast exactly, so both give the bits of the float32
-    kernels on the rounded values."""
+    to even, as torch's copy rounds), and attention reads them upcast exactly: the bits of the float32 kernel on the
+    rounded values."""
     from draftverify.kernels import cpu, unavailable
 
     kernel = cpu()

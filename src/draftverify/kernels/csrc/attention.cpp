@@ -162,11 +162,11 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
           default: attend_group<16>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;  // Gemma's 256
         }
       };
-      const int64_t at = g * cap * d * item;
+      const int64_t offset = g * cap * d * item;
       if (half) {
-        run(reinterpret_cast<const uint16_t*>(kp + at), reinterpret_cast<const uint16_t*>(vp + at));
+        run(reinterpret_cast<const uint16_t*>(kp + offset), reinterpret_cast<const uint16_t*>(vp + offset));
       } else {
-        run(reinterpret_cast<const float*>(kp + at), reinterpret_cast<const float*>(vp + at));
+        run(reinterpret_cast<const float*>(kp + offset), reinterpret_cast<const float*>(vp + offset));
       }
       if (mine == 1)
         for (int64_t h = 0; h < group; ++h) {
@@ -222,13 +222,15 @@ torch::Tensor rope_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
   const float* src = qkv.data_ptr<float>();
   float* qp = q.data_ptr<float>();
   const int64_t cap = keys.size(1), width = qkv.size(1);
+  void *const kp = keys.data_ptr(), *const vp = values.data_ptr();
   // a key or value row into the cache: as it is, or rounded to the nearest fp16 (ties to even, as torch's copy rounds)
-  const auto put = [&](const torch::Tensor& cache, int64_t g, int64_t slot, const float* x) {
+  const auto put = [&](void* cache, int64_t g, int64_t slot, const float* x) {
+    const int64_t offset = (g * cap + slot) * d;
     if (fp16) {
-      at::Half* to = cache.data_ptr<at::Half>() + (g * cap + slot) * d;
+      at::Half* to = static_cast<at::Half*>(cache) + offset;
       for (int64_t j = 0; j < d; ++j) to[j] = static_cast<at::Half>(x[j]);
     } else {
-      std::memcpy(cache.data_ptr<float>() + (g * cap + slot) * d, x, d * sizeof(float));
+      std::memcpy(static_cast<float*>(cache) + offset, x, d * sizeof(float));
     }
   };
   std::vector<float> k(d);
@@ -243,9 +245,9 @@ torch::Tensor rope_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
         out[j] = x[j] * c[j] - x[j + half] * sn[j];
         out[j + half] = x[j + half] * c[j + half] + x[j] * sn[j + half];
       }
-      if (h >= heads) put(keys, h - heads, past + i, out);
+      if (h >= heads) put(kp, h - heads, past + i, out);
     }
-    for (int64_t g = 0; g < kv; ++g) put(values, g, past + i, row + (heads + kv + g) * d);
+    for (int64_t g = 0; g < kv; ++g) put(vp, g, past + i, row + (heads + kv + g) * d);
   }
   return attention(q, keys, values, past + n, mask, scale);
 }

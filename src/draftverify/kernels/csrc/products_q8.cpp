@@ -311,9 +311,9 @@ bool vnni() {
 #endif
 }
 
-// x [M, K] float32 contiguous, K a multiple of 32; layout 0 (u4) or 1 (u8); sub 16 or 32; codes uint8 in tiles (top of
-// this file) for N outputs; d, m float32 [tiles, K / sub, 16] (m empty when centre >= 0: M = -centre D); bias [N] or
-// empty. Returns y [M, N] in the q8 arithmetic.
+// x [M, K] float32 contiguous, K a multiple of 32; layout 0 (u4), 1 (u8) or 2 (u5); sub 16 or 32; codes uint8 in tiles
+// (top of this file) for N outputs; d, m [tiles, K / sub, 16], both float32 or both float16 (m empty when centre >= 0:
+// M = -centre D); bias [N] or empty. Returns y [M, N] in the q8 arithmetic.
 torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, int64_t N, torch::Tensor codes, torch::Tensor d,
                         torch::Tensor m, int64_t centre, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q8_linear: x must be [M, K] float32");
