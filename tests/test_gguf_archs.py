@@ -156,7 +156,7 @@ def test_direct_path_matches_the_stock_model(pair):
 
 def test_speculative_is_token_identical_to_autoregressive(pair):
     direct, _ = pair
-    assert direct_gguf(direct.source, "cpu", torch.float32, None, "sdpa")  # `load_model` takes the direct path
+    assert direct_gguf(direct.source, "cpu", torch.float32, None, "sdpa") is not None  # `load_model` takes it
     engine = Engine(direct, load_draft_source("self:layers=1", direct), backend="static")
     assert "target: static" in engine.describe_backend()  # what the bench header prints as the forward path
     ids = engine.encode("Hello there, hello there, how are you")

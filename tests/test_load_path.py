@@ -20,6 +20,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from draftverify.loading.defaults import default_model_path
 from draftverify.loading.gguf import gguf_metadata
 from draftverify.loading.gguf_model import RotaryEmbedding, rotary_embedding
+from draftverify.loading.tokenizers import FINGERPRINT, tokenizer_fingerprint
 
 SCALINGS = [
     None,
@@ -76,3 +77,13 @@ def test_generate_on_the_default_model_stays_on_the_direct_path(method, tmp_path
     assert found["modeling"] == []  # no stock module or config class: their imports are most of a cold load
     assert found["tables"] == []  # no [V, H] fp32 copy of the embedding
     assert not found["draft_loaded"]  # the feature head drafts for auto; autoregressive drafts with nothing
+
+
+def test_the_cached_tokenizer_fingerprint_is_the_vocabularys_hash():
+    """A GGUF target's tokenizer fingerprint is read from its metadata cache after the first load: it must be the
+    hash `tokenizer_fingerprint` forms from the vocabulary itself (what pools, skip sets and heads were made with)."""
+    gguf_metadata(default_model_path())  # the first load writes it
+    _, _, tokenizer = gguf_metadata(default_model_path())
+    cached = getattr(tokenizer, FINGERPRINT)
+    delattr(tokenizer, FINGERPRINT)
+    assert tokenizer_fingerprint(tokenizer) == cached

@@ -1,8 +1,9 @@
 """What a fresh process's first request costs: `python -m draftverify.bench.first_request --out FOLDER`.
 
-Each of `--processes` fresh Python processes loads the engine (`Engine.load`, the default model unless `--target`)
-and sends `--requests` identical requests of `--method`; the time to first token of each, and the first one's
-ratio to the fastest later one, go in `FOLDER/report.md` (the command on its first line, written atomically).
+Each of `--processes` fresh Python processes loads the engine (`Engine.load`, the default model unless `--target`),
+sends `--requests` identical requests of `--method`, then loads it again; the import and load times, the time to
+first token of each request, and the first one's ratio to the fastest later one, go in `FOLDER/report.md` (the
+command on its first line, written atomically).
 A first request pays for whatever a process does once: compiling or importing the kernels, measuring or reading the
 cost curves (`costs.curve`, cached on disk per machine, model, arithmetic and kernel build), loading a lazily
 loaded draft. Processes run one after another, so a later one finds what an earlier one left on disk.
@@ -22,14 +23,25 @@ from draftverify.util import atomic_path
 
 PROBE = """
 import json, sys, time
+started = time.perf_counter()
 from draftverify import Engine
+imported = time.perf_counter()
+import transformers  # what a direct GGUF load still imports (its tokenizer and config classes), timed on its own
+transformers_s = time.perf_counter() - imported
 target, method, prompt = sys.argv[1] or None, sys.argv[2], sys.argv[4]
 requests, tokens = int(sys.argv[3]), int(sys.argv[5])
-started = time.perf_counter()
-engine = Engine.load(target) if target else Engine.load()
-load_s = time.perf_counter() - started
+load = lambda: Engine.load(target) if target else Engine.load()
+started_load = time.perf_counter()
+engine = load()
+load_s = time.perf_counter() - started_load
 ttft = [engine.generate(prompt, method=method, chat=True, max_new_tokens=tokens).stats.ttft_s for _ in range(requests)]
-print(json.dumps({"load_s": load_s, "ttft_s": ttft, "arithmetic": engine.arithmetic}))
+arithmetic = engine.arithmetic
+del engine
+started_again = time.perf_counter()
+load()
+again_s = time.perf_counter() - started_again
+print(json.dumps({"import_s": imported - started, "transformers_s": transformers_s, "load_s": load_s,
+                  "load_again_s": again_s, "ttft_s": ttft, "arithmetic": arithmetic}))
 """
 PROMPT = "Explain why the sky is blue in two sentences."
 
@@ -53,16 +65,19 @@ def report(runs: list[dict], command: str, method: str) -> str:
         command,
         "```",
         "",
-        f"Each row: one fresh process, `Engine.load()` then identical `{method}` requests ({PROMPT!r}, chat);",
-        "first / warm = the first request's time to first token over the fastest later request's.",
+        "Each row: one fresh process: `import draftverify`, `import transformers` (which a load would otherwise",
+        f"import), `Engine.load()`, identical `{method}` requests ({PROMPT!r}, chat), then `Engine.load()` again in",
+        "the same process. first / warm = the first request's time to first token over the fastest later request's.",
         "",
-        "| process | arithmetic | load (s) | TTFT per request (ms) | first / warm |",
-        "|---|---|---|---|---|",
+        "| process | arithmetic | import draftverify (s) | import transformers (s) | load (s) | load again (s) "
+        "| TTFT per request (ms) | first / warm |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for i, run in enumerate(runs, 1):
         ttft = run["ttft_s"]
         ratio = ttft[0] / min(ttft[1:]) if len(ttft) > 1 and min(ttft[1:]) > 0 else None
-        cells = [str(i), run["arithmetic"], f"{run['load_s']:.2f}", ", ".join(f"{t * 1e3:.0f}" for t in ttft)]
+        times = [f"{run[key]:.2f}" for key in ("import_s", "transformers_s", "load_s", "load_again_s")]
+        cells = [str(i), run["arithmetic"], *times, ", ".join(f"{t * 1e3:.0f}" for t in ttft)]
         lines.append("| " + " | ".join([*cells, "-" if ratio is None else f"{ratio:.2f}"]) + " |")
     return "\n".join(lines) + "\n"
 

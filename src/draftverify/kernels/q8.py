@@ -75,46 +75,38 @@ class Q8Weight:
 
 def centre(w: PackedWeight) -> int:
     """c >= 0 when the weight's M is -c D in every sub-block (the types with signed codes: Q4_0, Q5_0, Q8_0, Q3_K,
-    Q6_K), so c X folds into the integer sum exactly; -1 otherwise."""
-    d, m = w.d, w.m
+    Q6_K), so c X folds into the integer sum exactly; -1 otherwise. c is read at the first sub-block with D != 0."""
+    d, m = w.d.reshape(-1), w.m.reshape(-1)
     nonzero = d != 0
     if not bool(nonzero.any()):
         return 0 if bool((m == 0).all()) else -1
-    c = -(m[nonzero] / d[nonzero])
-    first = float(c[0])
-    if first < 0 or first != round(first) or first > 255:
+    first = int(nonzero.to(torch.uint8).argmax())
+    c = -float(m[first] / d[first])
+    if c < 0 or c != round(c) or c > 255:
         return -1
-    return int(first) if bool(torch.equal(m, d * -first)) else -1
+    return int(c) if bool(torch.equal(m, d * -c)) else -1
 
 
 def prepare(w: PackedWeight) -> Q8Weight:
-    """`w` (u4 / u8 codes) in the kernel's tiles of 16 outputs, the last tile padded with zero codes and scales."""
+    """`w` (u4 / u8 codes) in the kernel's tiles of 16 outputs (csrc/products_q8.cpp `q8_repack`), the last tile
+    padded with zero codes and scales. Needs the compiled kernels (without them `matmul` takes the PackedWeight)."""
+    from draftverify.kernels import cpu
+
     if not supports(w):
         raise ValueError(f"q8: {w.type_name} in layout {w.layout} has no codes: use PackedWeight.matmul")
+    kernels = cpu()
+    if kernels is None:
+        raise ValueError("q8.prepare needs the compiled kernels: multiply the PackedWeight with q8.matmul instead")
     out, k = w.shape
     tiles = -(-out // TILE)
-    q = codes(w, np.uint8)
-    if tiles * TILE > out:
-        q = np.concatenate([q, np.zeros((tiles * TILE - out, k), np.uint8)])
-    q = q.reshape(tiles, TILE, k)
-    layout = "u5" if w.layout == "u8" and int(q.max(initial=0)) < 32 else w.layout  # Q5_0 / Q5_1 / Q5_K: 5 bits
-    if layout == "u8":  # chunk g: k = 4 g + i
-        packed = q.reshape(tiles, TILE, k // 4, 4).transpose(0, 2, 1, 3)
-    else:  # chunk j: k = 8 j + i low nibble, 8 j + 4 + i high nibble
-        low = q & 15
-        pairs = low.reshape(tiles, TILE, k // 8, 2, 4)
-        packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).transpose(0, 2, 1, 3)  # [tiles, k / 8, 16, 4]
-        if layout == "u5":  # per block of 32: its 4 chunks' nibbles, then their high bits (a byte an output a chunk)
-            bits = (q >> 4).reshape(tiles, TILE, k // 8, 8) << np.arange(8, dtype=np.uint8)
-            high = bits.sum(-1, dtype=np.uint8).transpose(0, 2, 1)  # [tiles, k / 8, 16]: bit i = k 8 j + i
-            packed = np.concatenate([packed.reshape(tiles, k // 32, 256), high.reshape(tiles, k // 32, 64)], axis=-1)
+    layout = "u5" if w.layout == "u8" and int(w.codes.max()) < 32 else w.layout  # Q5_0 / Q5_1 / Q5_K: 5 bits
+    flat = kernels.q8_repack(w.codes.contiguous(), TILE_LAYOUTS[w.layout], TILE_LAYOUTS[layout], out, k)
     c = centre(w)
 
     def scales(t: torch.Tensor) -> torch.Tensor:
         t = torch.cat([t.reshape(out, -1), torch.zeros(tiles * TILE - out, k // w.sub)])
         return t.reshape(tiles, TILE, k // w.sub).transpose(1, 2).contiguous()
 
-    flat = torch.from_numpy(np.ascontiguousarray(packed).reshape(tiles, -1))
     d, m = scales(w.d), torch.empty(0) if c >= 0 else scales(w.m)
     if all(torch.equal(t.half().float(), t) for t in (d, m)):  # every scale exact in fp16: half the bytes, same values
         d, m = d.half(), m.half()

@@ -2,7 +2,7 @@
 
 - `gguf_metadata(path)`: the transformers config and tokenizer of a GGUF file, converted once and cached under
   `~/.cache/draftverify/gguf-meta/` (keyed by the file's path, size and mtime; written atomically), so a repeated
-  load reads two small JSON files;
+  load reads two small JSON files (and the tokenizer's fingerprint, `tokenizers.tokenizer_fingerprint`);
 - `GGUFModel` (loading/gguf_model.py) is what a GGUF target loads as: the static path multiplies the file's own
   blocks (`gguf_weights.GGUFWeights`); the stock transformers module is built only when something asks for it;
 - `gguf_to_folder(path)`: the fp32 safetensors conversion the stock module loads from (the eager path, tools).
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from draftverify.util import atomic_path, cache_root
+from draftverify.loading.tokenizers import FINGERPRINT, tokenizer_fingerprint
+from draftverify.util import atomic_path, atomic_write, cache_root
 
 
 def file_key(path: Path) -> str:
@@ -47,6 +48,11 @@ def gguf_metadata(path: Path):
     config = PretrainedConfig.from_json_file(folder / "config.json")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, config=config)  # not AutoConfig's
     generation = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    fingerprint = folder / "tokenizer-fingerprint.txt"  # formed once per file: hashing the vocabulary takes a while
+    if fingerprint.is_file():
+        setattr(tokenizer, FINGERPRINT, fingerprint.read_text().strip())
+    else:
+        atomic_write(fingerprint, tokenizer_fingerprint(tokenizer))
     return config, generation, tokenizer
 
 

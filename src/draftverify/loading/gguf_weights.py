@@ -84,9 +84,9 @@ class GGUFWeights:
     """The weights of one GGUF file by logical name (see the module docstring). Packs each weight once, on first
     use, and shares it with every decoder built from this source (a truncated draft of the target included)."""
 
-    def __init__(self, path: str | Path, config, tokenizer=None):
+    def __init__(self, path: str | Path, config, tokenizer=None, file: GGUFFile | None = None):
         self.path = Path(path)
-        self.file = GGUFFile(self.path)
+        self.file = file if file is not None else GGUFFile(self.path)  # `file`: this path, already opened
         self.config = config
         self.tokenizer = tokenizer
         self.architecture = self.file.value("general.architecture")

@@ -106,8 +106,9 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, device)
     if path.is_file():
         require(path.suffix == ".gguf", f"{path} is a file but not .gguf: pass a HF model folder or a .gguf file")
-        if direct and direct_gguf(path, device, torch_dtype, device_map, attn_implementation):
-            return load_gguf_direct(path)
+        file = direct_gguf(path, device, torch_dtype, device_map, attn_implementation) if direct else None
+        if file is not None:
+            return load_gguf_direct(path, file)
         folder = gguf_to_folder(path)
     else:
         require((path / "config.json").is_file(), f"{path} has no config.json: pass a HF model folder")
@@ -129,24 +130,28 @@ def load_model(
     return Loaded(model, tokenizer, name=path.name, source=path)
 
 
-def direct_gguf(path: Path, device: str, dtype: torch.dtype, device_map, attn_implementation: str) -> bool:
-    """Whether a GGUF file loads on the direct path (its blocks multiplied in place, `GGUFModel`): an architecture
-    the static path reads, on a CPU in fp32, on one device."""
+def direct_gguf(path: Path, device: str, dtype: torch.dtype, device_map, attn_implementation: str):
+    """The opened file (`kernels.gguf_file.GGUFFile`) when a GGUF file loads on the direct path (its blocks
+    multiplied in place, `GGUFModel`): an architecture the static path reads, on a CPU in fp32, on one device;
+    else None."""
     from draftverify.kernels.gguf_file import GGUFFile
     from draftverify.loading.gguf_weights import DIRECT_ARCHITECTURES
 
-    plain = device == "cpu" and dtype == torch.float32 and device_map is None and attn_implementation == "sdpa"
-    return plain and GGUFFile(path).value("general.architecture") in DIRECT_ARCHITECTURES
+    if device != "cpu" or dtype != torch.float32 or device_map is not None or attn_implementation != "sdpa":
+        return None
+    file = GGUFFile(path)
+    return file if file.value("general.architecture") in DIRECT_ARCHITECTURES else None
 
 
-def load_gguf_direct(path: Path) -> Loaded:
+def load_gguf_direct(path: Path, file=None) -> Loaded:
     """A GGUF file as a `GGUFModel` (loading/gguf_model.py): config and tokenizer from the cached metadata, the
-    weights packed from the mapped file on first use; the stock module only if something asks (`stock()`)."""
+    weights packed from the mapped file on first use; the stock module only if something asks (`stock()`).
+    `file`: the file already opened (`direct_gguf`), read again otherwise."""
     from draftverify.loading.gguf_model import GGUFModel
     from draftverify.loading.gguf_weights import GGUFWeights
 
     config, generation, tokenizer = gguf_metadata(path)
-    model = GGUFModel(GGUFWeights(path, config, tokenizer), generation)
+    model = GGUFModel(GGUFWeights(path, config, tokenizer, file), generation)
     return Loaded(model, tokenizer, name=path.name, source=path)
 
 

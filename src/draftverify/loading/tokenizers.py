@@ -6,10 +6,18 @@ import hashlib
 
 from draftverify.errors import require
 
+FINGERPRINT = "draftverify_fingerprint"  # the attribute a tokenizer's fingerprint is kept in once formed
+
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    vocab = sorted(tokenizer.get_vocab().items())
-    return hashlib.sha1(repr(vocab).encode()).hexdigest()[:16]
+    """A hash of the tokenizer's vocabulary (token -> id), formed once per tokenizer object and kept on it (nothing
+    here adds tokens to a loaded tokenizer); a GGUF target's comes from its metadata cache (`loading.gguf`)."""
+    found = getattr(tokenizer, FINGERPRINT, None)
+    if found is None:
+        vocab = sorted(tokenizer.get_vocab().items())
+        found = hashlib.sha1(repr(vocab).encode()).hexdigest()[:16]
+        setattr(tokenizer, FINGERPRINT, found)
+    return found
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:

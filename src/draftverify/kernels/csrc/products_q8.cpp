@@ -341,3 +341,55 @@ torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, int64_t N,
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { run(a, t0, t1); });
   return y;
 }
+
+// A block weight's codes (blocks.py's layouts: u4, byte j of each 32 k holding q_j | q_{j+16} << 4; u8, a byte a
+// code) for N outputs of K, rewritten in the tiles of the top of this file for `layout` 0 (u4), 1 (u8) or 2 (u5:
+// u8 codes below 32, which the caller has checked), the last tile padded with zero codes. A byte shuffle: the codes
+// are not changed, only placed.
+torch::Tensor q8_repack(torch::Tensor codes, int64_t from, int64_t layout, int64_t N, int64_t K) {
+  TORCH_CHECK((from == U4 || from == U8) && (layout == U4 || layout == U8 || layout == U5) && (layout == U4) == (from == U4),
+              "q8_repack: u4 codes go to u4 tiles, u8 codes to u8 or u5 tiles");
+  const int64_t row_bytes = from == U4 ? K / 2 : K;
+  TORCH_CHECK(K % 32 == 0 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == N * row_bytes,
+              "q8_repack: codes must be uint8 [N, K / 2] (u4) or [N, K] (u8), K a multiple of 32");
+  const int L = static_cast<int>(layout);
+  const int64_t tiles = (N + 15) / 16, blocks = K / 32, tile_bytes = blocks * block_bytes(L);
+  auto out = torch::zeros({tiles, tile_bytes}, codes.options());
+  const uint8_t* src = codes.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> q(K);  // one output's codes, a byte each
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t o = 0; o < 16 && t * 16 + o < N; ++o) {
+        const uint8_t* row = src + (t * 16 + o) * row_bytes;
+        if (from == U8) {
+          std::memcpy(q.data(), row, K);
+        } else {
+          for (int64_t b = 0; b < blocks; ++b)
+            for (int j = 0; j < 16; ++j) {
+              q[32 * b + j] = row[16 * b + j] & 15;
+              q[32 * b + 16 + j] = row[16 * b + j] >> 4;
+            }
+        }
+        for (int64_t b = 0; b < blocks; ++b) {
+          uint8_t* blk = dst + t * tile_bytes + b * block_bytes(L);
+          const uint8_t* qb = q.data() + 32 * b;
+          if (L == U8) {
+            for (int g = 0; g < 8; ++g) std::memcpy(blk + 64 * g + 4 * o, qb + 4 * g, 4);
+            continue;
+          }
+          for (int j = 0; j < 4; ++j) {
+            uint8_t high = 0;
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t lo = qb[8 * j + i], hi = qb[8 * j + 4 + i];
+              blk[64 * j + 4 * o + i] = static_cast<uint8_t>((lo & 15) | ((hi & 15) << 4));
+              high |= static_cast<uint8_t>((((lo >> 4) & 1) << i) | (((hi >> 4) & 1) << (4 + i)));
+            }
+            if (L == U5) blk[256 + 16 * j + o] = high;
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
