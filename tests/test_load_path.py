@@ -84,6 +84,6 @@ def test_the_cached_tokenizer_fingerprint_is_the_vocabularys_hash():
     hash `tokenizer_fingerprint` forms from the vocabulary itself (what pools, skip sets and heads were made with)."""
     gguf_metadata(default_model_path())  # the first load writes it
     _, _, tokenizer = gguf_metadata(default_model_path())
-    cached = getattr(tokenizer, FINGERPRINT)
+    cached = tokenizer_fingerprint(tokenizer)
     delattr(tokenizer, FINGERPRINT)
     assert tokenizer_fingerprint(tokenizer) == cached

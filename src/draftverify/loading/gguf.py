@@ -50,7 +50,7 @@ def gguf_metadata(path: Path):
     generation = GenerationConfig.from_pretrained(folder, local_files_only=True)
     fingerprint = folder / "tokenizer-fingerprint.txt"  # formed once per file: hashing the vocabulary takes a while
     if fingerprint.is_file():
-        setattr(tokenizer, FINGERPRINT, fingerprint.read_text().strip())
+        setattr(tokenizer, FINGERPRINT, (len(tokenizer), fingerprint.read_text().strip()))
     else:
         atomic_write(fingerprint, tokenizer_fingerprint(tokenizer))
     return config, generation, tokenizer

@@ -6,18 +6,19 @@ import hashlib
 
 from draftverify.errors import require
 
-FINGERPRINT = "draftverify_fingerprint"  # the attribute a tokenizer's fingerprint is kept in once formed
+FINGERPRINT = "draftverify_fingerprint"  # the attribute holding (vocabulary size, fingerprint) once formed
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of the tokenizer's vocabulary (token -> id), formed once per tokenizer object and kept on it (nothing
-    here adds tokens to a loaded tokenizer); a GGUF target's comes from its metadata cache (`loading.gguf`)."""
+    """A hash of the tokenizer's vocabulary (token -> id). Kept on the tokenizer with its vocabulary's size and formed
+    again when the size changes (added tokens); a GGUF target's comes from its metadata cache (`loading.gguf`)."""
+    size = len(tokenizer)
     found = getattr(tokenizer, FINGERPRINT, None)
-    if found is None:
+    if found is None or found[0] != size:
         vocab = sorted(tokenizer.get_vocab().items())
-        found = hashlib.sha1(repr(vocab).encode()).hexdigest()[:16]
+        found = (size, hashlib.sha1(repr(vocab).encode()).hexdigest()[:16])
         setattr(tokenizer, FINGERPRINT, found)
-    return found
+    return found[1]
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
