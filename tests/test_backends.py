@@ -94,11 +94,15 @@ def test_static_cache_grows_and_resets(tiny, arch):
     model = tiny(arch).model
     runner = Runner(model, "static")
     seq = [random.Random(1).randrange(2, 100) for _ in range(300)]
-    kernel, rows = runner.decoder.attention_kernel, []
+    dec, rows = runner.decoder, []
+    kernel = dec.attention_kernel
     if runner.static.layers[0].softcap is not None:  # Gemma 2's capped scores: `attention.capped`, not the kernel
         kernel = None
-    if kernel is not None:  # a prefill's attention: the kernel, PREFILL_ROWS query rows a call
-        runner.decoder.attention_kernel = lambda q, *rest: rows.append(q.shape[0]) or kernel(q, *rest)
+    if kernel is not None:  # a prefill's attention: a kernel (rope_attention, or attention after a q/k norm),
+        for name in ("attention_kernel", "rope_attention"):  # PREFILL_ROWS query rows a call
+            call = getattr(dec, name)
+            if call is not None:
+                setattr(dec, name, lambda q, *rest, call=call: rows.append(q.shape[0]) or call(q, *rest))
     runner.forward(seq[:200])
     assert kernel is None or set(rows) == {PREFILL_ROWS, 200 - PREFILL_ROWS}
     first = runner.cache.capacity

@@ -3,11 +3,11 @@
 Every path masks with the same boolean [n, past + n] mask (`ops.window_masks`; None = attend every key)
 and writes the new keys and values at slots past..past+n-1 of the sequence's cache:
 
-1. few new tokens, no per-head q/k norm: one kernel call rotates q and k, stores k and v, attends
-   (kernels/csrc/attention.cpp `rope_attention`);
-2. few new tokens otherwise (Qwen3's normed q and k): rotate here, then the attention kernel;
-3. a prefill: the attention kernel over `PREFILL_ROWS` query rows a call (a call's partial sums grow
+1. no per-head q/k norm: one kernel call rotates q and k, stores k and v, attends (kernels/csrc/attention.cpp
+   `rope_attention`), for a prefill `PREFILL_ROWS` rows a call, one call after another (a call's partial sums grow
    with its rows times their key chunks; docs/backends.md compares the chunk sizes and SDPA);
+2. few new tokens otherwise (Qwen3's normed q and k): rotate here, then the attention kernel;
+3. a prefill otherwise: the same, the attention kernel over `PREFILL_ROWS` query rows a call;
 4. without the kernels: one query over every key as three small ops, else SDPA with the mask;
 5. soft-capped scores (Gemma 2), which no kernel caps: `capped`, batched products in Python.
 Each token's row is computed alone on the kernel paths and, for few new tokens, in `capped`, so a row's bits do
@@ -46,8 +46,19 @@ def attend(dec, i: int, layer, qkv: torch.Tensor, cos, sin, part: Part) -> torch
     mask, past, n = part.masks[dec.windows[i]], part.past, part.n
     keys, values = part.cache.keys[i], part.cache.values[i]
     no_mask = dec.no_mask if mask is None else mask
-    if dec.rope_attention is not None and layer.q_norm is None and layer.softcap is None and n <= QUANT_ROWS:  # 1.
-        return dec.rope_attention(qkv, cos[:, 0], sin[:, 0], keys, values, past, dec.n_heads, no_mask, layer.scaling)
+    if dec.rope_attention is not None and layer.q_norm is None and layer.softcap is None:  # 1.
+        if n <= QUANT_ROWS:
+            return dec.rope_attention(qkv, cos[:, 0], sin[:, 0], keys, values, past, dec.n_heads, no_mask, layer.scaling)
+        return torch.cat(
+            [  # a prefill, `PREFILL_ROWS` rows a call: each call's keys the cache's so far (the mask hides later ones)
+                dec.rope_attention(
+                    qkv[r : r + PREFILL_ROWS], cos[r : r + PREFILL_ROWS, 0], sin[r : r + PREFILL_ROWS, 0], keys, values,
+                    past + r, dec.n_heads, mask[r : r + PREFILL_ROWS, : past + r + PREFILL_ROWS].contiguous(),
+                    layer.scaling,
+                )
+                for r in range(0, n, PREFILL_ROWS)
+            ]
+        )  # fmt: skip
     q, k, v = rotated(dec, layer, qkv, cos, sin)
     keys[:, past : past + n] = k.transpose(0, 1)
     values[:, past : past + n] = v.transpose(0, 1)

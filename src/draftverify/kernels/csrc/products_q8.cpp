@@ -171,20 +171,33 @@ void round_rows(const float* x, int64_t M, int64_t K, int S, int32_t centre, int
     }
 }
 
-// The integer sums of one sub-block: C chunks of codes (each 4 k for 16 outputs) times row r's activations from xr,
-// in four independent chains (C = 8) or two (C = 4), so that one row does not wait on one chain of dot products.
-template <int L, int C>
+// The integer sums of one sub-block: C chunks of codes (each 4 k for 16 outputs) times row r's activations from xr.
+// One row alone (Many false) runs four independent chains (C = 8) or two (C = 4), so that it does not wait on one
+// chain of dot products; with several rows in flight (Many) the rows are the independent chains, and each row runs
+// half as many, saving the adds that join them. Integer sums: the same bits in any order.
+template <int L, int C, bool Many>
 inline Q::I sums(const Q::I* w, const int8_t* xr) {
-  if constexpr (C == 8) {
+  if constexpr (C == 8 && !Many) {
     Q::I a0 = Q::dot<L>(w[0], Q::bcast(xr)), a1 = Q::dot<L>(w[1], Q::bcast(xr + 4));
     Q::I a2 = Q::dot<L>(w[2], Q::bcast(xr + 8)), a3 = Q::dot<L>(w[3], Q::bcast(xr + 12));
     a0 = Q::dpacc<L>(a0, w[4], Q::bcast(xr + 16)), a1 = Q::dpacc<L>(a1, w[5], Q::bcast(xr + 20));
     a2 = Q::dpacc<L>(a2, w[6], Q::bcast(xr + 24)), a3 = Q::dpacc<L>(a3, w[7], Q::bcast(xr + 28));
     return Q::add(Q::add(a0, a1), Q::add(a2, a3));
-  } else {
+  } else if constexpr (C == 8) {
+    Q::I a0 = Q::dot<L>(w[0], Q::bcast(xr)), a1 = Q::dot<L>(w[1], Q::bcast(xr + 4));
+    a0 = Q::dpacc<L>(a0, w[2], Q::bcast(xr + 8)), a1 = Q::dpacc<L>(a1, w[3], Q::bcast(xr + 12));
+    a0 = Q::dpacc<L>(a0, w[4], Q::bcast(xr + 16)), a1 = Q::dpacc<L>(a1, w[5], Q::bcast(xr + 20));
+    a0 = Q::dpacc<L>(a0, w[6], Q::bcast(xr + 24)), a1 = Q::dpacc<L>(a1, w[7], Q::bcast(xr + 28));
+    return Q::add(a0, a1);
+  } else if constexpr (!Many) {
     Q::I a0 = Q::dot<L>(w[0], Q::bcast(xr)), a1 = Q::dot<L>(w[1], Q::bcast(xr + 4));
     a0 = Q::dpacc<L>(a0, w[2], Q::bcast(xr + 8)), a1 = Q::dpacc<L>(a1, w[3], Q::bcast(xr + 12));
     return Q::add(a0, a1);
+  } else {
+    Q::I a0 = Q::dot<L>(w[0], Q::bcast(xr));
+    a0 = Q::dpacc<L>(a0, w[1], Q::bcast(xr + 4));
+    a0 = Q::dpacc<L>(a0, w[2], Q::bcast(xr + 8));
+    return Q::dpacc<L>(a0, w[3], Q::bcast(xr + 12));
   }
 }
 
@@ -203,23 +216,25 @@ inline void block_codes(const uint8_t* ct, int64_t b, Q::I* w) {
   }
 }
 
-// t of block b for one row (the header's formula): xr the row's activations of the block, xs its sub-block sums.
-template <int L, int S, bool Centred, typename T>
-inline Q::F block_term(const Q::I* w, const int8_t* xr, const int32_t* xs, const T* dt, const T* mt, int64_t b) {
+// t of block b for one row (the header's formula): xr the row's activations of the block, xs its sub-block sums
+// (int32, centred weights) or xf the same sums as floats (exact: |X| <= 32 * 127), read by a broadcast.
+template <int L, int S, bool Centred, typename T, bool Many>
+inline Q::F block_term(const Q::I* w, const int8_t* xr, const int32_t* xs, const float* xf, const T* dt, const T* mt,
+                       int64_t b) {
   if constexpr (S == 32) {
-    const Q::I i = sums<L, 8>(w, xr);
+    const Q::I i = sums<L, 8, Many>(w, xr);
     if constexpr (Centred) return Q::mul(Q::scales(dt + b * 16), Q::cvt(Q::sub_scalar(i, -xs[b])));
-    return Q::fma(Q::scales(mt + b * 16), Q::set1(static_cast<float>(xs[b])), Q::mul(Q::scales(dt + b * 16), Q::cvt(i)));
+    return Q::fma(Q::scales(mt + b * 16), Q::set1(xf[b]), Q::mul(Q::scales(dt + b * 16), Q::cvt(i)));
   } else {
-    const Q::I i0 = sums<L, 4>(w, xr), i1 = sums<L, 4>(w + 4, xr + 16);
+    const Q::I i0 = sums<L, 4, Many>(w, xr), i1 = sums<L, 4, Many>(w + 4, xr + 16);
     const Q::F d0 = Q::scales(dt + 2 * b * 16), d1 = Q::scales(dt + (2 * b + 1) * 16);
     if constexpr (Centred) {
       return Q::fma(d1, Q::cvt(Q::sub_scalar(i1, -xs[2 * b + 1])), Q::mul(d0, Q::cvt(Q::sub_scalar(i0, -xs[2 * b]))));
     } else {
       const Q::F m0 = Q::scales(mt + 2 * b * 16), m1 = Q::scales(mt + (2 * b + 1) * 16);
-      Q::F t = Q::fma(m0, Q::set1(static_cast<float>(xs[2 * b])), Q::mul(d0, Q::cvt(i0)));
+      Q::F t = Q::fma(m0, Q::set1(xf[2 * b]), Q::mul(d0, Q::cvt(i0)));
       t = Q::fma(d1, Q::cvt(i1), t);
-      return Q::fma(m1, Q::set1(static_cast<float>(xs[2 * b + 1])), t);
+      return Q::fma(m1, Q::set1(xf[2 * b + 1]), t);
     }
   }
 }
@@ -228,6 +243,7 @@ struct Args {
   const int8_t* qx;
   const float* dx;
   const int32_t* sx;
+  const float* sxf;  // sx as floats (weights that are not centred)
   const uint8_t* codes;
   const void *d, *m;  // float or fp16 (uint16_t) scales: the kernels' T
   const float* bias;
@@ -249,9 +265,11 @@ void q8_rows(const Args& a, int64_t r0, int64_t t0, int64_t t1) {
     for (int64_t b = 0; b < blocks; ++b) {
       Q::I w[8];
       block_codes<L>(ct, b, w);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
-        const Q::F tb = block_term<L, S, Centred, T>(w, a.qx + row * K + b * 32, a.sx + row * subs, dt, mt, b);
+        const Q::F tb = block_term<L, S, Centred, T, (R >= 4)>(w, a.qx + row * K + b * 32, a.sx + row * subs,
+                                                              a.sxf + row * subs, dt, mt, b);
         acc[r] = Q::fma(tb, Q::set1(a.dx[row * blocks + b]), acc[r]);
       }
     }
@@ -332,9 +350,11 @@ torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, int64_t N,
   std::vector<float> dx(M * K / 32);
   std::vector<int32_t> sx(M * K / sub);
   round_rows(x.data_ptr<float>(), M, K, static_cast<int>(sub), static_cast<int32_t>(centre), qx.data(), dx.data(), sx.data());
+  std::vector<float> sxf(centred ? 0 : sx.size());
+  for (size_t i = 0; i < sxf.size(); ++i) sxf[i] = static_cast<float>(sx[i]);
   auto y = torch::empty({M, N}, x.options());
   const TilesFn run = pick(layout, sub, centred, half);
-  const Args a{qx.data(), dx.data(), sx.data(), codes.data_ptr<uint8_t>(), d.data_ptr(), centred ? nullptr : m.data_ptr(),
+  const Args a{qx.data(), dx.data(), sx.data(), sxf.data(), codes.data_ptr<uint8_t>(), d.data_ptr(), centred ? nullptr : m.data_ptr(),
                bias.numel() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N};
   // a thread's share at least ~64 K multiply-adds: smaller products run on one thread
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * 16));
