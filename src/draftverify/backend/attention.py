@@ -48,7 +48,9 @@ def attend(dec, i: int, layer, qkv: torch.Tensor, cos, sin, part: Part) -> torch
     no_mask = dec.no_mask if mask is None else mask
     if dec.rope_attention is not None and layer.q_norm is None and layer.softcap is None:  # 1.
         if n <= QUANT_ROWS:
-            return dec.rope_attention(qkv, cos[:, 0], sin[:, 0], keys, values, past, dec.n_heads, no_mask, layer.scaling)
+            return dec.rope_attention(
+                qkv, cos[:, 0], sin[:, 0], keys, values, past, dec.n_heads, no_mask, layer.scaling
+            )
         return torch.cat(
             [  # a prefill, `PREFILL_ROWS` rows a call: each call's keys the cache's so far (the mask hides later ones)
                 dec.rope_attention(
