@@ -71,6 +71,30 @@ def test_every_row_is_its_one_row_product(layout, sub, k):
         assert torch.equal(q8k.matmul(w, x[:m]), one[:m]), f"{m} rows"
 
 
+@needs_kernels
+def test_tiles_in_an_arena_are_the_same_tiles_on_2mb_aligned_buffers(monkeypatch):
+    """`TileArena` places tiles and scales in large buffers that start on 2 MB boundaries (advised to be huge pages):
+    the same bytes, 64-byte aligned views, a new buffer when one is full, and the same product bits."""
+    monkeypatch.setattr(q8k.TileArena, "CHUNK", 4 << 20)
+    arena = q8k.TileArena()
+    ws = [weight(layout, sub, 40, k, seed=i) for i, (layout, sub, k) in enumerate(CASES)] * 40  # > one buffer
+    x = activations(5, 576)
+    firsts: dict[int, int] = {}  # each buffer's storage -> its first view's address
+    for w in ws:
+        alone, placed = q8k.prepare(w), q8k.prepare(w, arena)
+        assert torch.equal(placed.codes, alone.codes) and torch.equal(placed.d, alone.d)
+        assert torch.equal(placed.m, alone.m)
+        assert all(t.data_ptr() % 64 == 0 for t in (placed.codes, placed.d) if t.numel())
+        base = placed.codes.untyped_storage().data_ptr()
+        firsts[base] = min(firsts.get(base, placed.codes.data_ptr()), placed.codes.data_ptr())
+        if w.shape[1] == 576:
+            assert torch.equal(q8k.matmul(placed, x), q8k.matmul(alone, x))
+    assert len(firsts) > 1  # the first buffer filled up
+    assert all(first % (2 << 20) == 0 for first in firsts.values())  # each buffer starts on a 2 MB page
+    t = torch.randn(7, 3)
+    assert torch.equal(arena.place(t), t) and arena.place(torch.empty(0)).numel() == 0
+
+
 def test_reference_is_not_the_fp32_product_but_close():
     w, x = weight("u4", 32, 24, 256), activations(5, 256)
     ref = torch.from_numpy(q8k.reference(x.numpy(), w))

@@ -216,17 +216,18 @@ def _block_product(weight, x: torch.Tensor, arithmetic: str = "fp32") -> torch.T
     raise ValueError(f"product {name!r} is listed in PRODUCTS but not dispatched in backend.linear._block_product")
 
 
-def for_arithmetic(weight, arithmetic: str):
+def for_arithmetic(weight, arithmetic: str, arena=None):
     """`weight` (a PackedWeight) in the form its product in `arithmetic` multiplies: the q8 product's tiles
-    (`kernels.q8.prepare`, made once here) where `PRODUCT_TABLES` gives it the q8 product and the kernels are
-    compiled, else itself (without the kernels q8's product is its numpy reference, which takes the PackedWeight)."""
+    (`kernels.q8.prepare`, made once here, in `arena` when given) where `PRODUCT_TABLES` gives it the q8 product and
+    the kernels are compiled, else itself (without the kernels q8's product is its numpy reference, which takes the
+    PackedWeight)."""
     from draftverify.kernels.blocks import PackedWeight
 
     if not isinstance(weight, PackedWeight) or product(weight, 1, arithmetic) != "q8" or cpu_kernels() is None:
         return weight
     from draftverify.kernels.q8 import prepare
 
-    return prepare(weight)
+    return prepare(weight, arena)
 
 
 def concat_runs(weights: list) -> list:

@@ -87,9 +87,58 @@ def centre(w: PackedWeight) -> int:
     return int(c) if bool(torch.equal(m, d * -c)) else -1
 
 
-def prepare(w: PackedWeight) -> Q8Weight:
+BLOCK_BYTES = {"u4": 256, "u8": 512, "u5": 320}  # bytes of 32 k of a tile (csrc/products_q8.cpp `block_bytes`)
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+class TileArena:
+    """Room for many weights' tiles (and whatever else a decoding step streams) in a few large buffers on 2 MB pages:
+    a step streams every weight once, and takes one TLB entry per 2 MB rather than per 4 KB. Each buffer is aligned
+    to 2 MB and advised MADV_HUGEPAGE before it is written, so the kernel faults it in as huge pages where
+    transparent huge pages are on "madvise" or "always" (elsewhere the advice changes nothing). Owned by what packs
+    a model's weights (`GGUFWeights`); a weight's tiles are views of a buffer, which lives as long as any of them.
+    Untouched pages at a buffer's end are never resident."""
+
+    CHUNK = 64 << 20
+
+    def __init__(self):
+        self._buffer: torch.Tensor | None = None
+        self._used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 [nbytes] view, 64-byte aligned, of the current buffer (a new one when it has no room)."""
+        start = -(-self._used // 64) * 64
+        if self._buffer is None or start + nbytes > self._buffer.numel():
+            self._buffer, start = _huge_buffer(max(self.CHUNK, nbytes)), 0
+        self._used = start + nbytes
+        return self._buffer[start : start + nbytes]
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of `t` (contiguous, same dtype and shape) in the arena; an empty `t` as it is."""
+        if not t.numel():
+            return t
+        return self.take(t.numel() * t.element_size()).view(t.dtype).view(t.shape).copy_(t)
+
+
+def _huge_buffer(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] starting on a 2 MB boundary, advised MADV_HUGEPAGE (linux; elsewhere a plain buffer)."""
+    import ctypes
+    import sys
+
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(size), MADV_HUGEPAGE)
+    return raw[offset : offset + nbytes]
+
+
+def prepare(w: PackedWeight, arena: TileArena | None = None) -> Q8Weight:
     """`w` (u4 / u8 codes) in the kernel's tiles of 16 outputs (csrc/products_q8.cpp `q8_repack`), the last tile
-    padded with zero codes and scales. Needs the compiled kernels (without them `matmul` takes the PackedWeight)."""
+    padded with zero codes and scales; the tiles in `arena` when given, else in a buffer of their own. Needs the
+    compiled kernels (without them `matmul` takes the PackedWeight)."""
     from draftverify.kernels import cpu
 
     if not supports(w):
@@ -100,7 +149,9 @@ def prepare(w: PackedWeight) -> Q8Weight:
     out, k = w.shape
     tiles = -(-out // TILE)
     layout = "u5" if w.layout == "u8" and int(w.codes.max()) < 32 else w.layout  # Q5_0 / Q5_1 / Q5_K: 5 bits
-    flat = kernels.q8_repack(w.codes.contiguous(), TILE_LAYOUTS[w.layout], TILE_LAYOUTS[layout], out, k)
+    nbytes = tiles * (k // 32) * BLOCK_BYTES[layout]
+    flat = (arena.take(nbytes) if arena is not None else torch.empty(nbytes, dtype=torch.uint8)).view(tiles, -1)
+    kernels.q8_repack(w.codes.contiguous(), TILE_LAYOUTS[w.layout], TILE_LAYOUTS[layout], out, k, flat)
     c = centre(w)
 
     def scales(t: torch.Tensor) -> torch.Tensor:
@@ -110,6 +161,8 @@ def prepare(w: PackedWeight) -> Q8Weight:
     d, m = scales(w.d), torch.empty(0) if c >= 0 else scales(w.m)
     if all(torch.equal(t.half().float(), t) for t in (d, m)):  # every scale exact in fp16: half the bytes, same values
         d, m = d.half(), m.half()
+    if arena is not None:
+        d, m = arena.place(d), arena.place(m)
     return Q8Weight(w.type_name, w.shape, layout, w.sub, flat, d, m, c)
 
 

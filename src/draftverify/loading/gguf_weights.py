@@ -18,6 +18,7 @@ Gemma's norm vectors are the file's minus 1 in fp32, as that loader subtracts it
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from functools import cached_property
 from pathlib import Path
@@ -29,6 +30,7 @@ from gguf.quants import dequantize
 from draftverify.errors import require
 from draftverify.kernels.blocks import PackedWeight, pack
 from draftverify.kernels.gguf_file import GGUFFile
+from draftverify.kernels.q8 import TileArena
 
 # Logical name (inside a layer) -> GGUF tensor name (inside "blk.N."), per GGUF architecture: the names
 # llama.cpp's converter writes (gguf's tensor name map), as transformers' GGUF loader reads them back.
@@ -98,6 +100,7 @@ class GGUFWeights:
         self.tied = "output.weight" not in self.file.tensors
         self._packed: dict[tuple[str, str], object] = {}  # (name, arithmetic) -> its weight, as `linear` gives it
         self._fused: dict[tuple, list] = {}  # `fused`: shared by every decoder of the file
+        self._tiles = TileArena()  # the q8 tiles of every weight, on 2 MB pages (`kernels.q8.TileArena`)
         self._said: set[str] = set()
 
     def name(self, name: str, suffix: str = "weight") -> str:
@@ -117,7 +120,7 @@ class GGUFWeights:
         if found is None:
             from draftverify.backend.linear import for_arithmetic
 
-            found = for_arithmetic(self._fp32(name), arithmetic)
+            found = self._placed(for_arithmetic(self._fp32(name), arithmetic, self._tiles))
             self._packed[name, arithmetic] = found
         return found
 
@@ -146,8 +149,18 @@ class GGUFWeights:
             from draftverify.backend.linear import concat_runs, for_arithmetic
 
             parts = [self._fp32(n) for n in names]
-            found = self._fused[key] = [for_arithmetic(w, arithmetic) for w in concat_runs(parts)]
+            found = self._fused[key] = [
+                self._placed(for_arithmetic(w, arithmetic, self._tiles)) for w in concat_runs(parts)
+            ]
         return found
+
+    def _placed(self, w):
+        """A PackedWeight multiplied as it is (the fp32 arithmetic's, or a layout q8 does not take) with its codes and
+        scales copied into the arena, on 2 MB pages as the q8 tiles are; a q8 weight is there already."""
+        if not isinstance(w, PackedWeight):
+            return w
+        place = self._tiles.place
+        return dataclasses.replace(w, codes=place(w.codes), d=place(w.d), m=place(w.m))
 
     def shape(self, name: str) -> tuple[int, int]:
         """[out, in] of the logical linear `name`, read from the file (nothing packed)."""

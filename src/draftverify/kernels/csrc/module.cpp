@@ -9,7 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ w.T (+ bias) with w in exact Q4_1 / Q8_0 blocks, float32");
   m.def("block_linear", &block_linear, "x @ w.T (+ bias) with w in a GGUF block layout (kernels/blocks.py), float32");
   m.def("q8_linear", &q8_linear, "x @ w.T (+ bias) in the q8 arithmetic: x rounded to int8 per 32, integer dot products with u4 / u8 block codes");
-  m.def("q8_repack", &q8_repack, "a block weight's u4 / u8 codes placed in the q8 product's tiles of 16 outputs");
+  m.def("q8_repack", &q8_repack, "a block weight's u4 / u8 codes placed in the q8 product's tiles of 16 outputs, into out");
   m.def("vnni", &vnni, "whether the q8 products were built with AVX-512 VNNI");
   m.def("attention", &attention, "softmax(q k^T * scale, masked) v per query row and head, float32");
   m.def("rope_attention", &rope_attention, "rotate q, k; store k, v in the cache; attention; float32");

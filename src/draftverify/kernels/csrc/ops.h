@@ -43,5 +43,5 @@ torch::Tensor block_linear(torch::Tensor x, int64_t layout, int64_t sub, torch::
 // products_q8.cpp: the q8 arithmetic over u4 / u8 codes in tiles of 16 outputs (kernels/q8.py prepare)
 torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, int64_t N, torch::Tensor codes, torch::Tensor d,
                         torch::Tensor m, int64_t centre, torch::Tensor bias);
-torch::Tensor q8_repack(torch::Tensor codes, int64_t from, int64_t layout, int64_t N, int64_t K);
+void q8_repack(torch::Tensor codes, int64_t from, int64_t layout, int64_t N, int64_t K, torch::Tensor out);
 bool vnni();

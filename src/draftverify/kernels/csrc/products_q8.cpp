@@ -364,9 +364,10 @@ torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, int64_t N,
 
 // A block weight's codes (blocks.py's layouts: u4, byte j of each 32 k holding q_j | q_{j+16} << 4; u8, a byte a
 // code) for N outputs of K, rewritten in the tiles of the top of this file for `layout` 0 (u4), 1 (u8) or 2 (u5:
-// u8 codes below 32, which the caller has checked), the last tile padded with zero codes. A byte shuffle: the codes
-// are not changed, only placed.
-torch::Tensor q8_repack(torch::Tensor codes, int64_t from, int64_t layout, int64_t N, int64_t K) {
+// u8 codes below 32, which the caller has checked), written into `out` (uint8 [tiles, tile bytes], contiguous: the
+// caller places it, kernels/q8.py `TileArena`), the last tile padded with zero codes. A byte shuffle: the codes are
+// not changed, only placed.
+void q8_repack(torch::Tensor codes, int64_t from, int64_t layout, int64_t N, int64_t K, torch::Tensor out) {
   TORCH_CHECK((from == U4 || from == U8) && (layout == U4 || layout == U8 || layout == U5) && (layout == U4) == (from == U4),
               "q8_repack: u4 codes go to u4 tiles, u8 codes to u8 or u5 tiles");
   const int64_t row_bytes = from == U4 ? K / 2 : K;
@@ -374,7 +375,9 @@ torch::Tensor q8_repack(torch::Tensor codes, int64_t from, int64_t layout, int64
               "q8_repack: codes must be uint8 [N, K / 2] (u4) or [N, K] (u8), K a multiple of 32");
   const int L = static_cast<int>(layout);
   const int64_t tiles = (N + 15) / 16, blocks = K / 32, tile_bytes = blocks * block_bytes(L);
-  auto out = torch::zeros({tiles, tile_bytes}, codes.options());
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.numel() == tiles * tile_bytes,
+              "q8_repack: out must be uint8 [tiles, tile bytes], contiguous");
+  std::memset(out.data_ptr(), 0, out.numel());
   const uint8_t* src = codes.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -411,5 +414,4 @@ torch::Tensor q8_repack(torch::Tensor codes, int64_t from, int64_t layout, int64
       }
     }
   });
-  return out;
 }
