@@ -122,11 +122,17 @@ class GGUFWeights:
 
             found = self._placed(for_arithmetic(self._fp32(name), arithmetic, self._tiles))
             self._packed[name, arithmetic] = found
+            if name == "embed_tokens" and arithmetic == "fp32":  # the head's copy serves the embedding's rows too
+                self.__dict__["embedding"] = found
         return found
 
     def _fp32(self, name: str) -> PackedWeight:
-        """The PackedWeight of `name`: the one kept for the fp32 arithmetic, else packed now and not kept."""
-        return self._packed.get((name, "fp32")) or self._pack(name)
+        """The PackedWeight of `name`: the one kept for the fp32 arithmetic (or the embedding's), else packed now
+        and not kept."""
+        found = self._packed.get((name, "fp32"))
+        if found is None and name == "embed_tokens":
+            found = self.__dict__.get("embedding")
+        return found or self._pack(name)
 
     def _pack(self, name: str) -> PackedWeight:
         info = self._tensor(self.name(name))
@@ -190,7 +196,9 @@ class GGUFWeights:
 
     @cached_property
     def embedding(self) -> PackedWeight:
-        return self.linear("embed_tokens")
+        """The token embedding's blocks, for its rows (`embed_rows`): outside the arena, since no step streams it
+        whole, unless the tied head's copy (`linear`) is there to share."""
+        return self._fp32("embed_tokens")
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of token ids [n] -> fp32 [n, H], only those rows dequantized (exact)."""
