@@ -51,15 +51,12 @@ def attend(dec, i: int, layer, qkv: torch.Tensor, cos, sin, part: Part) -> torch
             return dec.rope_attention(
                 qkv, cos[:, 0], sin[:, 0], keys, values, past, dec.n_heads, no_mask, layer.scaling
             )
-        return torch.cat(
-            [  # a prefill, `PREFILL_ROWS` rows a call: each call's keys the cache's so far (the mask hides later ones)
-                dec.rope_attention(
-                    qkv[r : r + PREFILL_ROWS], cos[r : r + PREFILL_ROWS, 0], sin[r : r + PREFILL_ROWS, 0], keys, values,
-                    past + r, dec.n_heads, mask[r : r + PREFILL_ROWS, : past + r + PREFILL_ROWS].contiguous(),
-                    layer.scaling,
-                )
-                for r in range(0, n, PREFILL_ROWS)
-            ]
+        return by_prefill_rows(
+            n,  # each call stores its keys first and attends the cache's so far (the mask hides later ones)
+            lambda r, e: dec.rope_attention(
+                qkv[r:e], cos[r:e, 0], sin[r:e, 0], keys, values, past + r, dec.n_heads,
+                mask[r:e, : past + e].contiguous(), layer.scaling,
+            ),
         )  # fmt: skip
     q, k, v = rotated(dec, layer, qkv, cos, sin)
     keys[:, past : past + n] = k.transpose(0, 1)
@@ -69,14 +66,8 @@ def attend(dec, i: int, layer, qkv: torch.Tensor, cos, sin, part: Part) -> torch
     if dec.attention_kernel is not None and n <= QUANT_ROWS:  # 2.
         return dec.attention_kernel(q, keys, values, past + n, no_mask, layer.scaling)
     if dec.attention_kernel is not None:  # 3. (n > 1, so a mask)
-        chunks = range(0, n, PREFILL_ROWS)
-        return torch.cat(
-            [
-                dec.attention_kernel(
-                    q[r : r + PREFILL_ROWS], keys, values, past + n, mask[r : r + PREFILL_ROWS], layer.scaling
-                )
-                for r in chunks
-            ]
+        return by_prefill_rows(
+            n, lambda r, e: dec.attention_kernel(q[r:e], keys, values, past + n, mask[r:e], layer.scaling)
         )
     if n == 1 and mask is None:  # 4. one query, every key: three small ops beat SDPA's CPU kernel
         groups = q[0].view(dec.n_kv, dec.n_heads // dec.n_kv, dec.head_dim)  # query head h reads kv head h // group
@@ -92,6 +83,12 @@ def attend(dec, i: int, layer, qkv: torch.Tensor, cos, sin, part: Part) -> torch
         enable_gqa=dec.n_heads != dec.n_kv,
     )  # [1, heads, n, d]
     return out[0].transpose(0, 1).reshape(n, dec.n_heads * dec.head_dim)
+
+
+def by_prefill_rows(n: int, call) -> torch.Tensor:
+    """A prefill's attention `PREFILL_ROWS` query rows a call, one call after another: `call(first, end)` gives rows
+    first..end-1 (a call's partial sums grow with its rows times their key chunks)."""
+    return torch.cat([call(r, min(r + PREFILL_ROWS, n)) for r in range(0, n, PREFILL_ROWS)])
 
 
 def capped(dec, layer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
