@@ -3,7 +3,9 @@
 Each of `--processes` fresh Python processes loads the engine (`Engine.load`, the default model unless `--target`),
 sends `--requests` identical requests of `--method`, then loads it again; the import and load times, the time to
 first token of each request, and the first one's ratio to the fastest later one, go in `FOLDER/report.md` (the
-command on its first line, written atomically).
+command on its first line, written atomically). The first process loads the file as if for the first time ever: its
+cache folder holds everything of the user's (kernels, cost curves) but the file's converted config and tokenizer
+(`loading.gguf.gguf_metadata`), which it converts again; the later processes read what it left.
 A first request pays for whatever a process does once: compiling or importing the kernels, measuring or reading the
 cost curves (`costs.curve`, cached on disk per machine, model, arithmetic and kernel build), loading a lazily
 loaded draft. Processes run one after another, so a later one finds what an earlier one left on disk.
@@ -17,9 +19,10 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from draftverify.util import atomic_path
+from draftverify.util import atomic_path, cache_root
 
 PROBE = """
 import json, sys, time
@@ -46,15 +49,23 @@ print(json.dumps({"import_s": imported - started, "transformers_s": transformers
 PROMPT = "Explain why the sky is blue in two sentences."
 
 
-def probe(target: str | None, method: str, requests: int, tokens: int) -> dict:
-    """One fresh process's load time and per-request TTFTs."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    args = [sys.executable, "-c", PROBE, target or "", method, str(requests), PROMPT, str(tokens)]
-    run = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
+def probe(target: str | None, method: str, requests: int, tokens: int, convert: bool) -> dict:
+    """One fresh process's load time and per-request TTFTs. `convert`: the process converts the file's metadata
+    again, in a cache folder of links to the user's, the metadata folder left out."""
+    with tempfile.TemporaryDirectory() as fresh:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        if convert:
+            (Path(fresh) / cache_root().name).mkdir()
+            for entry in cache_root().iterdir() if cache_root().is_dir() else []:
+                if entry.name != "gguf-meta":
+                    (Path(fresh) / cache_root().name / entry.name).symlink_to(entry)
+            env["XDG_CACHE_HOME"] = fresh
+        args = [sys.executable, "-c", PROBE, target or "", method, str(requests), PROMPT, str(tokens)]
+        run = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
     if run.returncode != 0:
         tail = run.stderr.strip().splitlines()[-1:] or ["no output"]
         raise SystemExit(f"first_request: the probe process failed ({tail[0][:200]})")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return {**json.loads(run.stdout.strip().splitlines()[-1]), "metadata": "converted" if convert else "cached"}
 
 
 def report(runs: list[dict], command: str, method: str) -> str:
@@ -68,16 +79,18 @@ def report(runs: list[dict], command: str, method: str) -> str:
         "Each row: one fresh process: `import draftverify`, `import transformers` (which a load would otherwise",
         f"import), `Engine.load()`, identical `{method}` requests ({PROMPT!r}, chat), then `Engine.load()` again in",
         "the same process. first / warm = the first request's time to first token over the fastest later request's.",
+        "metadata: converted = the process converted the file's config and tokenizer (the first load of a file ever);",
+        "cached = it read the conversion an earlier process left.",
         "",
-        "| process | arithmetic | import draftverify (s) | import transformers (s) | load (s) | load again (s) "
-        "| TTFT per request (ms) | first / warm |",
-        "|---|---|---|---|---|---|---|---|",
+        "| process | metadata | arithmetic | import draftverify (s) | import transformers (s) | load (s) "
+        "| load again (s) | TTFT per request (ms) | first / warm |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for i, run in enumerate(runs, 1):
         ttft = run["ttft_s"]
         ratio = ttft[0] / min(ttft[1:]) if len(ttft) > 1 and min(ttft[1:]) > 0 else None
         times = [f"{run[key]:.2f}" for key in ("import_s", "transformers_s", "load_s", "load_again_s")]
-        cells = [str(i), run["arithmetic"], *times, ", ".join(f"{t * 1e3:.0f}" for t in ttft)]
+        cells = [str(i), run.get("metadata", "-"), run["arithmetic"], *times, ", ".join(f"{t * 1e3:.0f}" for t in ttft)]
         lines.append("| " + " | ".join([*cells, "-" if ratio is None else f"{ratio:.2f}"]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -88,7 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="report folder (report.md, runs.json)")
     parser.add_argument("--target", default=None, help="a model folder or .gguf file (default: the default model)")
     parser.add_argument("--method", default="auto", help="the method of every request")
-    parser.add_argument("--processes", type=int, default=2, help="fresh processes, one after another")
+    parser.add_argument(
+        "--processes", type=int, default=3, help="fresh processes, one after another (the first converts the metadata)"
+    )
     parser.add_argument("--requests", type=int, default=3, help="requests per process (at least 2)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per request")
     args = parser.parse_args(argv)
@@ -97,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     command = f"{prog} " + shlex.join(sys.argv[1:] if argv is None else argv)
     runs = []
     for i in range(args.processes):
-        runs.append(probe(args.target, args.method, args.requests, args.max_new_tokens))
+        runs.append(probe(args.target, args.method, args.requests, args.max_new_tokens, convert=i == 0))
         print(f"first_request: process {i + 1} of {args.processes} done", file=sys.stderr, flush=True)
     text = report(runs, command, args.method)
     with atomic_path(args.out, folder=True) as tmp:

@@ -2,7 +2,9 @@
 
 - `gguf_metadata(path)`: the transformers config and tokenizer of a GGUF file, converted once and cached under
   `~/.cache/draftverify/gguf-meta/` (keyed by the file's path, size and mtime; written atomically), so a repeated
-  load reads two small JSON files (and the tokenizer's fingerprint, `tokenizers.tokenizer_fingerprint`);
+  load reads two small JSON files (and the tokenizer's fingerprint, `tokenizers.tokenizer_fingerprint`). The first
+  conversion of a file the direct path reads takes its config from `config_dict` (below), so that transformers
+  never builds its slow `GGUFReader` over the whole vocabulary;
 - `GGUFModel` (loading/gguf_model.py) is what a GGUF target loads as: the static path multiplies the file's own
   blocks (`gguf_weights.GGUFWeights`); the stock transformers module is built only when something asks for it;
 - `gguf_to_folder(path)`: the fp32 safetensors conversion the stock module loads from (the eager path, tools).
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,7 +42,7 @@ def gguf_metadata(path: Path):
 
     folder = cache_root() / "gguf-meta" / f"{path.stem}-{file_key(path)}"
     if not (folder / "config.json").is_file():
-        with atomic_path(folder, folder=True) as tmp:
+        with atomic_path(folder, folder=True) as tmp, config_from_metadata():
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
             tokenizer.save_pretrained(tmp)
@@ -54,6 +57,66 @@ def gguf_metadata(path: Path):
     else:
         atomic_write(fingerprint, tokenizer_fingerprint(tokenizer))
     return config, generation, tokenizer
+
+
+def config_dict(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """The config dict transformers' `load_gguf_checkpoint(..., return_tensors=False)["config"]` builds for a file
+    of an architecture the direct path reads, from the metadata of transformers' fast reader
+    (`integrations.gguf.read_gguf_metadata`, which walks past the vocabulary's strings instead of parsing each).
+
+    The same steps in the same order: Mistral files (architecture "llama", named "mistral") renamed,
+    `tie_word_embeddings` from the absence of `output.weight`, the architecture's defaults, each metadata key through
+    transformers' mapping table (later keys win, one-element arrays unwrapped as its parser does), Gemma 3 as its
+    text model, `vocab_size` from the vocabulary's length when the file has none. Arrays of strings only live
+    under `tokenizer.*`, which the config's table does not read; tests/test_gguf_metadata.py compares the result
+    with transformers' own on a file of each architecture."""
+    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    architecture = metadata["general.architecture"]
+    updated = architecture
+    if "llama" in architecture and metadata.get("general.name") == "mistral":  # its test: "mistral" in [name]
+        updated = "mistral"
+    config = {"tie_word_embeddings": "output.weight" not in tensor_names}
+    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(
+        updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture, {})
+    ).items():
+        config.setdefault(key, value)
+    for key, value in metadata.items():
+        prefix, _, rest = key.replace(architecture, updated).partition(".")
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if isinstance(value, str) and architecture in value:
+            value = value.replace(architecture, updated)
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        if renamed is not None and renamed != -1:
+            config[renamed] = value
+    if config["model_type"] == "gemma3":
+        config["model_type"] = "gemma3_text"
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in metadata:
+        tokens = metadata["tokenizer.ggml.tokens"]  # the fast reader's count of an array of strings it skipped
+        config["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
+    return config
+
+
+@contextmanager
+def config_from_metadata():
+    """Inside: transformers builds the config of a GGUF file the direct path reads with `config_dict`.
+
+    `AutoConfig` and `AutoTokenizer` (which wants the config to choose a tokenizer class) ask transformers'
+    registry of fast config builders (`integrations.gguf.GGUF_CONFIG_ARCHS`) first and otherwise parse the whole
+    file with gguf's `GGUFReader`, seconds for a 49k-token vocabulary, twice. The architectures are registered for
+    the conversion only, and only those transformers has no builder of its own for."""
+    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+
+    from draftverify.loading.gguf_weights import DIRECT_ARCHITECTURES
+
+    added = [arch for arch in DIRECT_ARCHITECTURES if arch not in GGUF_CONFIG_ARCHS]
+    GGUF_CONFIG_ARCHS.update(dict.fromkeys(added, config_dict))
+    try:
+        yield
+    finally:
+        for arch in added:
+            GGUF_CONFIG_ARCHS.pop(arch, None)
 
 
 def gguf_to_folder(path: Path) -> Path:
