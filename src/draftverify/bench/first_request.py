@@ -3,9 +3,9 @@
 Each of `--processes` fresh Python processes loads the engine (`Engine.load`, the default model unless `--target`),
 sends `--requests` identical requests of `--method`, then loads it again; the import and load times, the time to
 first token of each request, and the first one's ratio to the fastest later one, go in `FOLDER/report.md` (the
-command on its first line, written atomically). The first process loads the file as if for the first time ever: its
-cache folder holds everything of the user's (kernels, cost curves) but the file's converted config and tokenizer
-(`loading.gguf.gguf_metadata`), which it converts again; the later processes read what it left.
+command on its first line, written atomically). The first process loads a GGUF file as for the first time: the
+file's converted config and tokenizer (`loading.gguf.gguf_metadata`, a cache) are removed before it starts, so it
+converts them again; the later processes read what it left.
 A first request pays for whatever a process does once: compiling or importing the kernels, measuring or reading the
 cost curves (`costs.curve`, cached on disk per machine, model, arithmetic and kernel build), loading a lazily
 loaded draft. Processes run one after another, so a later one finds what an earlier one left on disk.
@@ -17,12 +17,14 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from draftverify.util import atomic_path, cache_root
+from draftverify.loading.defaults import default_model_path
+from draftverify.loading.gguf import metadata_folder
+from draftverify.util import atomic_path
 
 PROBE = """
 import json, sys, time
@@ -50,22 +52,20 @@ PROMPT = "Explain why the sky is blue in two sentences."
 
 
 def probe(target: str | None, method: str, requests: int, tokens: int, convert: bool) -> dict:
-    """One fresh process's load time and per-request TTFTs. `convert`: the process converts the file's metadata
-    again, in a cache folder of links to the user's, the metadata folder left out."""
-    with tempfile.TemporaryDirectory() as fresh:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        if convert:
-            (Path(fresh) / cache_root().name).mkdir()
-            for entry in cache_root().iterdir() if cache_root().is_dir() else []:
-                if entry.name != "gguf-meta":
-                    (Path(fresh) / cache_root().name / entry.name).symlink_to(entry)
-            env["XDG_CACHE_HOME"] = fresh
-        args = [sys.executable, "-c", PROBE, target or "", method, str(requests), PROMPT, str(tokens)]
-        run = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
+    """One fresh process's load time and per-request TTFTs. `convert`: the GGUF file's converted config and
+    tokenizer are removed from the cache first (a cache: the load converts them again), so that the process loads
+    the file as for the first time."""
+    path = Path(target) if target else default_model_path()
+    if convert and path.suffix == ".gguf":
+        shutil.rmtree(metadata_folder(path), ignore_errors=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    args = [sys.executable, "-c", PROBE, target or "", method, str(requests), PROMPT, str(tokens)]
+    run = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
     if run.returncode != 0:
         tail = run.stderr.strip().splitlines()[-1:] or ["no output"]
         raise SystemExit(f"first_request: the probe process failed ({tail[0][:200]})")
-    return {**json.loads(run.stdout.strip().splitlines()[-1]), "metadata": "converted" if convert else "cached"}
+    converted = convert and path.suffix == ".gguf"
+    return {**json.loads(run.stdout.strip().splitlines()[-1]), "metadata": "converted" if converted else "cached"}
 
 
 def report(runs: list[dict], command: str, method: str) -> str:
@@ -79,7 +79,7 @@ def report(runs: list[dict], command: str, method: str) -> str:
         "Each row: one fresh process: `import draftverify`, `import transformers` (which a load would otherwise",
         f"import), `Engine.load()`, identical `{method}` requests ({PROMPT!r}, chat), then `Engine.load()` again in",
         "the same process. first / warm = the first request's time to first token over the fastest later request's.",
-        "metadata: converted = the process converted the file's config and tokenizer (the first load of a file ever);",
+        "metadata: converted = the process converted the file's config and tokenizer (a file's first load);",
         "cached = it read the conversion an earlier process left.",
         "",
         "| process | metadata | arithmetic | import draftverify (s) | import transformers (s) | load (s) "

@@ -30,6 +30,11 @@ def file_key(path: Path) -> str:
     return hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
+def metadata_folder(path: Path) -> Path:
+    """Where `gguf_metadata` caches the converted config and tokenizer of the GGUF file at `path`."""
+    return cache_root() / "gguf-meta" / f"{path.stem}-{file_key(path)}"
+
+
 def gguf_metadata(path: Path):
     """(config, generation config, tokenizer) of a GGUF file, from its cached conversion (made on first use).
 
@@ -40,7 +45,7 @@ def gguf_metadata(path: Path):
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.configuration_utils import PretrainedConfig
 
-    folder = cache_root() / "gguf-meta" / f"{path.stem}-{file_key(path)}"
+    folder = metadata_folder(path)
     if not (folder / "config.json").is_file():
         with atomic_path(folder, folder=True) as tmp, config_from_metadata():
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
