@@ -28,8 +28,14 @@ PROMPTS = [
 
 
 def test_gguf_converted_once_and_cached(smollm):
+    """The stock module (eager path, tools) loads the file's safetensors conversion, made once and then found."""
+    from draftverify.loading.gguf import gguf_to_folder
+
+    stock_smollm()  # converts on a machine that has not yet
     folders = list((cache_root() / "gguf").glob(DEFAULT_MODEL_FILE.removesuffix(".gguf") + "-*"))
-    assert folders and (folders[0] / "model.safetensors").is_file()
+    assert len(folders) == 1 and (folders[0] / "model.safetensors").is_file()
+    made = (folders[0] / "model.safetensors").stat().st_mtime_ns
+    assert gguf_to_folder(smollm.source) == folders[0] and (folders[0] / "model.safetensors").stat().st_mtime_ns == made
     assert smollm.name == DEFAULT_MODEL_FILE and smollm.model.config.num_hidden_layers == 30
 
 
