@@ -301,6 +301,31 @@ def test_attention_kernel_matches_fp64_and_gives_each_row_the_same_bits_at_any_r
             assert torch.equal(alone[0], kernel.attention(q, keys, values, past + n, mask, 0.125)[r])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_kernel_gives_rows_that_share_keys_the_bits_they_get_alone(dtype):
+    """Rows that attend the same keys of a chunk (a prefill's causal rows, rows with no mask) are computed together,
+    four at a time (attention.cpp's attend_rows): each must still get the bits of its own one-row call, for whole and
+    partial chunks, every head grouping and head size, and an fp32 or fp16 cache."""
+    from draftverify.kernels import cpu, unavailable
+
+    kernel = cpu()
+    if kernel is None:
+        pytest.skip(unavailable())
+    torch.manual_seed(1)
+    for n, past, heads, kv, d in ((9, 0, 9, 3, 64), (13, 250, 9, 3, 64), (6, 127, 8, 2, 32), (5, 124, 4, 1, 256),
+                                  (8, 40, 4, 4, 16), (11, 300, 6, 3, 128)):  # fmt: skip
+        keys, values = (torch.randn(kv, past + n + 3, d).to(dtype) for _ in range(2))
+        q = torch.randn(n, heads + kv, d)[:, :heads]
+        causal = torch.ones(n, past + n, dtype=torch.bool)
+        causal[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
+        for mask in (causal, torch.empty(0, dtype=torch.bool)):
+            together = kernel.attention(q, keys, values, past + n, mask, 0.125)
+            for r in range(n):
+                row_mask = mask[r : r + 1].contiguous() if mask.numel() else mask
+                alone = kernel.attention(q[r : r + 1], keys, values, past + n, row_mask, 0.125)
+                assert torch.equal(alone[0], together[r]), (n, past, heads, kv, d, r, mask.numel() > 0)
+
+
 def test_attention_kernel_gives_a_tree_token_the_bits_of_its_one_token_step_across_key_chunks():
     """The kernel cuts each row's keys into chunks of 128 and merges them: a tree token whose ancestors sit at
     scattered slots (verification) gets the same bits as the one-token step that attends the same keys after

@@ -5,10 +5,12 @@
 // then the chunks are merged in order (out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c). Every (row, head) is
 // so computed alone, in a fixed order over the same keys, so a token's attention output does not depend on how many
 // tokens came with it or where in the cache its ancestors sit (as for the quantized product). All rows go chunk by
-// chunk, so a chunk's keys and values come from memory once and serve every row from L1 (each row used to stream
-// the whole cache again: ~1 ms a row at 1,500 cached tokens on SmolLM2), and the threads share out chunks rather
-// than the few kv heads. One kernel call replaces the ~6 small ops of the stock formula (two bmm, scale, softmax,
+// chunk, so a chunk's keys and values come from memory once and serve every row from L1 (rather than each row
+// streaming the whole cache again), and the threads share out chunks rather than the few kv heads; rows that attend
+// the same keys of a chunk (a prefill's, a batch's) share each key's load too (attend_rows). One kernel call replaces the ~6 small ops of the stock formula (two bmm, scale, softmax,
 // casts; or SDPA), whose fixed costs dominate at decoding sizes.
+#include <cstring>
+
 #include "ops.h"
 #include "simd.h"
 
@@ -71,6 +73,75 @@ void attend_chunk(const float* q, const T* keys, const T* values, const int64_t*
     for (int c = 0; c < C; ++c) acc[g][c].store(out + g * 16 * C + 16 * c);
 }
 
+// attend_chunk for R query rows that attend the same keys of a chunk (the same idx): each of the R * G (row, head)
+// pairs computed as attend_chunk computes it, operation for operation (the same products in the same order, the
+// same `sums16`, the same exponentials), so each row's partial has the bits of its own attend_chunk. A key is loaded
+// (and, from an fp16 cache, upcast) once for all of them rather than once per head of each row, and a value once for
+// two rows: a prefill's rows mostly share whole chunks.
+template <int C, int G, int R, typename T>
+void attend_rows(const float* const* q, const T* keys, const T* values, const int64_t* idx, int64_t count, float scale,
+                 float* const* top, float* const* total, float* const* out) {
+  constexpr int P = G * R;  // (row, head) pairs, row-major: pair r * G + g
+  alignas(64) float scores[P][kChunk];
+  const int64_t blocks = (count + 15) / 16;
+  V16 best[P];
+  for (int p = 0; p < P; ++p) best[p] = V16::set1(-INFINITY);
+  for (int64_t b = 0; b < blocks; ++b) {
+    V16 dots[P][16];
+    for (int k = 0; k < 16; ++k) {
+      const T* key = keys + idx[16 * b + k] * 16 * C;
+      V16 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = V16::load(key + 16 * c);
+      for (int p = 0; p < P; ++p) {
+        const float* qp = q[p / G] + (p % G) * 16 * C;
+        V16 acc = V16::mul(V16::load(qp), kv[0]);
+        for (int c = 1; c < C; ++c) acc = V16::fma(V16::load(qp + 16 * c), kv[c], acc);
+        dots[p][k] = acc;
+      }
+    }
+    const int valid = static_cast<int>(std::min<int64_t>(16, count - 16 * b));
+    for (int p = 0; p < P; ++p) {
+      const V16 s = V16::first(V16::mul(V16::sums16(dots[p]), V16::set1(scale)), valid, -INFINITY);
+      s.store(scores[p] + 16 * b);
+      best[p] = V16::max(best[p], s);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const float m = V16::max_lane(best[p]);
+    top[p / G][p % G] = m;
+    const V16 shift = V16::set1(m);
+    V16 sum = V16::zero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int valid = static_cast<int>(std::min<int64_t>(16, count - 16 * b));
+      const V16 e = V16::first(exp_nonpositive(V16::sub(V16::load(scores[p] + 16 * b), shift)), valid, 0.0f);
+      e.store(scores[p] + 16 * b);
+      sum = V16::add(sum, e);
+    }
+    total[p / G][p % G] = V16::sum(sum);
+  }
+  // the values, two rows at a time (2 * G * C accumulators in registers)
+  for (int r0 = 0; r0 < R; r0 += 2) {
+    const int rows = std::min(2, R - r0);
+    V16 acc[2][G][C];
+    for (int r = 0; r < 2; ++r)
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) acc[r][g][c] = V16::zero();
+    for (int64_t a = 0; a < count; ++a) {
+      const T* v = values + idx[a] * 16 * C;
+      V16 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = V16::load(v + 16 * c);
+      for (int r = 0; r < rows; ++r)
+        for (int g = 0; g < G; ++g) {
+          const V16 pj = V16::set1(scores[(r0 + r) * G + g][a]);
+          for (int c = 0; c < C; ++c) acc[r][g][c] = V16::fma(pj, vv[c], acc[r][g][c]);
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) acc[r][g][c].store(out[r0 + r] + g * 16 * C + 16 * c);
+  }
+}
+
 // The heads of one kv group (`group` of them) for one query row and one chunk, up to kHeadsAtOnce at a time.
 constexpr int kHeadsAtOnce = 3;
 
@@ -83,6 +154,33 @@ void attend_group(const float* q, const T* keys, const T* values, const int64_t*
     attend_chunk<C, kHeadsAtOnce, T>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
   for (; h + 2 <= group; h += 2) attend_chunk<C, 2, T>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
   for (; h < group; ++h) attend_chunk<C, 1, T>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
+}
+
+// attend_group for kRowsAtOnce rows that attend the same keys of the chunk: a kv group's heads, up to kHeadsAtOnce at
+// a time, for all of them in one attend_rows (q[r], top[r], total[r], out[r]: row r's head 0).
+constexpr int kRowsAtOnce = 4;
+
+template <int C, typename T>
+void attend_group_rows(const float* const* q, const T* keys, const T* values, const int64_t* idx, int64_t count,
+                       float scale, float* const* top, float* const* total, float* const* out, int64_t group) {
+  const int64_t d = 16 * C;
+  const auto heads = [&](int64_t h, auto width) {
+    constexpr int W = decltype(width)::value;
+    const float* qh[kRowsAtOnce];
+    float *th[kRowsAtOnce], *sh[kRowsAtOnce], *oh[kRowsAtOnce];
+    for (int r = 0; r < kRowsAtOnce; ++r) qh[r] = q[r] + h * d, th[r] = top[r] + h, sh[r] = total[r] + h, oh[r] = out[r] + h * d;
+    attend_rows<C, W, kRowsAtOnce, T>(qh, keys, values, idx, count, scale, th, sh, oh);
+  };
+  int64_t h = 0;
+  for (; h + kHeadsAtOnce <= group; h += kHeadsAtOnce) heads(h, std::integral_constant<int, kHeadsAtOnce>{});
+  for (; h + 2 <= group; h += 2) heads(h, std::integral_constant<int, 2>{});
+  for (; h < group; ++h) heads(h, std::integral_constant<int, 1>{});
+}
+
+// Whether every one of `count` mask entries from `allowed` is true (a causal prefill's rows mostly are, chunk after
+// chunk): memchr's vector scan for a false byte rather than a test per key.
+inline bool all_allowed(const bool* allowed, int64_t count) {
+  return std::memchr(allowed, 0, static_cast<size_t>(count)) == nullptr;
 }
 
 }  // namespace
@@ -121,9 +219,20 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
       for (int64_t j = kChunk; j < S; j += kChunk) b.push_back(j);
     } else {
       const bool* allowed = mp + i * S;
-      int64_t count = 0;
-      for (int64_t j = 0; j < S; ++j)
+      int64_t count = 0, masked_at = -1;  // the last masked key a look ahead found
+      for (int64_t j = 0; j < S;) {
+        if (count % kChunk == 0 && j > masked_at && j + kChunk <= S) {  // a whole chunk of allowed keys at once?
+          const void* hole = std::memchr(allowed + j, 0, kChunk);
+          if (hole == nullptr) {
+            j += kChunk, count += kChunk;
+            b.push_back(j);
+            continue;
+          }
+          masked_at = static_cast<const bool*>(hole) - allowed;
+        }
         if (allowed[j] && ++count % kChunk == 0) b.push_back(j + 1);
+        ++j;
+      }
       if (count % kChunk == 0) b.pop_back();  // the last boundary closes the last chunk: S does
     }
     b.push_back(S);
@@ -132,47 +241,81 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
   // Partials per (row, chunk, head) of the rows with more than one chunk: top, total, acc [d] (a kv group's heads
   // together); a row with one chunk is normalised where it is computed (the merge of one chunk, e^0 = 1, is that).
   std::vector<float> tops(n * chunks * H), totals(n * chunks * H), accs(chunks > 1 ? n * chunks * H * d : 0);
-  // One task: a kv group's heads over one chunk for one row. Consecutive tasks share the chunk, which stays in
-  // L1 from one row to the next.
-  at::parallel_for(0, kv * chunks * n, 1, [&](int64_t t0, int64_t t1) {
-    int64_t idx[kChunk];
+  // One task: a kv group's heads over one chunk for kRowsAtOnce consecutive rows. Rows that attend the same keys of
+  // the chunk (a prefill's rows, but for the chunk on their diagonal) go through attend_group_rows together, the
+  // others one by one; either way each row's partial is the one it has alone. Consecutive tasks share the chunk,
+  // which stays in L1 from one block of rows to the next.
+  const int64_t row_blocks = (n + kRowsAtOnce - 1) / kRowsAtOnce;
+  at::parallel_for(0, kv * chunks * row_blocks, 1, [&](int64_t t0, int64_t t1) {
+    int64_t idx[kRowsAtOnce][kChunk];
+    int64_t counts[kRowsAtOnce];
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g = t / (chunks * n), c = (t / n) % chunks, i = t % n;
-      const std::vector<int64_t>& b = bounds[i];
-      const int64_t slot = (i * chunks + c) * H + g * group, mine = static_cast<int64_t>(b.size()) - 1;
-      int64_t count = 0;
-      if (c < mine) {
-        const bool* allowed = mp ? mp + i * S : nullptr;
-        for (int64_t j = b[c]; j < b[c + 1]; ++j)
-          if (!allowed || allowed[j]) idx[count++] = j;
+      const int64_t g = t / (chunks * row_blocks), c = (t / row_blocks) % chunks, i0 = (t % row_blocks) * kRowsAtOnce;
+      const int rows = static_cast<int>(std::min<int64_t>(kRowsAtOnce, n - i0));
+      const float* qh[kRowsAtOnce];
+      float *acc[kRowsAtOnce], *top[kRowsAtOnce], *total[kRowsAtOnce];
+      int64_t mine[kRowsAtOnce];
+      for (int r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r;
+        const std::vector<int64_t>& b = bounds[i];
+        const int64_t slot = (i * chunks + c) * H + g * group;
+        mine[r] = static_cast<int64_t>(b.size()) - 1;
+        int64_t count = 0;
+        if (c < mine[r]) {
+          const bool* allowed = mp ? mp + i * S : nullptr;
+          if (!allowed || all_allowed(allowed + b[c], b[c + 1] - b[c])) {
+            for (int64_t j = b[c]; j < b[c + 1]; ++j) idx[r][count++] = j;
+          } else {
+            for (int64_t j = b[c]; j < b[c + 1]; ++j)
+              if (allowed[j]) idx[r][count++] = j;
+          }
+        }
+        counts[r] = count;
+        if (count == 0) {  // no key of this chunk for this row
+          std::fill(&tops[slot], &tops[slot + group], -INFINITY);
+          continue;
+        }
+        for (int64_t a = count; a % 16; ++a) idx[r][a] = idx[r][count - 1];
+        qh[r] = qp + i * row_stride + g * group * d;
+        acc[r] = mine[r] == 1 ? op + i * H * d + g * group * d : &accs[slot * d];
+        top[r] = &tops[slot], total[r] = &totals[slot];
       }
-      if (count == 0) {  // no key of this chunk for this row
-        std::fill(&tops[slot], &tops[slot + group], -INFINITY);
-        continue;
-      }
-      for (int64_t a = count; a % 16; ++a) idx[a] = idx[count - 1];
-      const float* qh = qp + i * row_stride + g * group * d;
-      float* acc = mine == 1 ? op + i * H * d + g * group * d : &accs[slot * d];
+      bool together = rows == kRowsAtOnce && counts[0] > 0;
+      for (int r = 1; together && r < rows; ++r)
+        together = counts[r] == counts[0] && std::equal(idx[r], idx[r] + counts[0], idx[0]);
+      const int64_t offset = g * cap * d * item;
       const auto run = [&](const auto* kg, const auto* vg) {
+        for (int r = 0; r < rows && !together; ++r) {
+          if (counts[r] == 0) continue;
+          switch (d) {
+            case 16: attend_group<1>(qh[r], kg, vg, idx[r], counts[r], sc, top[r], total[r], acc[r], group); break;
+            case 32: attend_group<2>(qh[r], kg, vg, idx[r], counts[r], sc, top[r], total[r], acc[r], group); break;
+            case 64: attend_group<4>(qh[r], kg, vg, idx[r], counts[r], sc, top[r], total[r], acc[r], group); break;
+            case 128: attend_group<8>(qh[r], kg, vg, idx[r], counts[r], sc, top[r], total[r], acc[r], group); break;
+            default: attend_group<16>(qh[r], kg, vg, idx[r], counts[r], sc, top[r], total[r], acc[r], group); break;  // Gemma's 256
+          }
+        }
+        if (!together) return;
         switch (d) {
-          case 16: attend_group<1>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
-          case 32: attend_group<2>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
-          case 64: attend_group<4>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
-          case 128: attend_group<8>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;
-          default: attend_group<16>(qh, kg, vg, idx, count, sc, &tops[slot], &totals[slot], acc, group); break;  // Gemma's 256
+          case 16: attend_group_rows<1>(qh, kg, vg, idx[0], counts[0], sc, top, total, acc, group); break;
+          case 32: attend_group_rows<2>(qh, kg, vg, idx[0], counts[0], sc, top, total, acc, group); break;
+          case 64: attend_group_rows<4>(qh, kg, vg, idx[0], counts[0], sc, top, total, acc, group); break;
+          case 128: attend_group_rows<8>(qh, kg, vg, idx[0], counts[0], sc, top, total, acc, group); break;
+          default: attend_group_rows<16>(qh, kg, vg, idx[0], counts[0], sc, top, total, acc, group); break;
         }
       };
-      const int64_t offset = g * cap * d * item;
       if (half) {
         run(reinterpret_cast<const uint16_t*>(kp + offset), reinterpret_cast<const uint16_t*>(vp + offset));
       } else {
         run(reinterpret_cast<const float*>(kp + offset), reinterpret_cast<const float*>(vp + offset));
       }
-      if (mine == 1)
+      for (int r = 0; r < rows; ++r) {
+        if (counts[r] == 0 || mine[r] != 1) continue;
         for (int64_t h = 0; h < group; ++h) {
-          const float inv = 1.0f / totals[slot + h];
-          for (int64_t e = 0; e < d; ++e) acc[h * d + e] *= inv;
+          const float inv = 1.0f / total[r][h];
+          for (int64_t e = 0; e < d; ++e) acc[r][h * d + e] *= inv;
         }
+      }
     }
   });
   if (chunks == 1) return out;
