@@ -7,8 +7,9 @@
 // tokens came with it or where in the cache its ancestors sit (as for the quantized product). All rows go chunk by
 // chunk, so a chunk's keys and values come from memory once and serve every row from L1 (rather than each row
 // streaming the whole cache again), and the threads share out chunks rather than the few kv heads; rows that attend
-// the same keys of a chunk (a prefill's, a batch's) share each key's load too (attend_rows). One kernel call replaces the ~6 small ops of the stock formula (two bmm, scale, softmax,
-// casts; or SDPA), whose fixed costs dominate at decoding sizes.
+// the same keys of a chunk (a prefill's, rows with no mask) share each key's load too (attend_rows). One kernel call
+// replaces the ~6 small ops of the stock formula (two bmm, scale, softmax, casts; or SDPA), whose fixed costs
+// dominate at decoding sizes.
 #include <cstring>
 
 #include "ops.h"
@@ -19,65 +20,13 @@ using dv::V16;
 using dv::exp_nonpositive;
 constexpr int64_t kChunk = 128;
 
-// G query heads (d = 16 * C floats each, consecutive in q) that read the same keys/values [S, d], over one chunk:
-// the slots idx[0..count) (count <= kChunk; idx padded to a multiple of 16 with repeats of its last slot). Writes
-// each head's partial: top[g] (the chunk's largest score), total[g] and acc (G * d floats, unnormalised). The
-// scores go 16 keys at a time (`sums16`: one transposing sum instead of 16 horizontal ones); a key's score, like
-// every sum here, is formed the same way wherever the key sits in its 16 and for any G.
-template <int C, int G, typename T>
-void attend_chunk(const float* q, const T* keys, const T* values, const int64_t* idx, int64_t count,
-                  float scale, float* top, float* total, float* out) {
-  alignas(64) float scores[G][kChunk];
-  const int64_t blocks = (count + 15) / 16;
-  for (int g = 0; g < G; ++g) {
-    V16 qv[C];
-    for (int c = 0; c < C; ++c) qv[c] = V16::load(q + g * 16 * C + 16 * c);
-    V16 best = V16::set1(-INFINITY);
-    for (int64_t b = 0; b < blocks; ++b) {
-      V16 dots[16];
-      for (int k = 0; k < 16; ++k) {
-        const T* key = keys + idx[16 * b + k] * 16 * C;
-        V16 acc = V16::mul(qv[0], V16::load(key));
-        for (int c = 1; c < C; ++c) acc = V16::fma(qv[c], V16::load(key + 16 * c), acc);
-        dots[k] = acc;
-      }
-      const int valid = static_cast<int>(std::min<int64_t>(16, count - 16 * b));
-      const V16 s = V16::first(V16::mul(V16::sums16(dots), V16::set1(scale)), valid, -INFINITY);
-      s.store(scores[g] + 16 * b);
-      best = V16::max(best, s);
-    }
-    top[g] = V16::max_lane(best);
-    const V16 shift = V16::set1(top[g]);
-    V16 sum = V16::zero();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int valid = static_cast<int>(std::min<int64_t>(16, count - 16 * b));
-      const V16 e = V16::first(exp_nonpositive(V16::sub(V16::load(scores[g] + 16 * b), shift)), valid, 0.0f);
-      e.store(scores[g] + 16 * b);
-      sum = V16::add(sum, e);
-    }
-    total[g] = V16::sum(sum);
-  }
-  V16 acc[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = V16::zero();
-  for (int64_t a = 0; a < count; ++a) {
-    const T* v = values + idx[a] * 16 * C;
-    V16 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = V16::load(v + 16 * c);
-    for (int g = 0; g < G; ++g) {
-      const V16 pj = V16::set1(scores[g][a]);
-      for (int c = 0; c < C; ++c) acc[g][c] = V16::fma(pj, vv[c], acc[g][c]);
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c].store(out + g * 16 * C + 16 * c);
-}
-
-// attend_chunk for R query rows that attend the same keys of a chunk (the same idx): each of the R * G (row, head)
-// pairs computed as attend_chunk computes it, operation for operation (the same products in the same order, the
-// same `sums16`, the same exponentials), so each row's partial has the bits of its own attend_chunk. A key is loaded
-// (and, from an fp16 cache, upcast) once for all of them rather than once per head of each row, and a value once for
-// two rows: a prefill's rows mostly share whole chunks.
+// R query rows x G query heads (d = 16 * C floats each, a row's heads consecutive from q[r]) that read the same
+// keys/values [S, d], over one chunk: the slots idx[0..count) (count <= kChunk; idx padded to a multiple of 16 with
+// repeats of its last slot). Writes each (row, head)'s partial: top[r][g] (the chunk's largest score), total[r][g]
+// and out[r] (G * d floats, unnormalised). The scores go 16 keys at a time (`sums16`: one transposing sum instead
+// of 16 horizontal ones); a key's score, like every sum here, is formed the same way wherever the key sits in its 16
+// and for any G and R, so each (row, head) gets the bits it gets alone. A key is loaded (and, from an fp16 cache,
+// upcast) once for every row and head, a value once for every head of two rows.
 template <int C, int G, int R, typename T>
 void attend_rows(const float* const* q, const T* keys, const T* values, const int64_t* idx, int64_t count, float scale,
                  float* const* top, float* const* total, float* const* out) {
@@ -142,34 +91,21 @@ void attend_rows(const float* const* q, const T* keys, const T* values, const in
   }
 }
 
-// The heads of one kv group (`group` of them) for one query row and one chunk, up to kHeadsAtOnce at a time.
+// The heads of one kv group (`group` of them) for R rows that attend the same keys of a chunk (q[r], top[r],
+// total[r], out[r]: row r's first head of the group), up to kHeadsAtOnce heads at a time.
 constexpr int kHeadsAtOnce = 3;
+constexpr int kRowsAtOnce = 4;  // rows that share a chunk's keys, computed together
 
-template <int C, typename T>
-void attend_group(const float* q, const T* keys, const T* values, const int64_t* idx, int64_t count, float scale,
-                  float* top, float* total, float* out, int64_t group) {
-  const int64_t d = 16 * C;
-  int64_t h = 0;
-  for (; h + kHeadsAtOnce <= group; h += kHeadsAtOnce)
-    attend_chunk<C, kHeadsAtOnce, T>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
-  for (; h + 2 <= group; h += 2) attend_chunk<C, 2, T>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
-  for (; h < group; ++h) attend_chunk<C, 1, T>(q + h * d, keys, values, idx, count, scale, top + h, total + h, out + h * d);
-}
-
-// attend_group for kRowsAtOnce rows that attend the same keys of the chunk: a kv group's heads, up to kHeadsAtOnce at
-// a time, for all of them in one attend_rows (q[r], top[r], total[r], out[r]: row r's head 0).
-constexpr int kRowsAtOnce = 4;
-
-template <int C, typename T>
-void attend_group_rows(const float* const* q, const T* keys, const T* values, const int64_t* idx, int64_t count,
-                       float scale, float* const* top, float* const* total, float* const* out, int64_t group) {
+template <int C, int R, typename T>
+void attend_group(const float* const* q, const T* keys, const T* values, const int64_t* idx, int64_t count,
+                  float scale, float* const* top, float* const* total, float* const* out, int64_t group) {
   const int64_t d = 16 * C;
   const auto heads = [&](int64_t h, auto width) {
     constexpr int W = decltype(width)::value;
-    const float* qh[kRowsAtOnce];
-    float *th[kRowsAtOnce], *sh[kRowsAtOnce], *oh[kRowsAtOnce];
-    for (int r = 0; r < kRowsAtOnce; ++r) qh[r] = q[r] + h * d, th[r] = top[r] + h, sh[r] = total[r] + h, oh[r] = out[r] + h * d;
-    attend_rows<C, W, kRowsAtOnce, T>(qh, keys, values, idx, count, scale, th, sh, oh);
+    const float* qh[R];
+    float *th[R], *sh[R], *oh[R];
+    for (int r = 0; r < R; ++r) qh[r] = q[r] + h * d, th[r] = top[r] + h, sh[r] = total[r] + h, oh[r] = out[r] + h * d;
+    attend_rows<C, W, R, T>(qh, keys, values, idx, count, scale, th, sh, oh);
   };
   int64_t h = 0;
   for (; h + kHeadsAtOnce <= group; h += kHeadsAtOnce) heads(h, std::integral_constant<int, kHeadsAtOnce>{});
@@ -285,24 +221,23 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
         together = counts[r] == counts[0] && std::equal(idx[r], idx[r] + counts[0], idx[0]);
       const int64_t offset = g * cap * d * item;
       const auto run = [&](const auto* kg, const auto* vg) {
-        for (int r = 0; r < rows && !together; ++r) {
-          if (counts[r] == 0) continue;
+        const auto rows_of = [&](auto r_count, const float* const* qr, const int64_t* ir, int64_t cr, float* const* tr,
+                                 float* const* sr, float* const* ar) {
+          constexpr int R = decltype(r_count)::value;
           switch (d) {
-            case 16: attend_group<1>(qh[r], kg, vg, idx[r], counts[r], sc, top[r], total[r], acc[r], group); break;
-            case 32: attend_group<2>(qh[r], kg, vg, idx[r], counts[r], sc, top[r], total[r], acc[r], group); break;
-            case 64: attend_group<4>(qh[r], kg, vg, idx[r], counts[r], sc, top[r], total[r], acc[r], group); break;
-            case 128: attend_group<8>(qh[r], kg, vg, idx[r], counts[r], sc, top[r], total[r], acc[r], group); break;
-            default: attend_group<16>(qh[r], kg, vg, idx[r], counts[r], sc, top[r], total[r], acc[r], group); break;  // Gemma's 256
+            case 16: attend_group<1, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group); break;
+            case 32: attend_group<2, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group); break;
+            case 64: attend_group<4, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group); break;
+            case 128: attend_group<8, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group); break;
+            default: attend_group<16, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group); break;  // Gemma's 256
           }
+        };
+        if (together) {
+          rows_of(std::integral_constant<int, kRowsAtOnce>{}, qh, idx[0], counts[0], top, total, acc);
+          return;
         }
-        if (!together) return;
-        switch (d) {
-          case 16: attend_group_rows<1>(qh, kg, vg, idx[0], counts[0], sc, top, total, acc, group); break;
-          case 32: attend_group_rows<2>(qh, kg, vg, idx[0], counts[0], sc, top, total, acc, group); break;
-          case 64: attend_group_rows<4>(qh, kg, vg, idx[0], counts[0], sc, top, total, acc, group); break;
-          case 128: attend_group_rows<8>(qh, kg, vg, idx[0], counts[0], sc, top, total, acc, group); break;
-          default: attend_group_rows<16>(qh, kg, vg, idx[0], counts[0], sc, top, total, acc, group); break;
-        }
+        for (int r = 0; r < rows; ++r)
+          if (counts[r] > 0) rows_of(std::integral_constant<int, 1>{}, &qh[r], idx[r], counts[r], &top[r], &total[r], &acc[r]);
       };
       if (half) {
         run(reinterpret_cast<const uint16_t*>(kp + offset), reinterpret_cast<const uint16_t*>(vp + offset));
