@@ -122,3 +122,27 @@ def test_search_layers_command(tiny, tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout.splitlines()[-1])["stats"]["method"] == "self-speculative"
+
+
+def test_search_measures_in_the_engines_arithmetic(tmp_path, tokenizer):
+    """A GGUF target is searched in the arithmetic it decodes in (q8 here): the skip set records it, and a study
+    made in one arithmetic is not resumed in another."""
+    from test_gguf_archs import write_tiny
+    from transformers import AutoConfig, GenerationConfig
+
+    from draftverify import Engine
+    from draftverify.loading import Loaded
+    from draftverify.loading.gguf_model import GGUFModel
+    from draftverify.loading.gguf_weights import GGUFWeights
+
+    write_tiny(tmp_path / "tiny.gguf", "gemma2")
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    model = GGUFModel(
+        GGUFWeights(tmp_path / "tiny.gguf", config, tokenizer), GenerationConfig.from_model_config(config)
+    )
+    target = Loaded(model, tokenizer, name="tiny.gguf", source=tmp_path / "tiny.gguf")
+    out = tmp_path / "skip.json"
+    run(target, out, trials=1, engine=Engine(target, arithmetic="q8"))
+    assert json.loads(out.read_text())["search"]["arithmetic"] == "q8"
+    with pytest.raises(DraftVerifyError, match="other prompts or settings"):
+        run(target, out, resume=True, trials=1, engine=Engine(target, arithmetic="fp32"))

@@ -112,11 +112,13 @@ def search_layers(
     method: dict | None = None,
     progress: bool = True,
     give_up: float | None = GIVE_UP,
+    engine=None,
 ) -> SearchResult:
     """Search a skip set for `target` on `prompts` (token ids); write the best to `out` as it improves.
 
     A trial that runs `give_up` times slower than the best so far (or autoregressive) stops early
-    and cannot become the best; None measures every trial in full.
+    and cannot become the best; None measures every trial in full. `engine`: the target's `Engine` in the
+    arithmetic to search in (a draft that skips sub-layers costs what its rows cost in it); by default one in fp32.
     """
     from tqdm import tqdm
 
@@ -127,9 +129,9 @@ def search_layers(
     require(trials is None or trials >= 1, f"--trials {trials} must be at least 1")
     require(prompts, "no development prompts: pass --prompts FILE with at least one prompt")
     method = dict(method or {})
-    settings = study_settings(prompts, max_new_tokens, clock, method)
+    engine = engine if engine is not None else Engine(target)
+    settings = study_settings(prompts, max_new_tokens, clock, method, engine.arithmetic)
     study = open_study(target, out, settings, seed, resume)
-    engine = Engine(target)
     engine.generate(prompts[0], method="autoregressive", max_new_tokens=4)  # warm-up
     autoregressive = measure(engine, prompts, max_new_tokens, clock, method="autoregressive").ms_per_token
     bar = tqdm(total=trials, unit="trial", desc="search-layers", disable=not progress, dynamic_ncols=True)
@@ -160,8 +162,9 @@ def search_layers(
     return result
 
 
-def study_settings(prompts: list[list[int]], max_new_tokens: int, clock: str, method: dict) -> dict:
-    """What a study's trials were measured on: a resumed study must be measured alike."""
+def study_settings(prompts: list[list[int]], max_new_tokens: int, clock: str, method: dict, arithmetic: str) -> dict:
+    """What a study's trials were measured on (the target's arithmetic included): a resumed study must be measured
+    alike."""
     require(
         "skip" not in method and "strategy" not in method and "skip_file" not in method,
         "the search chooses the skip set: drop skip, strategy and skip_file from the method options",
@@ -171,6 +174,7 @@ def study_settings(prompts: list[list[int]], max_new_tokens: int, clock: str, me
         "max_new_tokens": max_new_tokens,
         "clock": clock,
         "method": {k: method[k] for k in sorted(method)},
+        "arithmetic": arithmetic,
     }
 
 
@@ -268,7 +272,7 @@ class SearchSession:
         return SearchResult(params_skip(trial.params), m, self.autoregressive, len(finished))
 
     def write(self, result: SearchResult) -> None:
-        write_result(self.out, result, self.identity, self.seed, self.clock)
+        write_result(self.out, result, self.identity, self.seed, self.clock, self.engine.arithmetic)
 
 
 def study_path(out: Path) -> Path:
@@ -276,7 +280,7 @@ def study_path(out: Path) -> Path:
     return out.with_name(out.stem + ".study.journal")
 
 
-def write_result(out: Path, result: SearchResult, identity: dict, seed: int, clock: str) -> None:
+def write_result(out: Path, result: SearchResult, identity: dict, seed: int, clock: str, arithmetic: str) -> None:
     m = result.measured
     save_skip_set(
         out,
@@ -284,6 +288,7 @@ def write_result(out: Path, result: SearchResult, identity: dict, seed: int, clo
         identity,
         search={
             "objective": f"ms per generated token ({clock} clock), greedy, on the development prompts",
+            "arithmetic": arithmetic,
             "ms_per_token": round(m.ms_per_token, 3),
             "autoregressive_ms_per_token": round(result.autoregressive_ms_per_token, 3),
             "speedup": round(result.speedup, 4),
@@ -348,6 +353,7 @@ def search_layers_command(
     resumable)."""
     import torch
 
+    from draftverify.arithmetic import default_arithmetic, split_dtype
     from draftverify.engine import Engine
     from draftverify.loading import load_model
     from draftverify.methods.spec import parse_options
@@ -359,9 +365,13 @@ def search_layers_command(
         require(threads >= 1, f"--threads {threads} must be at least 1")
         torch.set_num_threads(threads)
     rows = read_prompts(prompts, chat)[:limit]
-    target = load_model(model, dtype=dtype, device=device, direct=False)
-    encode = Engine(target).encode
-    ids = [encode(text, chat=as_chat) for text, as_chat in rows]
+    # loaded as `Engine.load` loads it: a GGUF file on its direct path, searched in the arithmetic it decodes in
+    weights, arithmetic = split_dtype(dtype)
+    target = load_model(model, dtype=weights, device=device)
+    if arithmetic is None:
+        arithmetic, _ = default_arithmetic(target.source, target.model.device.type)
+    engine = Engine(target, arithmetic=arithmetic)
+    ids = [engine.encode(text, chat=as_chat) for text, as_chat in rows]
     try:
         result = search_layers(
             target,
@@ -375,6 +385,7 @@ def search_layers_command(
             clock,
             parse_options(option),
             give_up=give_up or None,
+            engine=engine,
         )
     except KeyboardInterrupt:
         raise DraftVerifyError(
