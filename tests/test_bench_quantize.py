@@ -59,3 +59,21 @@ def test_llamacpp_peers_on_the_own_file_and_the_f32_export(tmp_path):
     assert all(r["new_tokens"] >= 1 for r in results["records"])
     report = (tmp_path / "report.md").read_text()
     assert "llama.cpp forward, the target's own file (ms)" in report and "llama.cpp forward, F32 re-export" in report
+
+
+def test_the_llamacpp_peer_prefills_every_request_whole():
+    """llama-cpp-python reuses the cached prefix of its previous request; the peer must not (ours prefills every
+    request whole): a repeated prompt costs the same evaluation as the first time."""
+    pytest.importorskip("llama_cpp")
+    from draftverify.loading.defaults import default_model_path
+    from draftverify.sampling import Sampling
+
+    peer = llamacpp.LlamaCpp(default_model_path(), 128, 2)
+    evaluated, evaluate = [], peer.llm.eval
+    peer.llm.eval = lambda tokens: (evaluated.append(len(tokens)), evaluate(tokens))[1]
+    ids = [1, 9690, 198, 2683, 359, 253, 5356, 30, 198]  # a chat turn's opening, in the model's vocabulary
+    first = peer.generate(ids, Sampling(), 4, ())
+    counted = sum(evaluated)
+    evaluated.clear()
+    again = peer.generate(ids, Sampling(), 4, ())
+    assert sum(evaluated) == counted and again["tokens"] == first["tokens"]

@@ -143,6 +143,9 @@ class LlamaCpp:
             knobs = dict(top_k=sampling.top_k, top_p=sampling.top_p, temp=sampling.temperature)
             if sampling.seed is not None:
                 self.llm.set_seed(sampling.seed)
+        # llama-cpp-python's generate reuses the longest prefix of the previous request still in its cache (all of
+        # a repeated prompt, a multi-turn prompt's earlier turns); ours prefills every request whole, and so must it
+        self.llm.reset()
         start = time.perf_counter()
         tokens, times = [], []
         for token in self.llm.generate(ids, min_p=0.0, repeat_penalty=1.0, reset=True, **knobs):
