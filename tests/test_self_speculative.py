@@ -188,24 +188,6 @@ def test_skip_file_option_and_refusal_on_another_model(tiny, tmp_path):
         Engine(a).method("self-speculative", policy="never")
 
 
-def test_the_shipped_skip_set_is_the_one_searched_in_the_targets_arithmetic(tiny, tmp_path, monkeypatch):
-    """Which sub-layers pay to skip depends on what a row costs: among the shipped sets for a model, the one whose
-    search ran in the target's arithmetic comes first (a set that names none was searched in fp32)."""
-    from draftverify.drafters import skipsets
-    from draftverify.loading import model_identity
-
-    target = tiny("llama")
-    identity = model_identity(target.model)
-    save_skip_set(tmp_path / "a.json", SkipSet((1,), ()), identity, search={"trials": 3})  # an older file: fp32
-    save_skip_set(tmp_path / "b.json", SkipSet((), (2,)), identity, search={"arithmetic": "q8"})
-    save_skip_set(tmp_path / "c.json", SkipSet((0,), (0,)), {**identity, "hidden_size": 1})  # another model's
-    monkeypatch.setattr(skipsets, "SHIPPED_DIR", tmp_path)
-    assert skipsets.shipped_skip_set(target.model, "fp32") == SkipSet((1,), ())
-    assert skipsets.shipped_skip_set(target.model, "q8") == SkipSet((), (2,))
-    (tmp_path / "b.json").unlink()
-    assert skipsets.shipped_skip_set(target.model, "q8") == SkipSet((1,), ())  # none for q8: the other still serves
-
-
 @pytest.mark.slow
 def test_default_model_uses_the_shipped_skip_set(smollm):
     engine = Engine(smollm)

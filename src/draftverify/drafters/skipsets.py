@@ -201,19 +201,15 @@ def load_skip_set(path: str | Path, identity: dict | None = None) -> SkipSet:
     return skip
 
 
-def shipped_skip_set(model: torch.nn.Module, arithmetic: str = "fp32") -> SkipSet | None:
-    """The skip set shipped in `assets/skipsets/` for this model, if there is one: the one searched in `arithmetic`
-    (its `search` block's; a file that names none was searched in fp32) before any other. Which sub-layers pay to
-    skip depends on what a drafted row costs, and so on the arithmetic."""
-    identity, found = model_identity(model), []
+def shipped_skip_set(model: torch.nn.Module) -> SkipSet | None:
+    """The skip set shipped in `assets/skipsets/` for this model, if there is one."""
+    identity = model_identity(model)
     for path in sorted(SHIPPED_DIR.glob("*.json")):
         try:
-            skip = load_skip_set(path, identity)
+            return load_skip_set(path, identity)
         except DraftVerifyError:
             continue
-        searched_in = json.loads(path.read_text()).get("search", {}).get("arithmetic", "fp32")
-        found.append((searched_in != arithmetic, path.name, skip))
-    return min(found, key=lambda f: f[:2])[2] if found else None
+    return None
 
 
 # -- the context manager ----------------------------------------------------------------------

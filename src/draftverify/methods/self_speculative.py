@@ -106,7 +106,7 @@ class SelfSpeculative(Method):
             searched = (
                 load_skip_set(c.skip_file, model_identity(target.model))
                 if c.skip_file
-                else shipped_skip_set(target.model, target.shared.packs.arithmetic)
+                else shipped_skip_set(target.model)
             )
             self.skip = make_skip_set(c.strategy, target.model, searched, c.n_attention, c.n_mlp, c.layer_seed)
 
