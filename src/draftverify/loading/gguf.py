@@ -110,7 +110,8 @@ def config_from_metadata():
     `AutoConfig` and `AutoTokenizer` (which wants the config to choose a tokenizer class) ask transformers'
     registry of fast config builders (`integrations.gguf.GGUF_CONFIG_ARCHS`) first and otherwise parse the whole
     file with gguf's `GGUFReader`, seconds for a 49k-token vocabulary, twice. The architectures are registered for
-    the conversion only, and only those transformers has no builder of its own for."""
+    the conversion only, and only those transformers has no builder of its own for (a conversion in another thread
+    that outlives the registration takes transformers' slow path: the same result)."""
     from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
 
     from draftverify.loading.gguf_weights import DIRECT_ARCHITECTURES
