@@ -29,6 +29,18 @@ from draftverify.stats import Stats
 from draftverify.util import eos_ids
 
 
+def load_target(
+    target: str | None = None, dtype: str = "auto", device: str = "auto", device_map: str | None = None
+) -> tuple[Loaded, str]:
+    """The target as `Engine.load` loads it (a GGUF file on its direct path where it can be) and the arithmetic it
+    decodes in: `dtype`'s, or the default rule's for "auto" (`draftverify.arithmetic`)."""
+    weights, arithmetic = split_dtype(dtype)
+    loaded = load_model(target, dtype=weights, device=device, device_map=device_map)
+    if arithmetic is None:
+        arithmetic, _ = default_arithmetic(loaded.source, loaded.model.device.type)
+    return loaded, arithmetic
+
+
 @dataclass(frozen=True)
 class LazyDraft:
     """A draft loaded when a method first drafts with it (`Engine.load`'s default draft): a method that does not
@@ -156,10 +168,8 @@ class Engine:
         `static` or `eager`; see `draftverify.models.choose_backend`. `dtype`: the weights' dtype and the target's
         arithmetic (`draftverify.arithmetic`): "q8", "fp32", "bf16", "fp16" or "auto" (its default rule).
         """
-        weights, arithmetic = split_dtype(dtype)
-        loaded = load_model(target, dtype=weights, device=device, device_map=device_map)
-        if arithmetic is None:
-            arithmetic, _ = default_arithmetic(loaded.source, loaded.model.device.type)
+        weights, _ = split_dtype(dtype)  # the draft's
+        loaded, arithmetic = load_target(target, dtype, device, device_map)
         feature_head = default_feature_head(loaded) if draft is None else None
         if feature_head is not None:  # its drafting copies packed now, not by the first request that drafts with it
             feature_head.pack()

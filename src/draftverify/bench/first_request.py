@@ -56,7 +56,8 @@ def probe(target: str | None, method: str, requests: int, tokens: int, convert: 
     tokenizer are removed from the cache first (a cache: the load converts them again), so that the process loads
     the file as for the first time."""
     path = Path(target) if target else default_model_path()
-    if convert and path.suffix == ".gguf":
+    converted = convert and path.suffix == ".gguf"
+    if converted:
         shutil.rmtree(metadata_folder(path), ignore_errors=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     args = [sys.executable, "-c", PROBE, target or "", method, str(requests), PROMPT, str(tokens)]
@@ -64,7 +65,6 @@ def probe(target: str | None, method: str, requests: int, tokens: int, convert: 
     if run.returncode != 0:
         tail = run.stderr.strip().splitlines()[-1:] or ["no output"]
         raise SystemExit(f"first_request: the probe process failed ({tail[0][:200]})")
-    converted = convert and path.suffix == ".gguf"
     return {**json.loads(run.stdout.strip().splitlines()[-1]), "metadata": "converted" if converted else "cached"}
 
 

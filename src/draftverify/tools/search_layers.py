@@ -353,9 +353,7 @@ def search_layers_command(
     resumable)."""
     import torch
 
-    from draftverify.arithmetic import default_arithmetic, split_dtype
-    from draftverify.engine import Engine
-    from draftverify.loading import load_model
+    from draftverify.engine import Engine, load_target
     from draftverify.methods.spec import parse_options
 
     require(out.suffix == ".json", f"--out {out} must end in .json")
@@ -365,11 +363,7 @@ def search_layers_command(
         require(threads >= 1, f"--threads {threads} must be at least 1")
         torch.set_num_threads(threads)
     rows = read_prompts(prompts, chat)[:limit]
-    # loaded as `Engine.load` loads it: a GGUF file on its direct path, searched in the arithmetic it decodes in
-    weights, arithmetic = split_dtype(dtype)
-    target = load_model(model, dtype=weights, device=device)
-    if arithmetic is None:
-        arithmetic, _ = default_arithmetic(target.source, target.model.device.type)
+    target, arithmetic = load_target(model, dtype, device)  # searched in the arithmetic it decodes in
     engine = Engine(target, arithmetic=arithmetic)
     ids = [engine.encode(text, chat=as_chat) for text, as_chat in rows]
     try:

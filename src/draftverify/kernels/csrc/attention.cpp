@@ -178,7 +178,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
   // together); a row with one chunk is normalised where it is computed (the merge of one chunk, e^0 = 1, is that).
   std::vector<float> tops(n * chunks * H), totals(n * chunks * H), accs(chunks > 1 ? n * chunks * H * d : 0);
   // One task: a kv group's heads over one chunk for kRowsAtOnce consecutive rows. Rows that attend the same keys of
-  // the chunk (a prefill's rows, but for the chunk on their diagonal) go through attend_group_rows together, the
+  // the chunk (a prefill's rows, but for the chunk on their diagonal) go through attend_group together, the
   // others one by one; either way each row's partial is the one it has alone. Consecutive tasks share the chunk,
   // which stays in L1 from one block of rows to the next.
   const int64_t row_blocks = (n + kRowsAtOnce - 1) / kRowsAtOnce;
