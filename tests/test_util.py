@@ -114,3 +114,26 @@ def test_a_missing_extra_is_named_in_one_line(monkeypatch):
     with pytest.raises(DraftVerifyError, match=r"matplotlib is not installed: pip install 'draftverify\[bench\]'"):
         optional_import("matplotlib", "bench")
     assert optional_import("json", "bench").dumps([1]) == "[1]"
+
+
+def test_no_source_file_over_400_lines_and_no_function_over_60():
+    """The package (runtime, bench and tools alike) stays readable in pieces: each Python or C++ source file at most
+    400 lines, each Python function at most 60 (decorators, docstring and body counted)."""
+    import ast
+    from pathlib import Path
+
+    import draftverify
+
+    root = Path(draftverify.__file__).parent
+    sources = [p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h")]
+    assert len(sources) > 50
+    long_files = {str(p.relative_to(root)): n for p in sources if (n := len(p.read_text().splitlines())) > 400}
+    assert not long_files, f"split these files: {long_files}"
+    long_functions = {}
+    for path in (p for p in sources if p.suffix == ".py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if node.end_lineno - first + 1 > 60:
+                    long_functions[f"{path.relative_to(root)}:{node.name}"] = node.end_lineno - first + 1
+    assert not long_functions, f"split these functions: {long_functions}"

@@ -124,10 +124,7 @@ def search_layers(
 
     from draftverify.engine import Engine
 
-    require(clock in CLOCKS, f"unknown clock {clock!r}: use wall or cpu")
-    require(budget_s > 0, f"budget {budget_s / 60:g} min must be positive")
-    require(trials is None or trials >= 1, f"--trials {trials} must be at least 1")
-    require(prompts, "no development prompts: pass --prompts FILE with at least one prompt")
+    check_search(clock, budget_s, trials, prompts)
     method = dict(method or {})
     engine = engine if engine is not None else Engine(target)
     settings = study_settings(prompts, max_new_tokens, clock, method, engine.arithmetic)
@@ -137,21 +134,8 @@ def search_layers(
     bar = tqdm(total=trials, unit="trial", desc="search-layers", disable=not progress, dynamic_ncols=True)
     bar.set_postfix_str(f"autoregressive {autoregressive:.1f} ms/token")
     n_layers = len(decoder_layers(target.model))
-    session = SearchSession(
-        study,
-        engine,
-        prompts,
-        out,
-        target.identity,
-        n_layers,
-        seed,
-        clock,
-        max_new_tokens,
-        method,
-        give_up,
-        autoregressive,
-        bar,
-    )
+    run = (study, engine, prompts, out, target.identity, n_layers, seed, clock, max_new_tokens, method, give_up)
+    session = SearchSession(*run, autoregressive, bar)
     try:
         study.optimize(session.objective, n_trials=trials, timeout=budget_s, callbacks=[session.after_trial])
     finally:
@@ -160,6 +144,14 @@ def search_layers(
     result = session.result_of(session.best)
     session.write(result)  # again, to record the final trial count
     return result
+
+
+def check_search(clock: str, budget_s: float, trials: int | None, prompts: list) -> None:
+    """Refuse, in one line each, a search that cannot run."""
+    require(clock in CLOCKS, f"unknown clock {clock!r}: use wall or cpu")
+    require(budget_s > 0, f"budget {budget_s / 60:g} min must be positive")
+    require(trials is None or trials >= 1, f"--trials {trials} must be at least 1")
+    require(prompts, "no development prompts: pass --prompts FILE with at least one prompt")
 
 
 def study_settings(prompts: list[list[int]], max_new_tokens: int, clock: str, method: dict, arithmetic: str) -> dict:
@@ -367,20 +359,8 @@ def search_layers_command(
     engine = Engine(target, arithmetic=arithmetic)
     ids = [engine.encode(text, chat=as_chat) for text, as_chat in rows]
     try:
-        result = search_layers(
-            target,
-            ids,
-            out,
-            budget * 60,
-            trials,
-            seed,
-            resume,
-            max_new_tokens,
-            clock,
-            parse_options(option),
-            give_up=give_up or None,
-            engine=engine,
-        )
+        searched = (target, ids, out, budget * 60, trials, seed, resume, max_new_tokens, clock, parse_options(option))
+        result = search_layers(*searched, give_up=give_up or None, engine=engine)
     except KeyboardInterrupt:
         raise DraftVerifyError(
             f"interrupted: the best skip set so far is in {out}; continue with the same command and --resume"
