@@ -62,3 +62,26 @@ def test_attention_without_custom_masks_is_refused():
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(DraftVerifyError, match="cannot take a custom 4-D mask"):
         Runner(model)
+
+
+@pytest.mark.parametrize("backend", ["static", "eager"])
+def test_a_draft_vocabulary_gives_the_logits_of_its_tokens_and_minus_infinity_elsewhere(tiny, backend):
+    """FR-Spec (`Feed.vocab`): a draft runner's logits for a vocabulary's tokens are bit for bit its logits over the
+    whole vocabulary (each row of the head is multiplied alone), every other token -inf; on the target's runner
+    (self-speculative drafting) the rows are the draft's rounded copy, so close, and the same argmax here."""
+    model = tiny("llama", seed=1, layers=2).model
+    ids = [3, 14, 15, 92, 65, 35, 89, 79]
+    vocab = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(0))[:40]
+    outside = torch.ones(model.config.vocab_size, dtype=torch.bool)
+    outside[vocab] = False
+    for draft in (True, False):
+        runner = Runner(model, backend, draft=draft)
+        full = runner.forward(ids, last=3).logits
+        runner.reset()
+        sub = runner.forward(ids, last=3, vocab=vocab).logits
+        assert sub.shape == full.shape and torch.isneginf(sub[:, outside]).all()
+        if draft or backend == "eager":
+            assert torch.equal(sub[:, vocab], full[:, vocab]), (backend, draft)
+        else:
+            assert torch.allclose(sub[:, vocab], full[:, vocab], atol=0.05, rtol=0.05)
+            assert torch.equal(sub.argmax(-1), vocab[full[:, vocab].argmax(-1)])

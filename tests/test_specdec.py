@@ -658,3 +658,36 @@ def test_specdec_plus_plus_is_another_name_of_the_method():
 
     assert METHODS["specdec++"] is METHODS["specdec-pp"] is SpecDecPP
     assert all(cls.name == name or name in cls.aliases for name, cls in METHODS.items())
+
+
+@pytest.mark.parametrize("method", ["specdec-pp", "speculative", "self-speculative"])
+def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_exact(tiny, tmp_path, monkeypatch, method):
+    """FR-Spec for a draft model and a layer-skip draft (`Method.draft_vocab`): every drafted token is one of the
+    vocabulary's, and the output is still autoregressive decoding's, greedy."""
+    from draftverify.drafters.draft_model import DraftModel
+    from draftverify.methods.base import Method
+
+    target, draft = tiny("llama", seed=0), tiny("llama", seed=0, layers=2)
+    vocab = torch.arange(0, target.model.config.vocab_size, 2)  # every even token id
+    monkeypatch.setattr(Method, "draft_vocab", lambda self, n: vocab[:n] if n else None)
+    drafted, chain = [], DraftModel.chain
+
+    def spy(self, s, feed, k):
+        out = chain(self, s, feed, k)
+        drafted.extend(out[0])
+        return out
+
+    monkeypatch.setattr(DraftModel, "chain", spy)
+    path = random_head(tmp_path / "head.safetensors", target, draft)
+    engine = Engine(target, draft, backend="static")
+    options = {
+        "specdec-pp": {"head": str(path), "h": 0.9},
+        "speculative": {"policy": "constant", "k": 4},
+        "self-speculative": {"strategy": "heuristic"},
+    }[method]
+    for prompt in ["Hello there, how", "def f(x):\n    return"]:
+        ids = engine.encode(prompt)
+        ar = engine.generate(ids, method="autoregressive", max_new_tokens=24, eos_token_id=[])
+        out = engine.generate(ids, method=method, max_new_tokens=24, eos_token_id=[], **options)
+        assert out.tokens == ar.tokens, (method, prompt)
+    assert drafted and all(t % 2 == 0 for t in drafted), method

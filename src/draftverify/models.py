@@ -163,10 +163,11 @@ class Runner:
         last: int | None = None,
         hidden: bool | str = False,
         skip=None,
+        vocab: torch.Tensor | None = None,
     ) -> Forward:
         """Append `tokens` [n] to the cache and return logits for the last `last` of them (all if None);
         the arguments are `backend.Feed`'s."""
-        return self.run(Feed(tokens, positions, tree_mask, last, hidden, skip))
+        return self.run(Feed(tokens, positions, tree_mask, last, hidden, skip, vocab))
 
     def run(self, feed: Feed) -> Forward:
         """One forward of `feed` on this runner's decoder and cache."""

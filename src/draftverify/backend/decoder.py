@@ -28,13 +28,14 @@ arithmetic shows up there. Anything else runs on the stock model (`backend.eager
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import torch
 
 from draftverify.backend.attention import Part, attend
 from draftverify.backend.cache import StaticCache
 from draftverify.backend.feed import Feed, Forward
-from draftverify.backend.linear import QUANT_ROWS, BlockLinear, Packs, layer_weights
+from draftverify.backend.linear import QUANT_ROWS, BlockLinear, PackedLinear, Packs, layer_weights
 from draftverify.backend.ops import cpu_kernels, gated, layer_windows, rms_norm, softcap, window_masks
 from draftverify.backend.recipe import RECIPES, Recipe, activation, unsupported_reason
 from draftverify.backend.source import source_layer, source_norm
@@ -124,6 +125,7 @@ class StaticDecoder:
         # cache does): every attention reads the rounded values, so a row's bits still do not depend on its forward
         self.kv_dtype = torch.float16 if kernels is not None and not draft and packs.arithmetic == "q8" else self.dtype
         self.no_mask = torch.empty(0, dtype=torch.bool)
+        self._vocab_heads: dict[tuple, tuple] = {}  # (ids' address, count) -> (ids, the rows' product) (`_vocab_head`)
         self._rope_probe = torch.zeros(1, 1, 1, dtype=self.dtype, device=self.device)  # the rotary's dtype, device
 
     def _from_module(self, model, recipe: Recipe, eps: float, draft: bool, packs: Packs) -> None:
@@ -240,24 +242,48 @@ class StaticDecoder:
             m = feed.last or p.n
             out_rows.append((p.first + p.n - m, m))
             state_rows.append((p.first, p.n) if feed.hidden == "all" else out_rows[-1] if feed.hidden else None)
+        vocab = feeds[0].vocab  # a batch drafts from one vocabulary (or all of it)
+        if any(feed.vocab is not vocab for feed in feeds):
+            raise ValueError("a stacked forward's feeds must share one draft vocabulary")
         if len(feeds) == 1 and state_rows[0] in (None, out_rows[0]):  # normalise only the rows that need logits
             b, m = out_rows[0]
             states = rms_norm(h[b : b + m], self.norm, self.norm_eps)
-            return [Forward(self._head(states), states if state_rows[0] else None)]
+            return [Forward(self._head(states, vocab), states if state_rows[0] else None)]
         states = rms_norm(h, self.norm, self.norm_eps)
         if len(feeds) == 1:
             b, m = out_rows[0]
-            logits = [self._head(states[b : b + m])]
+            logits = [self._head(states[b : b + m], vocab)]
         else:
             counts = [m for _, m in out_rows]
             index = torch.cat([torch.arange(b, b + m, device=self.device) for b, m in out_rows])
             stacked = Spans(list(zip(itertools.accumulate([0, *counts[:-1]]), counts)), self.device)
-            logits = softcap(stacked(self.head, states[index]), self.final_cap).split(counts)
+            head = self.head if vocab is None else self._vocab_head(vocab)
+            logits = self._widen(softcap(stacked(head, states[index]), self.final_cap), vocab).split(counts)
         return [Forward(lg, None if s is None else states[s[0] : s[0] + s[1]]) for lg, s in zip(logits, state_rows)]
 
-    def _head(self, states: torch.Tensor) -> torch.Tensor:
-        """Logits [m, V] of final states [m, H], soft-capped where the model caps them (Gemma)."""
-        return softcap(self.head(states), self.final_cap)
+    def _head(self, states: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [m, V] of final states [m, H], soft-capped where the model caps them (Gemma); with a draft
+        `vocab` (`Feed.vocab`), those tokens' logits from their rows of the head, every other -inf."""
+        head = self.head if vocab is None else self._vocab_head(vocab)
+        return self._widen(softcap(head(states), self.final_cap), vocab)
+
+    def _vocab_head(self, vocab: torch.Tensor) -> PackedLinear:
+        """The LM head's rows of `vocab` as a draft multiplies them (`PackedLinear` with `draft`: a rounded copy),
+        made once per vocabulary. The rows are the head's own: a GGUF model's read from the file, exact."""
+        key = (vocab.data_ptr(), vocab.numel())
+        if key not in self._vocab_heads:
+            head, ids = self.model.get_output_embeddings(), vocab.to(self.device)
+            rows = head(ids) if hasattr(head, "rows") else head.weight.detach()[ids]
+            rows = SimpleNamespace(weight=rows.contiguous(), bias=None, out_features=ids.numel())
+            self._vocab_heads[key] = (vocab, PackedLinear([rows], draft=True))  # the key's tensor kept alive
+        return self._vocab_heads[key][1]
+
+    def _widen(self, logits: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+        """Logits [m, N] of a draft vocabulary's tokens as [m, V], every other token -inf (logits itself without)."""
+        if vocab is None:
+            return logits
+        wide = logits.new_full((logits.shape[0], self.head.out_features), float("-inf"))
+        return wide.index_copy_(1, vocab.to(self.device), logits)
 
     def _masks(self, positions, tree_mask, causal: bool, past: int, n: int) -> dict:
         """`window_masks` per window size; None = attend everything (one causal token within every window)."""

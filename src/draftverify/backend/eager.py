@@ -57,6 +57,9 @@ class EagerDecoder:
             )
         cache.length += n
         logits = out.logits[0]  # [m, V]
+        if feed.vocab is not None:  # a draft's vocabulary (`Feed.vocab`): those tokens' logits, every other -inf
+            vocab = feed.vocab.to(self.device)
+            logits = logits.new_full(logits.shape, float("-inf")).index_copy_(1, vocab, logits.index_select(1, vocab))
         states = None
         if feed.hidden:  # [m, H], or [n, H] for "all"
             last = out.hidden_states[-1][0]

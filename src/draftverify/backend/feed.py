@@ -25,6 +25,9 @@ class Feed:
     hidden: also return the final hidden states (after the final norm) of those rows, or of every
         new token for "all".
     skip: a drafters.skipsets.SkipSet whose sub-layers the forward bypasses (self-speculative drafting).
+    vocab: [N] token ids (a draft's FR-Spec vocabulary): logits are formed for these tokens only, on a rounded copy of
+        their LM-head rows, and every other token's logit is -inf. For drafting only: it changes what a draft
+        proposes, never what the target verifies.
     """
 
     tokens: list[int] | torch.Tensor
@@ -33,6 +36,7 @@ class Feed:
     last: int | None = None
     hidden: bool | str = False
     skip: object = None
+    vocab: torch.Tensor | None = None
 
     @property
     def size(self) -> int:

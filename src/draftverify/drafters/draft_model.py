@@ -3,7 +3,9 @@
 Up to `policy.max_length()` tokens, one draft forward each, greedy or sampled from the draft's
 q with the target's temperature / top-k / top-p; the policy may stop earlier after any token.
 The draft's cache holds a prefix of the sequence and is fed the rest before drafting; after
-verification it is cropped to the accepted prefix.
+verification it is cropped to the accepted prefix. `vocab` (FR-Spec, Zhao et al. 2025): draft only from
+these token ids, the target's most frequent (`Method.draft_vocab`), so that each draft forward reads that many
+rows of the LM head instead of all of them; the target still verifies against its whole vocabulary.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from draftverify.session import Session
 
 
 class DraftModel(Drafter):
-    def __init__(self, draft: Runner, policy: DraftPolicy, skip=None):
-        self.draft, self.policy, self.skip = draft, policy, skip
+    def __init__(self, draft: Runner, policy: DraftPolicy, skip=None, vocab: torch.Tensor | None = None):
+        self.draft, self.policy, self.skip, self.vocab = draft, policy, skip, vocab
 
     def start(self, s: Session, seq: list[int], hidden=None) -> None:
         self.draft.reset()
@@ -34,7 +36,7 @@ class DraftModel(Drafter):
         """Feed `feed` and draft up to `k` tokens; sampled decoding also returns each q [V]."""
         drafts, qs = [], []
         for n in range(1, k + 1):
-            out = self.draft.forward(feed, last=1, hidden=self.policy.needs_hidden, skip=self.skip)
+            out = self.draft.forward(feed, last=1, hidden=self.policy.needs_hidden, skip=self.skip, vocab=self.vocab)
             s.stats.draft_forwards += 1
             logits = draft_logits(s, drafts, out.logits[-1])  # [V], processed as the target's would be here
             if s.sampling.greedy:

@@ -122,7 +122,8 @@ class Auto(Method):
             )
         if "draft" in use and has_draft:
             c = Speculative.make_config()  # the draft model's chain as `speculative` drafts it by default
-            out["draft"] = DraftModel(self.draft, make_policy(c.policy, c.k, c.threshold, self.target, self.draft))
+            policy = make_policy(c.policy, c.k, c.threshold, self.target, self.draft)
+            out["draft"] = DraftModel(self.draft, policy, vocab=self.draft_vocab(c.vocab))
         if "context" in use:
             out["context"] = lookahead_drafter(Lookahead.make_config("context"))
         if "lookup" in use:

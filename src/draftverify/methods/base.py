@@ -106,6 +106,13 @@ class Method(ABC):
         )
         return self.draft
 
+    def draft_vocab(self, n: int):
+        """FR-Spec: the `n` tokens the target most often replies with, for a draft model or a layer-skip draft to
+        draft from (`DraftModel`'s `vocab`), as the engine's feature head ranks them (its vocabulary is the
+        target's reply tokens, most frequent first); None (the whole vocabulary) for n = 0 or without a feature
+        head."""
+        return None if not n or self.feature_head is None else self.feature_head.vocab[:n]
+
     def drafter(self, s: Session) -> Drafter | None:
         """What proposes candidates for request `s` (None: nothing, plain autoregressive decoding)."""
         return None

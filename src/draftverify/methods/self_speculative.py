@@ -50,6 +50,10 @@ class SelfSpeculativeConfig:
     alpha        adaptive: target acceptance rate (the paper tunes it per task, 0.7..0.9)
     epsilon      adaptive: threshold step
     beta1, beta2 adaptive: smoothing of the acceptance rate and of the threshold
+    vocab        draft only from the target's `vocab` most frequent reply tokens (FR-Spec, `Method.draft_vocab`;
+                 0, the default = all of them): a drafting forward then reads that many rows of the LM head, not
+                 all. Off by default: a skip draft's head is a small part of its forward, and the tokens outside
+                 the vocabulary cost more acceptance than the rows save (docs/self-speculative.md)
     """
 
     strategy: str = "searched"
@@ -65,8 +69,10 @@ class SelfSpeculativeConfig:
     epsilon: float = 0.01
     beta1: float = 0.5
     beta2: float = 0.9
+    vocab: int = 0
 
     def __post_init__(self):
+        require(self.vocab >= 0, f"vocab={self.vocab} must be >= 0")
         require(
             self.strategy in STRATEGIES, f"unknown skip strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}"
         )
@@ -120,7 +126,8 @@ class SelfSpeculative(Method):
         policy = self.make_policy()
         s.stats.extra.update(skipped_attention=len(self.skip.attention), skipped_mlp=len(self.skip.mlp))
         try:
-            yield from rounds(s, self.target, LayerSkip(self.target, policy, skip=self.skip))
+            drafter = LayerSkip(self.target, policy, skip=self.skip, vocab=self.draft_vocab(self.config.vocab))
+            yield from rounds(s, self.target, drafter)
         finally:
             if isinstance(policy, AdaptiveThreshold):
                 s.stats.extra["final_gamma"] = policy.gamma

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from draftverify.drafters.acceptance_head import DEFAULT_CAP, DEFAULT_H, AcceptanceHead, AcceptanceHeadPolicy, load_head
 from draftverify.drafters.draft_model import DraftModel
+from draftverify.drafters.feature import DRAFT_VOCAB
 from draftverify.errors import require
 from draftverify.loading import model_identity
 from draftverify.methods.base import Method, register
@@ -39,14 +40,18 @@ class SpecDecPPConfig:
     """h: stop drafting once the predicted chance that a drafted token is rejected exceeds h.
     cap: hard cap on drafted tokens per round (20 in the paper).
     head: a head file made by `draftverify train-acceptance-head`, or the name of a head shipped in
-          assets/specdec-heads/ (`default`: the one for the default target and draft)."""
+          assets/specdec-heads/ (`default`: the one for the default target and draft).
+    vocab: draft only from the target's `vocab` most frequent reply tokens (FR-Spec, `Method.draft_vocab`; 0 = all
+          of them): a draft forward then reads that many rows of the LM head."""
 
     h: float = DEFAULT_H
     cap: int = DEFAULT_CAP
     head: str = DEFAULT_HEAD
+    vocab: int = DRAFT_VOCAB
 
     def __post_init__(self):
         check_head_settings(self.h, self.cap)
+        require(self.vocab >= 0, f"vocab={self.vocab} must be >= 0")
 
 
 class HeadStops:
@@ -73,7 +78,7 @@ class SpecDecPP(HeadStops, Method):
     presets = {"paper": {"h": 0.7, "cap": 20}, **THRESHOLD_PRESETS}  # paper: best overall, with a w_rej = 6 head
 
     def drafter(self, s: Session) -> DraftModel:
-        return DraftModel(self.draft_model(), self.make_policy())
+        return DraftModel(self.draft_model(), self.make_policy(), vocab=self.draft_vocab(self.config.vocab))
 
 
 @dataclass(frozen=True)

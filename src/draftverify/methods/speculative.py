@@ -38,9 +38,9 @@ class SpeculativeConfig:
     width: int = 8  # feature head: children per expanded node and nodes expanded per level (1 = a chain; not `top_k`,
     # which is the sampling setting)
     nodes: int = 0  # feature head: draft tree size (0 = the most expected tokens/s under the cost curve)
-    vocab: int = (
-        DRAFT_VOCAB  # feature head: draft only its `vocab` most frequent tokens (FR-Spec; 0 = all it was trained on)
-    )
+    # draft only the `vocab` most frequent reply tokens (FR-Spec; 0 = all): a feature head's own ranking, a draft
+    # model's from the engine's feature head (`Method.draft_vocab`)
+    vocab: int = DRAFT_VOCAB
 
     def __post_init__(self):
         require(self.policy in POLICIES, f"unknown draft policy {self.policy!r}: use one of {', '.join(POLICIES)}")
@@ -79,4 +79,4 @@ class Speculative(Method):
                 nodes=self.config.nodes,
                 vocab=self.config.vocab,
             )
-        return DraftModel(self.draft, self.make_policy())
+        return DraftModel(self.draft, self.make_policy(), vocab=self.draft_vocab(self.config.vocab))
