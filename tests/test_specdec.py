@@ -683,7 +683,7 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_exact(tiny, tmp_pat
     options = {
         "specdec-pp": {"head": str(path), "h": 0.9},
         "speculative": {"policy": "constant", "k": 4},
-        "self-speculative": {"strategy": "heuristic"},
+        "self-speculative": {"strategy": "heuristic", "vocab": 16},  # its default drafts from the whole head
     }[method]
     for prompt in ["Hello there, how", "def f(x):\n    return"]:
         ids = engine.encode(prompt)

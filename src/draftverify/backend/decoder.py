@@ -176,10 +176,11 @@ class StaticDecoder:
         # short sequences (one, or a batch's steps and trees): each layer with nothing skipped in one kernel call
         # (`layer` / `layer_many`: the same kernels, on the same rows, as below)
         short = self.layer_kernel is not None and all(p.n <= QUANT_ROWS for p in parts)
+        flat = {key: (cos[:, 0], sin[:, 0]) for key, (cos, sin) in ropes.items()} if short else None  # once a forward
         for i, layer in enumerate(self.layers):
             cos, sin = ropes[self.rope_keys[i]]
             if short and layer.fused is not None and i not in skip_attn and i not in skip_mlp:
-                h = self._fused_layer(i, layer, h, cos[:, 0], sin[:, 0], parts)
+                h = self._fused_layer(i, layer, h, *flat[self.rope_keys[i]], parts)
                 continue
             if i not in skip_attn:
                 qkv = spans(layer.qkv, rms_norm(h, layer.norm_in, layer.eps))

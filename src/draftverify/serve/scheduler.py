@@ -127,8 +127,8 @@ class Scheduler:
         """Run the worker loop on the calling thread until the server has drained it, or `alive()` turns False.
 
         Why the main thread: PyTorch's OpenMP parallel regions started from another thread pay tens of
-        microseconds each, and a stacked forward is hundreds of small attention ops (measured: a decode step
-        of 8 sequences ~1.8x slower, of one ~1.25x, on a worker thread of this 2-core CPU)."""
+        microseconds each, and a stacked forward is hundreds of small attention ops, so a decode step runs
+        markedly slower on a worker thread (docs/serve.md has the timing)."""
         self._work(alive)
 
     def submit(self, *tickets: Ticket) -> None:

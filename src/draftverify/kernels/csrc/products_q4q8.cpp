@@ -78,15 +78,14 @@ void quant_pass(const float* x, const Quant& w, float* y, int64_t K, int64_t N, 
 }
 
 // Rows of x in passes of kRows (each pass rebuilds the weights once, in registers, for its rows)
-// against output rows n0..n1. A pass's rows of x stay in L1 while the weights stream; measured faster
+// against output rows n0..n1. A pass's rows of x stay in L1 while the weights stream, which timed faster
 // than tiling the outputs so that the weights stream once (the product is bound by arithmetic here).
-// The row count is chosen once per pass, outside the loop over outputs (choosing it per output made
-// 3-5 rows ~15% slower). The last pass takes what is left, up to kLast rows: with AVX-512's 32
-// registers 7 or 8 rows go in one pass rather than 6 + 1 or 6 + 2 (a pass of few rows costs nearly a
-// one-token product: the weights stream again). Measured on SmolLM2 (2-core Zen 5, whole forwards
-// after 128 tokens, interleaved): 7 new tokens 15% faster, 8 6%; passes of 8 throughout or shared out
-// evenly (10 rows: 5 + 5) were slower at 9-10 rows. With AVX2 (16 registers, a V16 is two) passes of 6.
-// Every pass forms a row's sums the same way, so the split never changes a bit.
+// The row count is chosen once per pass, outside the loop over outputs (chosen per output, passes of a
+// few rows ran slower). The last pass takes what is left, up to kLast rows: with AVX-512's 32 registers
+// 7 or 8 rows go in one pass rather than 6 + 1 or 6 + 2 (a pass of few rows costs nearly a one-token
+// product: the weights stream again). With AVX2 (16 registers, a V16 is two) passes of 6. The timings
+// behind these choices are in docs/backends.md. Every pass forms a row's sums the same way, so the split
+// never changes a bit.
 constexpr int kRows = 6;
 #ifdef __AVX512F__
 constexpr int kLast = 8;
