@@ -36,7 +36,7 @@ from draftverify.backend.attention import Part, attend
 from draftverify.backend.cache import StaticCache
 from draftverify.backend.feed import Feed, Forward
 from draftverify.backend.linear import QUANT_ROWS, BlockLinear, PackedLinear, Packs, layer_weights
-from draftverify.backend.ops import cpu_kernels, gated, layer_windows, rms_norm, softcap, window_masks
+from draftverify.backend.ops import cpu_kernels, gated, layer_windows, rms_norm, softcap, vocab_logits, window_masks
 from draftverify.backend.recipe import RECIPES, Recipe, activation, unsupported_reason
 from draftverify.backend.source import source_layer, source_norm
 from draftverify.backend.spans import Spans
@@ -281,10 +281,7 @@ class StaticDecoder:
 
     def _widen(self, logits: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
         """Logits [m, N] of a draft vocabulary's tokens as [m, V], every other token -inf (logits itself without)."""
-        if vocab is None:
-            return logits
-        wide = logits.new_full((logits.shape[0], self.head.out_features), float("-inf"))
-        return wide.index_copy_(1, vocab.to(self.device), logits)
+        return logits if vocab is None else vocab_logits(logits, vocab, self.head.out_features)
 
     def _masks(self, positions, tree_mask, causal: bool, past: int, n: int) -> dict:
         """`window_masks` per window size; None = attend everything (one causal token within every window)."""

@@ -10,7 +10,7 @@ import torch
 
 from draftverify.backend.cache import EagerCache
 from draftverify.backend.feed import Feed, Forward
-from draftverify.backend.ops import layer_windows, window_masks
+from draftverify.backend.ops import layer_windows, vocab_logits, window_masks
 
 
 class EagerDecoder:
@@ -58,8 +58,7 @@ class EagerDecoder:
         cache.length += n
         logits = out.logits[0]  # [m, V]
         if feed.vocab is not None:  # a draft's vocabulary (`Feed.vocab`): those tokens' logits, every other -inf
-            vocab = feed.vocab.to(self.device)
-            logits = logits.new_full(logits.shape, float("-inf")).index_copy_(1, vocab, logits.index_select(1, vocab))
+            logits = vocab_logits(logits.index_select(1, feed.vocab.to(self.device)), feed.vocab, logits.shape[1])
         states = None
         if feed.hidden:  # [m, H], or [n, H] for "all"
             last = out.hidden_states[-1][0]

@@ -57,6 +57,12 @@ def gated(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"activation {activation!r} is not implemented by the static path")
 
 
+def vocab_logits(logits: torch.Tensor, vocab: torch.Tensor, size: int) -> torch.Tensor:
+    """Logits [m, N] of a draft vocabulary's tokens `vocab` [N] (`Feed.vocab`) as [m, size], every other token -inf:
+    what both backends return for a forward that drafts from a vocabulary."""
+    return logits.new_full((logits.shape[0], size), float("-inf")).index_copy_(1, vocab.to(logits.device), logits)
+
+
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     """cap * tanh(x / cap) (Gemma's logit soft-capping, in transformers' order of ops); x itself when cap is None."""
     return x if cap is None else torch.tanh(x / cap) * cap

@@ -134,8 +134,10 @@ def search_layers(
     bar = tqdm(total=trials, unit="trial", desc="search-layers", disable=not progress, dynamic_ncols=True)
     bar.set_postfix_str(f"autoregressive {autoregressive:.1f} ms/token")
     n_layers = len(decoder_layers(target.model))
-    run = (study, engine, prompts, out, target.identity, n_layers, seed, clock, max_new_tokens, method, give_up)
-    session = SearchSession(*run, autoregressive, bar)
+    session = SearchSession(
+        study, engine, prompts, out, target.identity, n_layers, seed, clock, max_new_tokens, method, give_up,
+        autoregressive, bar,
+    )  # fmt: skip
     try:
         study.optimize(session.objective, n_trials=trials, timeout=budget_s, callbacks=[session.after_trial])
     finally:
@@ -359,8 +361,10 @@ def search_layers_command(
     engine = Engine(target, arithmetic=arithmetic)
     ids = [engine.encode(text, chat=as_chat) for text, as_chat in rows]
     try:
-        searched = (target, ids, out, budget * 60, trials, seed, resume, max_new_tokens, clock, parse_options(option))
-        result = search_layers(*searched, give_up=give_up or None, engine=engine)
+        result = search_layers(
+            target, ids, out, budget * 60, trials, seed, resume, max_new_tokens, clock, parse_options(option),
+            give_up=give_up or None, engine=engine,
+        )  # fmt: skip
     except KeyboardInterrupt:
         raise DraftVerifyError(
             f"interrupted: the best skip set so far is in {out}; continue with the same command and --resume"
