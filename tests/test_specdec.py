@@ -691,3 +691,31 @@ def test_a_draft_vocabulary_drafts_only_its_tokens_and_stays_exact(tiny, tmp_pat
         out = engine.generate(ids, method=method, max_new_tokens=24, eos_token_id=[], **options)
         assert out.tokens == ar.tokens, (method, prompt)
     assert drafted and all(t % 2 == 0 for t in drafted), method
+
+
+def test_drafting_from_a_vocabulary_samples_the_target_distribution(tiny, monkeypatch):
+    """Sampling from a draft vocabulary (q is zero outside it) stays exact: the second token, the first verified,
+    follows the target's law; the classic wrong rule (resample from p after a rejection) is caught."""
+    from phrase_sampling import second_token_pvalue as law_pvalue
+
+    from draftverify.methods.base import Method
+
+    target = tiny("llama", seed=0, layers=2, hidden=32)
+    draft = tiny("llama", seed=3, layers=1, hidden=32)
+    vocab = torch.arange(0, target.model.config.vocab_size, 2)  # every even token id
+    monkeypatch.setattr(Method, "draft_vocab", lambda self, n: vocab[:n] if n else None)
+    engine, prompt, sampling = Engine(target, draft), [5, 6, 7], Sampling(temperature=1.0, top_k=8)
+
+    def pvalue(n: int) -> float:
+        counts: dict[int, int] = {}
+        for seed in range(n):
+            out = engine.generate(
+                prompt, method="speculative", max_new_tokens=3, temperature=1.0, top_k=8, seed=seed,
+                eos_token_id=[], policy="constant", k=2,
+            )  # fmt: skip
+            counts[out.tokens[1]] = counts.get(out.tokens[1], 0) + 1
+        return law_pvalue(target.model, prompt, sampling, counts)
+
+    assert pvalue(2000) > 1e-3
+    broken_rule(monkeypatch)
+    assert pvalue(2000) < 1e-4
