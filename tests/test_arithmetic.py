@@ -45,3 +45,14 @@ def test_default_rule(tmp_path, monkeypatch):
     monkeypatch.setattr(ar, "Q8_DEFAULT", True)
     monkeypatch.setattr(kernels, "has_vnni", lambda: False)
     assert ar.default_arithmetic("/x/m.gguf", "cpu", path)[0] == "fp32"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])
+def test_auto_weights_are_fp32_on_every_device(device):
+    """bf16 rounds a verified row differently from a one-token step (docs/backends.md), so no device defaults to it."""
+    import torch
+
+    from draftverify.loading.hf import resolve_dtype
+
+    assert resolve_dtype("auto", device) is torch.float32
+    assert resolve_dtype("bf16", device) is torch.bfloat16

@@ -45,7 +45,7 @@ def choose_backend(model: torch.nn.Module, backend: str = "auto") -> tuple[str, 
         require(reason is None, f"backend 'static' cannot run this model ({reason}): use --backend eager or auto")
         return "static", None
     if reason is None and model_device(model).type != "cpu":
-        reason = "the static path is measured on CPU only so far; pass --backend static to use it on this device"
+        reason = "off a CPU the static path runs plain torch ops, host-bound like the stock model (docs/backends.md)"
     return ("eager", reason) if reason else ("static", None)
 
 
