@@ -186,22 +186,31 @@ void q8_rows(const Args& a, int64_t r0, int64_t t0, int64_t t1) {
   }
 }
 
+// Passes of kRows rows; the last pass takes what is left, up to kLast rows: with AVX-512's 32 registers 7 or 8 rows
+// go in one pass rather than 6 + 1 or 6 + 2 (a pass of few rows costs nearly a one-token product: the codes are
+// unpacked again), as in products_q4q8.cpp. Every pass forms a row's sums the same way, so the split never changes a
+// bit. The timings behind these choices are in docs/backends.md.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int kRows = 6;  // rows a pass holds in registers
+constexpr int kLast = 8;
 #else
 constexpr int kRows = 4;  // 16 registers: 4 accumulators beside the codes
+constexpr int kLast = kRows;
 #endif
 
-// Every row of outputs [16 t0, 16 t1), kRows rows a pass.
+// Every row of outputs [16 t0, 16 t1), kRows rows a pass and the rest, up to kLast, in one.
 template <int L, int S, bool Centred, typename T>
 void q8_tiles(const Args& a, int64_t t0, int64_t t1) {
   int64_t r0 = 0;
-  for (; r0 + kRows <= a.M; r0 += kRows) q8_rows<L, S, Centred, T, kRows>(a, r0, t0, t1);
+  for (; a.M - r0 > kLast; r0 += kRows) q8_rows<L, S, Centred, T, kRows>(a, r0, t0, t1);
   switch (a.M - r0) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    case 8: q8_rows<L, S, Centred, T, 8>(a, r0, t0, t1); break;
+    case 7: q8_rows<L, S, Centred, T, 7>(a, r0, t0, t1); break;
+    case 6: q8_rows<L, S, Centred, T, 6>(a, r0, t0, t1); break;
     case 5: q8_rows<L, S, Centred, T, 5>(a, r0, t0, t1); break;
-    case 4: q8_rows<L, S, Centred, T, 4>(a, r0, t0, t1); break;
 #endif
+    case 4: q8_rows<L, S, Centred, T, 4>(a, r0, t0, t1); break;
     case 3: q8_rows<L, S, Centred, T, 3>(a, r0, t0, t1); break;
     case 2: q8_rows<L, S, Centred, T, 2>(a, r0, t0, t1); break;
     case 1: q8_rows<L, S, Centred, T, 1>(a, r0, t0, t1); break;
