@@ -10,7 +10,7 @@ from draftverify.cli_options import DEFAULT_DRAFT, DEFAULT_TARGET
 SHARED = {  # parameter name -> (flags every command gives it, text its help always holds)
     "target": ({"--target", "-t"}, DEFAULT_TARGET),
     "draft": ({"--draft", "-d"}, DEFAULT_DRAFT),
-    "dtype": ({"--dtype"}, "fp32, bf16, fp16 or q8"),
+    "dtype": ({"--dtype"}, "fp32, bf16 or fp16 (opt-in"),
     "device": ({"--device"}, "cpu, cuda or cuda:N"),
     "backend": ({"--backend"}, "eager (the stock transformers model"),
 }
