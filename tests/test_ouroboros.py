@@ -226,3 +226,15 @@ def test_lengthening_over_the_head_verifies_suffixes_only_while_they_pay():
         grow.score(seq + [5, 1])
     assert grow.gain < 0.4  # below the four rows' price, 0.4 of a step
     assert grow.propose(s, seq, 8).paths == [[5, 6]] and len(grow.offered) == 1  # not verified, but still scored
+
+
+def test_phrase_length_and_suffixes_follow_the_draft_unless_set():
+    head, model = object(), object()
+    over_head = Ouroboros(None, draft=head, feature_head=head)
+    over_model = Ouroboros(None, draft=model, feature_head=head)
+    assert (over_head.config.N, over_head.config.K) == (4, 1)
+    assert (over_model.config.N, over_model.config.K) == (3, 2)
+    asked = Ouroboros(None, draft=head, config=Ouroboros.Config(N=5, K=2), feature_head=head)
+    assert (asked.config.N, asked.config.K) == (5, 2)
+    with pytest.raises(DraftVerifyError, match="suffixes K=3"):
+        Ouroboros.Config(K=3)

@@ -26,11 +26,15 @@ the head's EAGLE-2 tree (`drafters.feature.FeatureHeadDrafter`) instead of phras
 model: its best chain is lengthened by the pool's suffixes (2), refinement keeps the pool (4),
 and the pool is fed the request's own n-grams (as `lookahead:context`: the prompt's, then the
 output's). Inspiration and the draft's Jacobi window need a draft model and are not used.
+
+N and K default by the draft (`PHRASES`): over a feature head the pool holds the request's own n-grams, and longer
+phrases with one suffix paid on the development prompts once a verified row got cheap (docs/ouroboros.md); a draft
+model keeps the shorter phrases and two suffixes it was tuned with.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from draftverify.drafters.base import Drafter
 from draftverify.drafters.feature import FeatureHeadDrafter
@@ -68,9 +72,9 @@ class OuroborosConfig:
 
     gamma: int = 4
     W: int = 2
-    N: int = 3
+    N: int | None = None  # None: by the draft (`PHRASES`)
     G: int = 2
-    K: int = 2
+    K: int | None = None  # None: by the draft (`PHRASES`)
     policy: str = "phrases"
     threshold: float = 0.4
     phrase_drafting: bool = True
@@ -83,11 +87,15 @@ class OuroborosConfig:
     def __post_init__(self):
         require(1 <= self.gamma <= 64, f"gamma={self.gamma} must lie in 1..64")
         require(0 <= self.W <= 64, f"window width W={self.W} must lie in 0..64")
-        require(2 <= self.N <= 16, f"phrase length N={self.N} must lie in 2..16")
+        require(self.N is None or 2 <= self.N <= 16, f"phrase length N={self.N} must lie in 2..16")
         require(1 <= self.G <= 64, f"phrases per token G={self.G} must lie in 1..64")
-        require(0 <= self.K <= self.G, f"suffixes K={self.K} must lie in 0..G={self.G}")
+        require(self.K is None or 0 <= self.K <= self.G, f"suffixes K={self.K} must lie in 0..G={self.G}")
         require(self.policy in POLICIES, f"unknown draft policy {self.policy!r}: use one of {', '.join(POLICIES)}")
         require(0 <= self.threshold <= 1, f"threshold={self.threshold} must lie in [0, 1]")
+
+
+# N and K where the request leaves them unset, by the draft source (`Method.draft_source`).
+PHRASES = {"feature head": {"N": 4, "K": 1}, "model": {"N": 3, "K": 2}, None: {"N": 3, "K": 2}}
 
 
 @register
@@ -97,11 +105,16 @@ class Ouroboros(PoolMethod):
     needs_draft = True
     takes_head = True
     presets = {
-        "cpu": {},  # the defaults: small trees for a CPU, where a 16-token forward costs 3.5 single ones
+        "cpu": {},  # the defaults: small trees and drafts, for a CPU where each verified row costs a share of a step
         "specbench": {"gamma": 6, "W": 15, "N": 5, "G": 15, "K": 3},  # reference Spec-Bench script
         "humaneval": {"gamma": 12, "W": 20, "N": 8, "G": 20, "K": 3},  # v2 Table 11, Yi-34B/6B
         "gsm8k": {"gamma": 4, "W": 15, "N": 7, "G": 15, "K": 3},  # v2 Table 11, Yi-34B/6B
     }
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        unset = {key: value for key, value in PHRASES[self.draft_source].items() if getattr(self.config, key) is None}
+        self.config = replace(self.config, **unset)
 
     def make_policy(self) -> DraftPolicy:
         return make_policy(self.config.policy, self.config.gamma, self.config.threshold)
