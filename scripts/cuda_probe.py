@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from draftverify.util import atomic_write
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -64,9 +66,8 @@ def profile_top(fn, rows: int = 15) -> list[dict]:
 
     profiler = cProfile.Profile()
     profiler.runcall(fn)
-    stats = pstats.Stats(profiler).sort_stats("tottime")
     top = []
-    for (path, line, name), (_, calls, own, cumulative, _) in list(stats.stats.items()):
+    for (path, line, name), (_, calls, own, cumulative, _) in pstats.Stats(profiler).stats.items():
         top.append(dict(function=f"{Path(path).name}:{line}({name})", calls=calls, own_s=own, cumulative_s=cumulative))
     return sorted(top, key=lambda row: -row["own_s"])[:rows]
 
@@ -122,7 +123,7 @@ def measure(model: str, draft: str, out: Path) -> None:
         report[backend] = backend_figures(engine, prompt, tokens=64)
         del engine
     text = json.dumps(report, indent=1)
-    out.write_text(text)
+    atomic_write(out, text)
     print(text)
 
 
@@ -156,7 +157,7 @@ def report(probe: Path, command: str, out: Path) -> None:
         for row in data[backend]["autoregressive"]["host_profile"][:10]:
             function = row["function"].replace("|", "\\|")
             lines.append(f"| `{function}` | {row['calls']} | {row['own_s']:.3f} | {row['cumulative_s']:.3f} |")
-    out.write_text("\n".join(lines) + "\n")
+    atomic_write(out, "\n".join(lines) + "\n")
 
 
 def main() -> None:

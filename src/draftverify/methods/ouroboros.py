@@ -94,8 +94,8 @@ class OuroborosConfig:
         require(0 <= self.threshold <= 1, f"threshold={self.threshold} must lie in [0, 1]")
 
 
-# N and K where the request leaves them unset, by the draft source (`Method.draft_source`).
-PHRASES = {"feature head": {"N": 4, "K": 1}, "model": {"N": 3, "K": 2}, None: {"N": 3, "K": 2}}
+# N and K where the request leaves them unset, by the draft source (`Method.draft_source`; Ouroboros needs a draft).
+PHRASES = {"feature head": {"N": 4, "K": 1}, "model": {"N": 3, "K": 2}}
 
 
 @register
