@@ -63,9 +63,12 @@ def test_kernel_matches_reference_bit_for_bit(layout, sub, k, centred, half):
 
 
 @needs_kernels
-@pytest.mark.parametrize("layout,sub,k", CASES[:2])
-def test_every_row_is_its_one_row_product(layout, sub, k):
-    w, x = q8k.prepare(weight(layout, sub, 48, k, seed=3)), activations(32, k, seed=4)
+@pytest.mark.parametrize("centred", [False, True], ids=["asymmetric", "centred"])
+@pytest.mark.parametrize("layout,sub,k", CASES)
+def test_every_row_is_its_one_row_product(layout, sub, k, centred):
+    # 48 outputs: three tiles, so a pass over pairs of tiles leaves one alone; every row count's passes
+    w = weight(layout, sub, 48, k, seed=3, centre=CENTRES[layout] if centred else None)
+    w, x = q8k.prepare(w), activations(32, k, seed=4)
     one = torch.cat([q8k.matmul(w, x[r : r + 1]) for r in range(32)])
     for m in range(1, 33):
         assert torch.equal(q8k.matmul(w, x[:m]), one[:m]), f"{m} rows"

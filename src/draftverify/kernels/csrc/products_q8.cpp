@@ -74,72 +74,35 @@ void round_rows(const float* x, int64_t M, int64_t K, int S, int32_t centre, int
     }
 }
 
-// The integer sums of one sub-block: C chunks of codes (each 4 k for 16 outputs) times row r's activations from xr.
-// One row alone (Many false) runs four independent chains (C = 8) or two (C = 4), so that it does not wait on one
-// chain of dot products; with several rows in flight (Many) the rows are the independent chains, and each row runs
-// half as many, saving the adds that join them. Integer sums: the same bits in any order.
-template <int L, int C, bool Many>
-inline Q::I sums(const Q::I* w, const int8_t* xr) {
-  if constexpr (C == 8 && !Many) {
-    Q::I a0 = Q::dot<L>(w[0], Q::bcast(xr)), a1 = Q::dot<L>(w[1], Q::bcast(xr + 4));
-    Q::I a2 = Q::dot<L>(w[2], Q::bcast(xr + 8)), a3 = Q::dot<L>(w[3], Q::bcast(xr + 12));
-    a0 = Q::dpacc<L>(a0, w[4], Q::bcast(xr + 16)), a1 = Q::dpacc<L>(a1, w[5], Q::bcast(xr + 20));
-    a2 = Q::dpacc<L>(a2, w[6], Q::bcast(xr + 24)), a3 = Q::dpacc<L>(a3, w[7], Q::bcast(xr + 28));
-    return Q::add(Q::add(a0, a1), Q::add(a2, a3));
-  } else if constexpr (C == 8) {
-    Q::I a0 = Q::dot<L>(w[0], Q::bcast(xr)), a1 = Q::dot<L>(w[1], Q::bcast(xr + 4));
-    a0 = Q::dpacc<L>(a0, w[2], Q::bcast(xr + 8)), a1 = Q::dpacc<L>(a1, w[3], Q::bcast(xr + 12));
-    a0 = Q::dpacc<L>(a0, w[4], Q::bcast(xr + 16)), a1 = Q::dpacc<L>(a1, w[5], Q::bcast(xr + 20));
-    a0 = Q::dpacc<L>(a0, w[6], Q::bcast(xr + 24)), a1 = Q::dpacc<L>(a1, w[7], Q::bcast(xr + 28));
-    return Q::add(a0, a1);
-  } else if constexpr (!Many) {
-    Q::I a0 = Q::dot<L>(w[0], Q::bcast(xr)), a1 = Q::dot<L>(w[1], Q::bcast(xr + 4));
-    a0 = Q::dpacc<L>(a0, w[2], Q::bcast(xr + 8)), a1 = Q::dpacc<L>(a1, w[3], Q::bcast(xr + 12));
-    return Q::add(a0, a1);
-  } else {
-    Q::I a0 = Q::dot<L>(w[0], Q::bcast(xr));
-    a0 = Q::dpacc<L>(a0, w[1], Q::bcast(xr + 4));
-    a0 = Q::dpacc<L>(a0, w[2], Q::bcast(xr + 8));
-    return Q::dpacc<L>(a0, w[3], Q::bcast(xr + 12));
-  }
-}
-
-// The codes of block b of a tile, one register a chunk (chunk g: k = 32 b + 4 g .. + 3).
+// The codes of half h of block b of a tile (chunks 4 h .. 4 h + 3: k = 32 b + 16 h .. + 15), one register a chunk.
 template <int L>
-inline void block_codes(const uint8_t* ct, int64_t b, Q::I* w) {
+inline void half_codes(const uint8_t* ct, int64_t b, int h, Q::I* w) {
   const uint8_t* block = ct + b * block_bytes(L);
   if constexpr (L == U8) {
-    for (int g = 0; g < 8; ++g) w[g] = Q::load(block + g * 64);
+    for (int g = 0; g < 4; ++g) w[g] = Q::load(block + (4 * h + g) * 64);
   } else {
-    for (int j = 0; j < 4; ++j) {
-      const Q::I raw = Q::load(block + j * 64);
+    for (int j = 0; j < 2; ++j) {
+      const Q::I raw = Q::load(block + (2 * h + j) * 64);
       w[2 * j] = Q::nib_lo(raw), w[2 * j + 1] = Q::nib_hi(raw);
-      if constexpr (L == U5) Q::high_bits(block + 256 + j * 16, w[2 * j], w[2 * j + 1]);
+      if constexpr (L == U5) Q::high_bits(block + 256 + (2 * h + j) * 16, w[2 * j], w[2 * j + 1]);
     }
   }
 }
 
-// t of block b for one row (the header's formula): xr the row's activations of the block, xs its sub-block sums
-// (int32, centred weights) or xf the same sums as floats (exact: |X| <= 32 * 127), read by a broadcast.
-template <int L, int S, bool Centred, typename T, bool Many>
-inline Q::F block_term(const Q::I* w, const int8_t* xr, const int32_t* xs, const float* xf, const T* dt, const T* mt,
-                       int64_t b) {
-  if constexpr (S == 32) {
-    const Q::I i = sums<L, 8, Many>(w, xr);
-    if constexpr (Centred) return Q::mul(Q::scales(dt + b * 16), Q::cvt(Q::sub_scalar(i, -xs[b])));
-    return Q::fma(Q::scales(mt + b * 16), Q::set1(xf[b]), Q::mul(Q::scales(dt + b * 16), Q::cvt(i)));
-  } else {
-    const Q::I i0 = sums<L, 4, Many>(w, xr), i1 = sums<L, 4, Many>(w + 4, xr + 16);
-    const Q::F d0 = Q::scales(dt + 2 * b * 16), d1 = Q::scales(dt + (2 * b + 1) * 16);
-    if constexpr (Centred) {
-      return Q::fma(d1, Q::cvt(Q::sub_scalar(i1, -xs[2 * b + 1])), Q::mul(d0, Q::cvt(Q::sub_scalar(i0, -xs[2 * b]))));
-    } else {
-      const Q::F m0 = Q::scales(mt + 2 * b * 16), m1 = Q::scales(mt + (2 * b + 1) * 16);
-      Q::F t = Q::fma(m0, Q::set1(xf[2 * b]), Q::mul(d0, Q::cvt(i0)));
-      t = Q::fma(d1, Q::cvt(i1), t);
-      return Q::fma(m1, Q::set1(xf[2 * b + 1]), t);
-    }
-  }
+// Asks for the codes of half h of block b of the tile at ct (a prefetch: never faults, so past the last tile too).
+template <int L>
+inline void prefetch_half(const uint8_t* ct, int64_t b, int h) {
+  const char* half = reinterpret_cast<const char*>(ct + b * block_bytes(L)) + h * (L == U8 ? 256 : 128);
+  for (int line = 0; line < (L == U8 ? 4 : 2); ++line) _mm_prefetch(half + 64 * line, _MM_HINT_T0);
+  if constexpr (L == U5) _mm_prefetch(reinterpret_cast<const char*>(ct + b * block_bytes(L) + 256), _MM_HINT_T0);
+}
+
+// The first term of sub-block s (the header's formula): D_s I_s, with c X_s folded into I (centred, xs[s] = -c X_s)
+// or fma(M_s, X_s, D_s I_s) (xf[s] = X_s as a float: exact, |X| <= 32 * 127).
+template <bool Centred>
+inline Q::F first_term(Q::I i, Q::F d, Q::F m, const int32_t* xs, const float* xf, int64_t s) {
+  if constexpr (Centred) return Q::mul(d, Q::cvt(Q::sub_scalar(i, -xs[s])));
+  else return Q::fma(m, Q::set1(xf[s]), Q::mul(d, Q::cvt(i)));
 }
 
 struct Args {
@@ -154,68 +117,141 @@ struct Args {
   int64_t M, K, N;
 };
 
-// Rows [r0, r0 + R) of outputs [16 t0, 16 t1): each row's accumulator stays in a register over the whole of K.
+// Rows [r0, r0 + R) of the outputs of tiles [t0, t1), P tiles at a time (t1 - t0 a multiple of P); `first`: the
+// first pass over these tiles, which reads them from memory (the weights of a step stream from DRAM), so it
+// prefetches the next tiles' codes a half block at a time. Each half block,
+// the P tiles' codes are unpacked once for the R rows, and each of a row's activation broadcasts feeds the P tiles'
+// dot products: a dot-product instruction then needs less than one load besides its own, which is what bounds the
+// product on the CPUs measured (docs/q8.md). Each (row, output) keeps its accumulator in a register over the whole of
+// K and forms its sums and terms exactly as the header says, whatever R and P: the same bits for any split.
 // T: how D and M are stored, float or fp16 (uint16_t, where every scale is exact in fp16: fewer bytes to stream).
-template <int L, int S, bool Centred, typename T, int R>
-void q8_rows(const Args& a, int64_t r0, int64_t t0, int64_t t1) {
+template <int L, int S, bool Centred, typename T, int R, int P>
+void q8_pass(const Args& a, int64_t r0, int64_t t0, int64_t t1, bool first) {
   const int64_t K = a.K, blocks = K / 32, subs = K / S, tile_bytes = blocks * block_bytes(L);
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* ct = a.codes + t * tile_bytes;
-    const T* dt = static_cast<const T*>(a.d) + t * subs * 16;
-    const T* mt = Centred ? nullptr : static_cast<const T*>(a.m) + t * subs * 16;
-    Q::F acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = Q::zero();
+  for (int64_t t = t0; t + P <= t1; t += P) {
+    const uint8_t* ct[P];
+    const T *dt[P], *mt[P];
+    for (int p = 0; p < P; ++p) {
+      ct[p] = a.codes + (t + p) * tile_bytes;
+      dt[p] = static_cast<const T*>(a.d) + (t + p) * subs * 16;
+      mt[p] = Centred ? nullptr : static_cast<const T*>(a.m) + (t + p) * subs * 16;
+    }
+    Q::F acc[P][R];
+    for (int p = 0; p < P; ++p)
+      for (int r = 0; r < R; ++r) acc[p][r] = Q::zero();
     for (int64_t b = 0; b < blocks; ++b) {
-      Q::I w[8];
-      block_codes<L>(ct, b, w);
+      Q::I sum[P][R];   // integer sums of the sub-block (S = 32: both halves; S = 16: this half)
+      Q::F term[P][R];  // S = 16: the block's term so far
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        Q::I w[P][4];
+        for (int p = 0; p < P; ++p) half_codes<L>(ct[p], b, h, w[p]);
+        if (first)  // the next tiles' same half block, while this one's products run (docs/q8.md)
+          for (int p = 0; p < P; ++p) prefetch_half<L>(ct[p] + P * tile_bytes, b, h);
 #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = a.qx + (r0 + r) * K + b * 32 + 16 * h;
+          if (h == 0 || S == 16)
+            for (int p = 0; p < P; ++p) sum[p][r] = Q::zero_i();
+#pragma GCC unroll 4
+          for (int g = 0; g < 4; ++g) {
+            const Q::I xg = Q::bcast(xr + 4 * g);
+            for (int p = 0; p < P; ++p) sum[p][r] = Q::template dpacc<L>(sum[p][r], w[p][g], xg);
+          }
+        }
+        if constexpr (S == 16) {  // sub-block s = 2 b + h: its terms join the block's in the header's order
+          const int64_t s = 2 * b + h;
+          for (int p = 0; p < P; ++p) {
+            const Q::F d = Q::scales(dt[p] + s * 16), m = Centred ? Q::zero() : Q::scales(mt[p] + s * 16);
+            for (int r = 0; r < R; ++r) {
+              const int32_t* xs = a.sx + (r0 + r) * subs;
+              const float* xf = a.sxf + (r0 + r) * subs;
+              if (h == 0) term[p][r] = first_term<Centred>(sum[p][r], d, m, xs, xf, s);
+              else if constexpr (Centred) term[p][r] = Q::fma(d, Q::cvt(Q::sub_scalar(sum[p][r], -xs[s])), term[p][r]);
+              else term[p][r] = Q::fma(m, Q::set1(xf[s]), Q::fma(d, Q::cvt(sum[p][r]), term[p][r]));
+            }
+          }
+        }
+      }
+      Q::F d[P], m[P];
+      if constexpr (S == 32)
+        for (int p = 0; p < P; ++p) d[p] = Q::scales(dt[p] + b * 16), m[p] = Centred ? Q::zero() : Q::scales(mt[p] + b * 16);
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + r;
-        const Q::F tb = block_term<L, S, Centred, T, (R >= 4)>(w, a.qx + row * K + b * 32, a.sx + row * subs,
-                                                              a.sxf + row * subs, dt, mt, b);
-        acc[r] = Q::fma(tb, Q::set1(a.dx[row * blocks + b]), acc[r]);
+        const Q::F dx = Q::set1(a.dx[row * blocks + b]);
+        for (int p = 0; p < P; ++p) {
+          Q::F tb;
+          if constexpr (S == 32) tb = first_term<Centred>(sum[p][r], d[p], m[p], a.sx + row * subs, a.sxf + row * subs, b);
+          else tb = term[p][r];
+          acc[p][r] = Q::fma(tb, dx, acc[p][r]);
+        }
       }
     }
-    const int64_t n0 = t * 16, live = std::min<int64_t>(16, a.N - n0);
     alignas(64) float out[16];
-    for (int r = 0; r < R; ++r) {
-      Q::storef(out, acc[r]);
-      float* yr = a.y + (r0 + r) * a.N + n0;
-      for (int64_t o = 0; o < live; ++o) yr[o] = a.bias ? out[o] + a.bias[n0 + o] : out[o];
+    for (int p = 0; p < P; ++p) {
+      const int64_t n0 = (t + p) * 16, live = std::min<int64_t>(16, a.N - n0);
+      for (int r = 0; r < R; ++r) {
+        Q::storef(out, acc[p][r]);
+        float* yr = a.y + (r0 + r) * a.N + n0;
+        for (int64_t o = 0; o < live; ++o) yr[o] = a.bias ? out[o] + a.bias[n0 + o] : out[o];
+      }
     }
   }
 }
 
-// Passes of kRows rows; the last pass takes what is left, up to kLast rows: with AVX-512's 32 registers 7 or 8 rows
-// go in one pass rather than 6 + 1 or 6 + 2 (a pass of few rows costs nearly a one-token product: the codes are
-// unpacked again), as in products_q4q8.cpp. Every pass forms a row's sums the same way, so the split never changes a
-// bit. The timings behind these choices are in docs/backends.md.
+// The plan of passes. A forward of a few rows (a step, a verified draft, a batch's steps) reads every weight from
+// memory once: up to kOnePass rows go in one pass (no tile is read twice), two tiles at once while their sums and
+// accumulators fit in registers, else one. More rows (a prefill, wide trees) are compute-bound: passes of up to
+// kRows rows, shared out evenly (10 rows: 5 + 5, so no pass of one or two rows unpacks every code again), over
+// chunks of tiles that stay in L2 (the LM head does not fit: each pass would read it from memory again), each chunk
+// through every pass before the next. AVX-512's 32 registers hold two tiles' codes with six rows' sums and
+// accumulators, or one tile's with eight; AVX2's 16 one tile's with four. The timings are in docs/q8.md.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr int kRows = 6;  // rows a pass holds in registers
-constexpr int kLast = 8;
+constexpr int kRows = 6, kOnePass = 8, kPairRows = 6;  // kPairRows: most rows of a two-tile pass
 #else
-constexpr int kRows = 4;  // 16 registers: 4 accumulators beside the codes
-constexpr int kLast = kRows;
+constexpr int kRows = 4, kOnePass = 4, kPairRows = 0;
 #endif
+constexpr int64_t kChunkBytes = 256 << 10;
 
-// Every row of outputs [16 t0, 16 t1), kRows rows a pass and the rest, up to kLast, in one.
+template <int L, int S, bool Centred, typename T, int P>
+void pass_of(const Args& a, int64_t r0, int rows, int64_t t0, int64_t t1, bool first) {
+  switch (rows) {  // 7 or 8 rows only in passes of one tile (the plan's kPairRows)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    case 8: if constexpr (P == 1) { q8_pass<L, S, Centred, T, 8, 1>(a, r0, t0, t1, first); break; } [[fallthrough]];
+    case 7: if constexpr (P == 1) { q8_pass<L, S, Centred, T, 7, 1>(a, r0, t0, t1, first); break; } [[fallthrough]];
+    case 6: q8_pass<L, S, Centred, T, 6, P>(a, r0, t0, t1, first); break;
+    case 5: q8_pass<L, S, Centred, T, 5, P>(a, r0, t0, t1, first); break;
+#endif
+    case 4: q8_pass<L, S, Centred, T, 4, P>(a, r0, t0, t1, first); break;
+    case 3: q8_pass<L, S, Centred, T, 3, P>(a, r0, t0, t1, first); break;
+    case 2: q8_pass<L, S, Centred, T, 2, P>(a, r0, t0, t1, first); break;
+    default: q8_pass<L, S, Centred, T, 1, P>(a, r0, t0, t1, first); break;
+  }
+}
+
+// Rows [0, M) of tiles [c0, c1) in passes of `rows` rows at most (shared out evenly), P tiles at a time.
+template <int L, int S, bool Centred, typename T, int P>
+void chunk_passes(const Args& a, int64_t c0, int64_t c1, int most) {
+  const int64_t passes = (a.M + most - 1) / most, whole = c0 + (c1 - c0) / P * P;
+  int64_t r0 = 0;
+  for (int64_t q = 0; q < passes; ++q) {
+    const int rows = static_cast<int>(a.M / passes + (q < a.M % passes ? 1 : 0));
+    pass_of<L, S, Centred, T, P>(a, r0, rows, c0, whole, q == 0);
+    if (whole < c1) pass_of<L, S, Centred, T, 1>(a, r0, rows, whole, c1, q == 0);
+    r0 += rows;
+  }
+}
+
+// Every row of outputs [16 t0, 16 t1), by the plan above.
 template <int L, int S, bool Centred, typename T>
 void q8_tiles(const Args& a, int64_t t0, int64_t t1) {
-  int64_t r0 = 0;
-  for (; a.M - r0 > kLast; r0 += kRows) q8_rows<L, S, Centred, T, kRows>(a, r0, t0, t1);
-  switch (a.M - r0) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    case 8: q8_rows<L, S, Centred, T, 8>(a, r0, t0, t1); break;
-    case 7: q8_rows<L, S, Centred, T, 7>(a, r0, t0, t1); break;
-    case 6: q8_rows<L, S, Centred, T, 6>(a, r0, t0, t1); break;
-    case 5: q8_rows<L, S, Centred, T, 5>(a, r0, t0, t1); break;
-#endif
-    case 4: q8_rows<L, S, Centred, T, 4>(a, r0, t0, t1); break;
-    case 3: q8_rows<L, S, Centred, T, 3>(a, r0, t0, t1); break;
-    case 2: q8_rows<L, S, Centred, T, 2>(a, r0, t0, t1); break;
-    case 1: q8_rows<L, S, Centred, T, 1>(a, r0, t0, t1); break;
-    default: break;
+  constexpr bool pairs = S == 32 && kPairRows > 0;  // sub-blocks of 16 keep a term per row too: one tile a pass
+  if (a.M <= kOnePass) {
+    if (pairs && a.M <= kPairRows) return chunk_passes<L, S, Centred, T, pairs ? 2 : 1>(a, t0, t1, kOnePass);
+    return chunk_passes<L, S, Centred, T, 1>(a, t0, t1, kOnePass);
   }
+  const int64_t tile_bytes = (a.K / 32) * block_bytes(L), chunk = std::max<int64_t>(2, kChunkBytes / tile_bytes / 2 * 2);
+  for (int64_t c0 = t0; c0 < t1; c0 += chunk) chunk_passes<L, S, Centred, T, pairs ? 2 : 1>(a, c0, std::min(t1, c0 + chunk), kRows);
 }
 
 using TilesFn = decltype(&q8_tiles<U4, 32, true, float>);
@@ -261,16 +297,22 @@ torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, int64_t N,
   std::vector<int8_t> qx(M * K);
   std::vector<float> dx(M * K / 32);
   std::vector<int32_t> sx(M * K / sub);
-  round_rows(x.data_ptr<float>(), M, K, static_cast<int>(sub), static_cast<int32_t>(centre), qx.data(), dx.data(), sx.data());
+  // rows are rounded alone, so a prefill's many rows are shared out between the threads (a few rows: one thread)
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
+    round_rows(xp + r0 * K, r1 - r0, K, static_cast<int>(sub), static_cast<int32_t>(centre), qx.data() + r0 * K,
+               dx.data() + r0 * (K / 32), sx.data() + r0 * (K / sub));
+  });
   std::vector<float> sxf(centred ? 0 : sx.size());
   for (size_t i = 0; i < sxf.size(); ++i) sxf[i] = static_cast<float>(sx[i]);
   auto y = torch::empty({M, N}, x.options());
   const TilesFn run = pick(layout, sub, centred, half);
   const Args a{qx.data(), dx.data(), sx.data(), sxf.data(), codes.data_ptr<uint8_t>(), d.data_ptr(), centred ? nullptr : m.data_ptr(),
                bias.numel() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N};
-  // a thread's share at least ~64 K multiply-adds: smaller products run on one thread
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * 16));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { run(a, t0, t1); });
+  // shared out in pairs of tiles (a pass takes two at once), a thread's share at least ~64 K multiply-adds: smaller
+  // products run on one thread
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * 32));
+  at::parallel_for(0, (tiles + 1) / 2, grain, [&](int64_t p0, int64_t p1) { run(a, 2 * p0, std::min(tiles, 2 * p1)); });
   return y;
 }
 

@@ -34,9 +34,9 @@ struct Q {
     lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(bytes, bit), lo, sixteen);
     hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(bytes, _mm512_slli_epi32(bit, 4)), hi, sixteen);
   }
-  template <int L> static I dot(I w, I x) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x); }
   template <int L> static I dpacc(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I zero_i() { return _mm512_setzero_si512(); }
   static I sub_scalar(I a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
   static F zero() { return _mm512_setzero_ps(); }
@@ -91,6 +91,7 @@ struct Q {
   template <int L> static I dot(I w, I x) { return {dot8<L>(w.a, x.a), dot8<L>(w.b, x.b)}; }
   template <int L> static I dpacc(I acc, I w, I x) { return add(acc, dot<L>(w, x)); }
   static I add(I p, I q) { return {_mm256_add_epi32(p.a, q.a), _mm256_add_epi32(p.b, q.b)}; }
+  static I zero_i() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
   static I sub_scalar(I p, int32_t s) { const __m256i v = _mm256_set1_epi32(s); return {_mm256_sub_epi32(p.a, v), _mm256_sub_epi32(p.b, v)}; }
   static F cvt(I p) { return {_mm256_cvtepi32_ps(p.a), _mm256_cvtepi32_ps(p.b)}; }
   static F zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
