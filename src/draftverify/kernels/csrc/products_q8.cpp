@@ -117,14 +117,13 @@ struct Args {
   int64_t M, K, N;
 };
 
-// Rows [r0, r0 + R) of the outputs of tiles [t0, t1), P tiles at a time (t1 - t0 a multiple of P); `first`: the
-// first pass over these tiles, which reads them from memory (the weights of a step stream from DRAM), so it
-// prefetches the next tiles' codes a half block at a time. Each half block,
-// the P tiles' codes are unpacked once for the R rows, and each of a row's activation broadcasts feeds the P tiles'
-// dot products: a dot-product instruction then needs less than one load besides its own, which is what bounds the
-// product on the CPUs measured (docs/q8.md). Each (row, output) keeps its accumulator in a register over the whole of
-// K and forms its sums and terms exactly as the header says, whatever R and P: the same bits for any split.
-// T: how D and M are stored, float or fp16 (uint16_t, where every scale is exact in fp16: fewer bytes to stream).
+// Rows [r0, r0 + R) of the outputs of tiles [t0, t1), P tiles at a time (t1 - t0 a multiple of P). Each half block
+// the P tiles' codes are unpacked once for the R rows, and each of a row's activation broadcasts feeds all P tiles'
+// dot products: with one tile, every dot product needed a load of its own beside its codes, and the loads bounded the
+// product (docs/q8.md). `first`: the first pass over these tiles, which reads them from memory (a step's weights
+// stream from DRAM), so it prefetches the next tiles' codes as it goes. Each (row, output) keeps its accumulator in
+// a register over the whole of K and forms its sums and terms exactly as the header says, whatever R and P: the same
+// bits for any split. T: how D and M are stored, float or fp16 (uint16_t, where every scale is exact in fp16).
 template <int L, int S, bool Centred, typename T, int R, int P>
 void q8_pass(const Args& a, int64_t r0, int64_t t0, int64_t t1, bool first) {
   const int64_t K = a.K, blocks = K / 32, subs = K / S, tile_bytes = blocks * block_bytes(L);
