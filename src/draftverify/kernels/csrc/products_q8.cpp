@@ -244,13 +244,13 @@ void chunk_passes(const Args& a, int64_t c0, int64_t c1, int most) {
 // Every row of outputs [16 t0, 16 t1), by the plan above.
 template <int L, int S, bool Centred, typename T>
 void q8_tiles(const Args& a, int64_t t0, int64_t t1) {
-  constexpr bool pairs = S == 32 && kPairRows > 0;  // sub-blocks of 16 keep a term per row too: one tile a pass
+  constexpr int P = S == 32 && kPairRows > 0 ? 2 : 1;  // sub-blocks of 16 keep a term per row too: one tile a pass
   if (a.M <= kOnePass) {
-    if (pairs && a.M <= kPairRows) return chunk_passes<L, S, Centred, T, pairs ? 2 : 1>(a, t0, t1, kOnePass);
+    if (P == 2 && a.M <= kPairRows) return chunk_passes<L, S, Centred, T, P>(a, t0, t1, kOnePass);
     return chunk_passes<L, S, Centred, T, 1>(a, t0, t1, kOnePass);
   }
   const int64_t tile_bytes = (a.K / 32) * block_bytes(L), chunk = std::max<int64_t>(2, kChunkBytes / tile_bytes / 2 * 2);
-  for (int64_t c0 = t0; c0 < t1; c0 += chunk) chunk_passes<L, S, Centred, T, pairs ? 2 : 1>(a, c0, std::min(t1, c0 + chunk), kRows);
+  for (int64_t c0 = t0; c0 < t1; c0 += chunk) chunk_passes<L, S, Centred, T, P>(a, c0, std::min(t1, c0 + chunk), kRows);
 }
 
 using TilesFn = decltype(&q8_tiles<U4, 32, true, float>);

@@ -35,7 +35,6 @@ struct Q {
     hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(bytes, _mm512_slli_epi32(bit, 4)), hi, sixteen);
   }
   template <int L> static I dpacc(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
-  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I zero_i() { return _mm512_setzero_si512(); }
   static I sub_scalar(I a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
