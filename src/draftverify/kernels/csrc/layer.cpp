@@ -1,4 +1,7 @@
 // SiLU(gate) * up and one decoder layer of quantized products in one call.
+#include <algorithm>
+#include <numeric>
+
 #include "ops.h"
 #include "simd.h"
 
@@ -82,9 +85,26 @@ torch::Tensor layer_many(torch::Tensor h, torch::Tensor norm_in, torch::Tensor n
     attend(0);  // its own parallel region: a region around it would run it on one thread (ParallelGuard)
   } else {
     // The sequences' attentions share one parallel region (each runs whole on its thread: an attention's result
-    // does not depend on how its tasks are split), rather than one short region each.
-    at::parallel_for(0, static_cast<int64_t>(parts), 1, [&](int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; ++j) attend(static_cast<size_t>(j));
+    // does not depend on how its tasks are split or which thread runs them), rather than one short region each.
+    // A sequence costs about its rows times the keys they read, and a batch's contexts differ widely, so the
+    // sequences are dealt out costliest first, each to the thread with the least work so far: split by count, one
+    // thread could get the long contexts while the other waits.
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(parts));
+    std::vector<int64_t> cost(parts);
+    for (size_t j = 0; j < parts; ++j) cost[j] = ns[j] * (pasts[j] + ns[j]);
+    std::vector<size_t> order(parts);
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cost[a] > cost[b]; });
+    std::vector<std::vector<size_t>> share(threads);
+    std::vector<int64_t> work(threads, 0);
+    for (const size_t j : order) {
+      const int64_t t = std::min_element(work.begin(), work.end()) - work.begin();
+      share[t].push_back(j);
+      work[t] += cost[j];
+    }
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {  // one share per thread
+      for (int64_t t = t0; t < t1; ++t)
+        for (const size_t j : share[t]) attend(j);
     });
   }
   h = h + dv::quant_product(parts == 1 ? outs[0] : torch::cat(outs), o);
