@@ -89,6 +89,22 @@ def test_random_trees_selects_and_crops_match_plain_forwards(tiny, arch, backend
     assert len(seq) > 3 * WINDOW
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_rotary_rows_come_from_tables_with_the_modules_bits_for_any_positions(tiny, arch):
+    """A forward's cos and sin are rows of tables the rotary module made once (grown past their size): each row is
+    what the module gives that position in a call of its own, and in a call of many."""
+    dec = Runner(tiny(arch).model, "static").decoder
+    assert dec._rope_fixed
+    rng = random.Random(3)
+    for positions in ([0], [5, 6, 7], list(range(40, 73)), [rng.randrange(5000) for _ in range(9)], [4097, 12]):
+        ids = torch.tensor(positions)
+        got, alone = dec._ropes(ids), [dec._rotary(torch.tensor([p])) for p in positions]
+        for key, (cos, sin) in dec._rotary(ids).items():
+            assert torch.equal(got[key][0][:, 0], cos[0]) and torch.equal(got[key][1][:, 0], sin[0])
+            assert torch.equal(cos[0], torch.cat([a[key][0][0] for a in alone]))
+    assert dec._rope_table_size == 8192  # 1024 at first, doubled past 5000 to hold 4097 and beyond
+
+
 @pytest.mark.parametrize("arch", STATIC_ARCHS)
 def test_static_cache_grows_and_resets(tiny, arch):
     model = tiny(arch).model

@@ -43,6 +43,7 @@ from draftverify.backend.spans import Spans
 
 # head sizes the attention kernel (attention.cpp) takes (Gemma's 256 included); others attend with SDPA
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
+ROPE_TABLE_MIN = 1024  # positions a rotary table covers at first (`StaticDecoder._rope_tables`)
 
 
 class _Layer:
@@ -127,6 +128,11 @@ class StaticDecoder:
         self.no_mask = torch.empty(0, dtype=torch.bool)
         self._vocab_heads: dict[tuple, tuple] = {}  # (ids' address, count) -> (ids, the rows' product) (`_vocab_head`)
         self._rope_probe = torch.zeros(1, 1, 1, dtype=self.dtype, device=self.device)  # the rotary's dtype, device
+        # frequencies fixed at init: transformers updates them per forward only for dynamic and longrope types
+        kinds = getattr(self.rotary, "rope_type", "default")
+        kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
+        self._rope_fixed = not any("dynamic" in kind or kind == "longrope" for kind in kinds)
+        self._rope_table, self._rope_table_size = {}, 0
 
     def _from_module(self, model, recipe: Recipe, eps: float, draft: bool, packs: Packs) -> None:
         inner = model.model
@@ -194,12 +200,29 @@ class StaticDecoder:
         return self._outputs(h, parts, feeds)
 
     def _ropes(self, positions: torch.Tensor) -> dict:
-        """The stock rotary module's cos, sin [rows, 1, head_dim] per rotary key (None, or Gemma 3's layer types)."""
-        x, ids, ropes = self._rope_probe, positions.view(1, -1), {}
-        for key in set(self.rope_keys):
-            cos, sin = self.rotary(x, ids) if key is None else self.rotary(x, ids, key)
-            ropes[key] = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
-        return ropes
+        """The stock rotary module's cos, sin [rows, 1, head_dim] per rotary key (None, or Gemma 3's layer types).
+        On CPU, with frequencies that never change, they are rows of tables the module made once (`_rope_tables`):
+        the module forms each position's values alone (one product, then cos and sin), so a table's row is what it
+        gives that position in any call, and a forward gathers rows instead of paying the module's ops."""
+        if self._rope_fixed and positions.device.type == "cpu":
+            tables = self._rope_tables(int(positions.max()) + 1)
+            return {key: (cos[positions][:, None], sin[positions][:, None]) for key, (cos, sin) in tables.items()}
+        return {key: (cos[0].unsqueeze(1), sin[0].unsqueeze(1)) for key, (cos, sin) in self._rotary(positions).items()}
+
+    def _rotary(self, positions: torch.Tensor) -> dict:
+        """The rotary module's cos, sin [1, rows, head_dim] of `positions` per rotary key."""
+        x, ids = self._rope_probe, positions.view(1, -1)
+        return {key: self.rotary(x, ids) if key is None else self.rotary(x, ids, key) for key in set(self.rope_keys)}
+
+    def _rope_tables(self, count: int) -> dict:
+        """Per rotary key, cos and sin [positions, head_dim] of positions 0..n-1 with n >= count (made again at twice
+        the size when a forward reaches past them)."""
+        if self._rope_table_size < count:
+            size = max(ROPE_TABLE_MIN, 1 << (count - 1).bit_length())
+            rows = self._rotary(torch.arange(size, device=self.device))
+            self._rope_table = {key: (cos[0], sin[0]) for key, (cos, sin) in rows.items()}
+            self._rope_table_size = size
+        return self._rope_table
 
     def _stack(self, caches: list[StaticCache], feeds: list[Feed]) -> tuple[list[Part], torch.Tensor, torch.Tensor]:
         """Each sequence's `Part` of the stacked rows, and the stacked tokens [rows] and positions [rows]."""
