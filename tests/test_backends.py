@@ -95,6 +95,8 @@ def test_rotary_rows_come_from_tables_with_the_modules_bits_for_any_positions(ti
     what the module gives that position in a call of its own, and in a call of many."""
     dec = Runner(tiny(arch).model, "static").decoder
     assert dec._rope_fixed
+    dec._ropes(torch.tensor([3]))
+    assert dec._rope_table_size == dec.max_length == 512  # within the model's positions, no larger
     rng = random.Random(3)
     for positions in ([0], [5, 6, 7], list(range(40, 73)), [rng.randrange(5000) for _ in range(9)], [4097, 12]):
         ids = torch.tensor(positions)
@@ -102,7 +104,7 @@ def test_rotary_rows_come_from_tables_with_the_modules_bits_for_any_positions(ti
         for key, (cos, sin) in dec._rotary(ids).items():
             assert torch.equal(got[key][0][:, 0], cos[0]) and torch.equal(got[key][1][:, 0], sin[0])
             assert torch.equal(cos[0], torch.cat([a[key][0][0] for a in alone]))
-    assert dec._rope_table_size == 8192  # 1024 at first, doubled past 5000 to hold 4097 and beyond
+    assert dec._rope_table_size == 8192  # 512 (the model's positions) at first, doubled past 5000 to hold 4097
 
 
 @pytest.mark.parametrize("arch", STATIC_ARCHS)

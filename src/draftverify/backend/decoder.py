@@ -216,9 +216,12 @@ class StaticDecoder:
 
     def _rope_tables(self, count: int) -> dict:
         """Per rotary key, cos and sin [positions, head_dim] of positions 0..n-1 with n >= count (made again at twice
-        the size when a forward reaches past them)."""
+        the size when a forward reaches past them, never past the model's positions while the forward stays within
+        them: a long-context model would otherwise hold a table twice the size of any position it reaches)."""
         if self._rope_table_size < count:
             size = max(ROPE_TABLE_MIN, 1 << (count - 1).bit_length())
+            if self.max_length and count <= self.max_length:
+                size = min(size, self.max_length)
             rows = self._rotary(torch.arange(size, device=self.device))
             self._rope_table = {key: (cos[0], sin[0]) for key, (cos, sin) in rows.items()}
             self._rope_table_size = size
