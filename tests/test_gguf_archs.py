@@ -21,7 +21,7 @@ from test_auto import Guess
 from test_gguf_direct import finish, raw_blocks
 
 from draftverify import Engine
-from draftverify.loading import Loaded, load_draft_source
+from draftverify.loading import Loaded, gguf_model, load_draft_source
 from draftverify.loading.gguf_model import GGUFModel
 from draftverify.loading.gguf_weights import GGUFWeights
 from draftverify.loading.hf import direct_gguf
@@ -112,8 +112,9 @@ def pair(request, tmp_path_factory, tokenizer):
     return Loaded(model, tokenizer, name="tiny.gguf", source=folder / "tiny.gguf"), Loaded(stock, tokenizer, "stock")
 
 
-def test_direct_path_holds_the_stock_modules_weights_bit_for_bit(pair):
+def test_direct_path_holds_the_stock_modules_weights_bit_for_bit(pair, monkeypatch):
     direct, stock = pair
+    monkeypatch.setattr(gguf_model, "KEPT_ROWS", 3)  # the kept rows start over within the lookups below
     decoder, inner = Runner(direct.model).static, stock.model.model
     assert decoder is not None and "f32" not in {w.layout for layer in decoder.layers for w in layer.qkv.parts}
     for ours, theirs in zip(decoder.layers, inner.layers):
@@ -135,8 +136,15 @@ def test_direct_path_holds_the_stock_modules_weights_bit_for_bit(pair):
                 ours.k_norm[0], attn.k_norm.weight + 1
             )
         assert ours.scaling == attn.scaling and ours.softcap == getattr(attn, "attn_logit_softcapping", None)
-    ids = torch.tensor([3, 7, 0, 42])
-    assert torch.equal(direct.model.get_input_embeddings()(ids), inner.embed_tokens(ids))  # Gemma: scaled, fp32
+    embed, ids = direct.model.get_input_embeddings(), torch.tensor([3, 7, 0, 42])
+    assert torch.equal(embed(ids), inner.embed_tokens(ids))  # Gemma: scaled, fp32
+    long = torch.arange(gguf_model.FEW_IDS + 1) % embed.num_embeddings  # dequantized in one go, not kept
+    assert torch.equal(embed(long), inner.embed_tokens(long))
+    for few in ([7], [7, 7, 3], [42, 5, 7]):  # kept rows, read again: the same bits
+        rows = embed(torch.tensor(few))
+        assert torch.equal(rows, inner.embed_tokens(torch.tensor(few)))
+        rows += 1  # the caller's own tensor: the kept rows stay as they were
+    assert torch.equal(embed(torch.tensor([7])), inner.embed_tokens(torch.tensor([7])))
     assert torch.equal(decoder.head.parts[0].dequantize(), stock.model.lm_head.weight)  # tied or not
 
 

@@ -18,9 +18,16 @@ import torch
 
 from draftverify.loading.gguf_weights import GGUFWeights, rows_of
 
+# A lookup of at most this many ids (a decoding step's, a draft's) reads rows kept from earlier lookups; a longer
+# one (a prompt) dequantizes its rows in one go. At most KEPT_ROWS rows are kept per embedding (then it starts over).
+FEW_IDS = 64
+KEPT_ROWS = 8192
+
 
 class RowEmbedding(torch.nn.Module):
-    """An embedding (or a tied head) read from the file: `forward(ids)` dequantizes only those rows (exact)."""
+    """An embedding (or a tied head) read from the file: `forward(ids)` dequantizes only those rows (exact), and keeps
+    the rows of short lookups: a row is the same bits however it was dequantized, and a decoding step would otherwise
+    pay a dozen small ops for one row."""
 
     def __init__(self, source: GGUFWeights, name: str, scale: float | None = None):
         super().__init__()
@@ -28,9 +35,27 @@ class RowEmbedding(torch.nn.Module):
         self.num_embeddings, self.embedding_dim = source.linear(name).shape
         # Gemma's scaled embedding: the rows times the scale rounded to fp32, as the stock module's buffer holds it
         self.scale = None if scale is None else torch.tensor(scale, dtype=torch.float32)
+        self._kept: dict[int, torch.Tensor] = {}  # id -> its row [H] (scaled), from short lookups
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
-        rows = rows_of(self.source.linear(self.name), ids.reshape(-1).cpu()).view(*ids.shape, self.embedding_dim)
+        flat = ids.reshape(-1).cpu()
+        if flat.numel() <= FEW_IDS:
+            return self._few(flat.tolist()).view(*ids.shape, self.embedding_dim)
+        return self._scaled(rows_of(self.source.linear(self.name), flat)).view(*ids.shape, self.embedding_dim)
+
+    def _few(self, ids: list[int]) -> torch.Tensor:
+        """Rows [n, H] of a few ids, each dequantized once and kept."""
+        kept = self._kept
+        missing = list(dict.fromkeys(i for i in ids if i not in kept))
+        if missing:
+            if len(kept) + len(missing) > KEPT_ROWS:  # start over with this lookup's rows
+                kept.clear()
+                missing = list(dict.fromkeys(ids))
+            rows = self._scaled(rows_of(self.source.linear(self.name), torch.tensor(missing)))
+            kept.update(zip(missing, rows))
+        return kept[ids[0]][None].clone() if len(ids) == 1 else torch.stack([kept[i] for i in ids])  # the caller's own
+
+    def _scaled(self, rows: torch.Tensor) -> torch.Tensor:
         return rows if self.scale is None else rows * self.scale
 
     def rows(self, n: int) -> torch.Tensor:
