@@ -228,6 +228,37 @@ def test_lengthening_over_the_head_verifies_suffixes_only_while_they_pay():
     assert grow.propose(s, seq, 8).paths == [[5, 6]] and len(grow.offered) == 1  # not verified, but still scored
 
 
+def test_the_roots_phrases_ride_beside_the_heads_draft_while_they_pay():
+    """Phrase drafting over the head: the root's newest phrases are branches of their own beside the draft (none that
+    the draft's tokens already hold), scored once the emitted tokens settle them by what the best of them adds beyond
+    the rest of the proposal, and verified only while that running mean, times a step, beats their rows."""
+    from types import SimpleNamespace
+
+    from draftverify.costs import Table
+    from draftverify.drafters.base import Drafter, Proposal
+    from draftverify.drafters.lengthened import Lengthened
+
+    class Chain(Drafter):
+        def propose(self, s, seq, room):
+            return Proposal([[5, 6]])
+
+    pool = PhrasePool(3, 2)
+    pool.insert_all([(9, 5, 6), (9, 7, 8)])  # the root is 9: (5, 6) is the draft's own, (7, 8) a branch of its own
+    grow = Lengthened(Chain(), pool, K=0, costs=Table({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7}), from_root=2)
+    s, seq = SimpleNamespace(others=0), [1, 2, 9]
+    assert grow.propose(s, seq, 8).paths == [[5, 6], [7, 8]]  # optimistic at first: tried
+    grow.score_roots(seq + [7])
+    assert grow.root_offered and grow.root_gain == 1.0  # not settled yet
+    grow.score_roots(seq + [7, 8, 4])
+    assert not grow.root_offered and grow.root_gain == pytest.approx(0.7 + 0.3 * 2)  # 2 tokens the draft lacked
+    for _ in range(6):  # the draft's own tokens came: the phrase added nothing
+        grow.root_offered = [(3, [[5, 6]], [[7, 8]])]
+        grow.score_roots(seq + [5, 6, 1])
+    assert grow.root_gain < 0.2  # below its two rows' price, 0.2 of a step
+    assert grow.propose(s, seq, 8).paths == [[5, 6]] and len(grow.root_offered) == 1  # not verified, still scored
+    assert Lengthened(Chain(), pool, K=0).propose(s, seq, 8).paths == [[5, 6]]  # off unless asked
+
+
 def test_phrase_length_and_suffixes_follow_the_draft_unless_set():
     head, model = object(), object()
     over_head = Ouroboros(None, draft=head, feature_head=head)

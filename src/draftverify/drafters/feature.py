@@ -55,6 +55,10 @@ from draftverify.models import Runner
 from draftverify.session import Session
 
 TREE_WIDTHS = (1, 2, 4, 8, 16, 32)
+# Children per expanded node and nodes expanded per level, unless told otherwise: two, chosen on the development
+# prompts in q8 (docs/make-draft.md): a wider level feeds the head more rows a forward and finds few nodes worth a
+# verified row where rows are not nearly free.
+WIDTH = 2
 # FR-Spec: draft from the head's most frequent tokens (a prefix of its vocabulary) unless told otherwise: chosen by
 # the bench (docs/benchmarks/smollm2-feature-head compares it with `speculative[vocab=0]`, all of them): a drafting
 # forward that reads fewer LM-head rows, at about the same acceptance.
@@ -101,7 +105,7 @@ class FeatureHeadDrafter(Drafter):
         head: FeatureHead,
         target: Runner,
         depth: int = 6,
-        width: int = 8,
+        width: int = WIDTH,
         nodes: int = 0,
         max_nodes: int = 48,
         vocab: int = DRAFT_VOCAB,

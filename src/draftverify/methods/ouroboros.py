@@ -25,7 +25,11 @@ With a feature head (the default model's default, or `--draft` a head folder) st
 the head's EAGLE-2 tree (`drafters.feature.FeatureHeadDrafter`) instead of phrase drafting on a draft
 model: its best chain is lengthened by the pool's suffixes (2), refinement keeps the pool (4),
 and the pool is fed the request's own n-grams (as `lookahead:context`: the prompt's, then the
-output's). Inspiration and the draft's Jacobi window need a draft model and are not used.
+output's). Phrase drafting over the head: the head reads no pool, so the K newest phrases that
+start with the root ride beside its tree as branches of their own, verified in the same forward
+(`Lengthened`'s `from_root`), so a phrase the text repeats is tried where the head's first token is
+wrong. Suffixes and the root's phrases are priced against the rows they add (the cost curve).
+Inspiration and the draft's Jacobi window need a draft model and are not used.
 
 N and K default by the draft (`PHRASES`): over a feature head the pool holds the request's own n-grams, and longer
 phrases with one suffix paid on the development prompts once a verified row got cheap (docs/ouroboros.md); a draft
@@ -121,8 +125,11 @@ class Ouroboros(PoolMethod):
 
     def pool_drafter(self, s: Session, pool: PhrasePool) -> Drafter:
         c = self.config
-        if self.draft_source == "feature head":  # the head's tree, lengthened by pool suffixes
+        if self.draft_source == "feature head":  # the head's tree, the root's phrases beside it, lengthened by suffixes
             head = FeatureHeadDrafter(self.draft, self.target)
-            return Lengthened(head, pool, c.K, c.refinement, context=True, costs=head.costs) if c.lengthening else head
+            if not (c.lengthening or c.phrase_drafting):
+                return head
+            suffixes, roots = (c.K if c.lengthening else 0), (c.K if c.phrase_drafting else 0)
+            return Lengthened(head, pool, suffixes, c.refinement, True, head.costs, from_root=roots)
         phrases = Phrases(self.draft_model(), pool, self.make_policy(), c)
         return Lengthened(phrases, pool, c.K, c.refinement) if c.lengthening else phrases

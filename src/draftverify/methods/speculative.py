@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from draftverify.drafters.base import Drafter
 from draftverify.drafters.draft_model import DraftModel
-from draftverify.drafters.feature import DRAFT_VOCAB, FeatureHeadDrafter
+from draftverify.drafters.feature import DRAFT_VOCAB, WIDTH, FeatureHeadDrafter
 from draftverify.errors import require
 from draftverify.methods.base import Method, register
 from draftverify.policies import POLICIES, DraftPolicy, make_policy
@@ -35,8 +35,9 @@ class SpeculativeConfig:
     policy: str = "cost"  # cost (the measured cost curve) | constant | heuristic | confidence
     k: int = 8  # cap (cost, confidence), draft length (constant) or start length (heuristic)
     threshold: float = 0.4  # confidence: stop when the draft's top probability is below it
-    width: int = 8  # feature head: children per expanded node and nodes expanded per level (1 = a chain; not `top_k`,
-    # which is the sampling setting)
+    # feature head: children per expanded node and nodes expanded per level (1 = a chain; not `top_k`, which is the
+    # sampling setting)
+    width: int = WIDTH
     nodes: int = 0  # feature head: draft tree size (0 = the most expected tokens/s under the cost curve)
     # draft only the `vocab` most frequent reply tokens (FR-Spec; 0 = all): a feature head's own ranking, a draft
     # model's from the engine's feature head (`Method.draft_vocab`)
