@@ -277,6 +277,31 @@ def test_quantized_product_matches_fp64_and_gives_each_row_the_same_bits_at_any_
             assert torch.equal(kernel.quant_linear(x[rows - 1 :].contiguous(), b.q, b.d, b.m, bias)[0], y[rows - 1])
 
 
+def test_argmax_kernel_gives_torchs_argmax_ties_infinities_and_nans_included():
+    """argmax.cpp (greedy verification's choice of each row): the first index of the largest value, a row with a NaN
+    its first NaN's, at every length around the vector width and at a vocabulary's; `argmax_rows` takes it on CPU."""
+    from draftverify.backend.ops import argmax_rows
+    from draftverify.kernels import cpu, unavailable
+
+    kernel = cpu()
+    if kernel is None:
+        pytest.skip(unavailable())
+    torch.manual_seed(0)
+    for V in (1, 2, 7, 8, 9, 15, 16, 17, 31, 100, 49152, 49155):
+        x = torch.randn(6, V)
+        x[1] = torch.randint(0, 3, (V,)).float()  # ties everywhere
+        x[2] = -torch.inf  # nothing but -inf
+        x[3, V // 2] = torch.inf
+        x[4, -1] = 1e9  # the largest in the tail
+        x[5, V // 3] = torch.nan  # a NaN anywhere: its index
+        if V > 1:
+            x[5, V - 1] = torch.nan
+        want = x.argmax(-1).tolist()
+        assert kernel.argmax_rows(x) == want, V
+        assert argmax_rows(x) == want and argmax_rows(x[0]) == want[:1]
+    assert argmax_rows(x.double()) == want  # not fp32: ATen's
+
+
 def test_attention_kernel_matches_fp64_and_gives_each_row_the_same_bits_at_any_row_count():
     """attention.cpp's attention (the static path's, for few new tokens): softmax(q k^T * scale) v with a mask, grouped
     query heads, against fp64 SDPA; a row's output does not depend on the rows that came with it."""

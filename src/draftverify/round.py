@@ -30,6 +30,7 @@ from typing import Generator
 import torch
 
 from draftverify.backend.feed import Feed, Forward
+from draftverify.backend.ops import argmax_rows
 from draftverify.drafters.base import Drafter
 from draftverify.models import Runner
 from draftverify.sampling import sample
@@ -100,7 +101,7 @@ def pick(logits: torch.Tensor, s: Session, device: torch.device) -> int:
     if s.processor is not None:  # the first token: nothing generated before it
         logits = s.processor.rows(s.output, [[]], logits[None])[0]
     if s.sampling.greedy:
-        token = int(logits.argmax().item())
+        token = argmax_rows(logits)[0]
     else:
         token = sample(s.sampling.probs(logits), s.generator(device))
     if s.processor is not None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftverify.backend.feed import Feed, Forward
+from draftverify.backend.ops import argmax_rows
 from draftverify.models import Runner
 from draftverify.session import Session
 from draftverify.tree import Layout, Tree, build_tree, layout
@@ -154,7 +155,7 @@ def finish_step(
         runner.select(base, [base + i for i in lay.lead + [lay.tree[node] for node in producers]])
     window_out = None
     if proposal.rows:
-        window_out = out.logits[[lay.row(i) for i in lay.window[-1]]].argmax(-1).tolist()  # [W]
+        window_out = argmax_rows(out.logits[[lay.row(i) for i in lay.window[-1]]])  # [W]
     return Step(
         tree=tree,
         verdict=verdict,

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from draftverify.backend.ops import argmax_rows
+
 
 @dataclass
 class Verdict:
@@ -53,7 +55,7 @@ def verify_tree(
 ) -> Verdict:
     toks = tokens.tolist()
     if greedy:
-        best = p.argmax(-1).tolist()  # one host sync for the whole tree
+        best = argmax_rows(p)  # one host sync for the whole tree
         kids = children_of(parents)
         node, path = 0, []
         while True:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from draftverify.backend.ops import argmax_rows
 from draftverify.drafters.base import Drafter, Proposal
 from draftverify.logits import draft_logits
 from draftverify.models import Runner
@@ -40,7 +41,7 @@ class DraftModel(Drafter):
             s.stats.draft_forwards += 1
             logits = draft_logits(s, drafts, out.logits[-1])  # [V], processed as the target's would be here
             if s.sampling.greedy:
-                drafts.append(int(logits.argmax().item()))
+                drafts.append(argmax_rows(logits)[0])
             else:
                 qs.append(s.sampling.probs(logits))
                 drafts.append(sample(qs[-1], s.generator(self.draft.device)))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from draftverify.backend.ops import argmax_rows
 from draftverify.costs import at_context, marginal_times
 from draftverify.drafters.base import Drafter, Proposal, Step, add
 from draftverify.drafters.lookahead import ngrams
@@ -152,7 +153,7 @@ class Lengthened(Drafter):
         self.score_roots(seq + step.tokens)
         draft = self.inner_proposal.chain
         if self.refinement:
-            predicted = step.node_logits.argmax(-1).tolist()  # [n] the target's next token after each node
+            predicted = argmax_rows(step.node_logits)  # [n] the target's next token after each node
             key = draft[-1] if draft else seq[-1]
             for old, path in zip(self.suffixes, step.tree.paths):
                 if len(old) == self.pool.n - 1:

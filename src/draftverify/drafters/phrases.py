@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from draftverify.backend.ops import argmax_rows
 from draftverify.drafters.base import Drafter, Proposal, add
 from draftverify.drafters.lookahead import JacobiWindow, window_for
 from draftverify.drafters.pool import PhrasePool, inspirations
@@ -79,9 +80,7 @@ class Phrases(Drafter):
         c, draft = self.c, proposal.chain
         accepted = step.accepted_of(draft)  # of the sentence draft (the rest came from suffixes)
         if c.inspiration and accepted < len(draft):
-            predicted = (
-                step.node_logits[: len(draft) + 1].argmax(-1).tolist()
-            )  # the target's token after root, d_1..d_g
+            predicted = argmax_rows(step.node_logits[: len(draft) + 1])  # the target's token after root, d_1..d_g
             add(s.stats.extra, inspired=self.pool.insert_all(inspirations(draft, predicted, accepted, c.N)))
         add(s.stats.extra, draft_tokens=len(draft), draft_accepted=accepted, suffix_accepted=step.accepted - accepted)
         self.policy.observe(len(draft), accepted)

@@ -15,5 +15,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_attention", &rope_attention, "rotate q, k; store k, v in the cache; attention; float32");
   m.def("rms_norm", &rms_norm, "w * x / sqrt(mean(x^2) + eps) per row, float32");
   m.def("head_inputs", &head_inputs, "a feature head's fc([norm(features) ; norm(embed[tokens])]), fc quantized, float32");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax as torch.argmax gives it (first largest; a NaN row: its first NaN)");
   m.def("top_probs", &top_probs, "per row of logits the k largest as vocab ids and their softmax probabilities");
 }

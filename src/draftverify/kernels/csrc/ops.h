@@ -12,6 +12,8 @@ void norm_row(const float* x, const float* w, float* y, int64_t H, float eps);
 torch::Tensor quant_product(const torch::Tensor& x, const std::vector<torch::Tensor>& w);
 }  // namespace dv
 
+// argmax.cpp
+std::vector<int64_t> argmax_rows(torch::Tensor logits);
 // products_fp32.cpp
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
 // products_q4q8.cpp
