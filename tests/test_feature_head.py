@@ -239,12 +239,22 @@ def test_expansion_prices_a_new_node_at_the_row_it_would_take(tiny):
     assert grown == {"flat": (3, 4), "third row dear": (0, 1)}, grown
 
 
-def test_tree_sampling_matches_the_target(tiny, monkeypatch):
+@pytest.mark.parametrize("method", ["speculative", "ouroboros"])
+def test_tree_sampling_matches_the_target(tiny, monkeypatch, method):
     """Sampled decoding verifies the head's tree by multi-draft rejection sampling: the second token
     follows the target's exact law, and the classic wrong rule is caught. The head drafts only the
-    four likeliest second tokens, so its guesses are often right and often wrong."""
+    four likeliest second tokens, so its guesses are often right and often wrong. Ouroboros over the head
+    adds the root's phrases beside the tree: the prompt holds phrases after every token, and rows cost nothing, so
+    they are verified whatever the first token was."""
+    from draftverify.costs import Table
+    from draftverify.drafters import feature
+
     target = tiny("llama", seed=0, layers=2, hidden=32)
-    sampling, n, prompt = Sampling(temperature=1.0, top_k=6), 1200, [5, 9, 14]
+    V = target.model.config.vocab_size
+    phrases = [t for a in range(V) for t in (a, (7 * a + 1) % V, (3 * a + 2) % V, (5 * a + 3) % V)]
+    sampling, n, prompt = Sampling(temperature=1.0, top_k=6), 1200, phrases + [5, 9, 14]
+    if method == "ouroboros":
+        monkeypatch.setattr(feature, "curve", lambda target, widths: Table({w: 1.0 for w in widths}))
     with torch.inference_mode():
         p1 = sampling.probs(target.model(torch.tensor([prompt])).logits[0, -1])
         p2 = sum(
@@ -253,24 +263,21 @@ def test_tree_sampling_matches_the_target(tiny, monkeypatch):
         )
     engine = Engine(target, random_head(target, seed=4, vocab=p2.topk(4).indices.tolist()))
 
+    options = {"nodes": 6, "k": 2} if method == "speculative" else {"reuse": False, "lengthening": False}
+    roots = []
+
     def pvalue():
         counts: dict[int, int] = {}
         for seed in range(n):
             r = engine.generate(
-                prompt,
-                method="speculative",
-                max_new_tokens=3,
-                temperature=1.0,
-                top_k=6,
-                seed=seed,
-                eos_token_id=[],
-                nodes=6,
-                k=2,
+                prompt, method=method, max_new_tokens=3, temperature=1.0, top_k=6, seed=seed, eos_token_id=[], **options
             )
             counts[r.tokens[1]] = counts.get(r.tokens[1], 0) + 1
+            roots.append(r.stats.extra.get("root_phrases", 0))
         return second_token_pvalue(target.model, prompt, sampling, counts)
 
     assert pvalue() > 1e-3
+    assert method == "speculative" or sum(roots) > n // 2  # the root's phrases were verified in most requests
     broken_rule(monkeypatch)
     assert pvalue() < 1e-4
 

@@ -151,6 +151,8 @@ class Lengthened(Drafter):
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
         self.score(seq + step.tokens)
         self.score_roots(seq + step.tokens)
+        if self.roots:
+            add(s.stats.extra, root_phrases=len(self.roots))
         draft = self.inner_proposal.chain
         if self.refinement:
             predicted = argmax_rows(step.node_logits)  # [n] the target's next token after each node
