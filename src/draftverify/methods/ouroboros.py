@@ -66,7 +66,8 @@ class OuroborosConfig:
     G:     phrases kept per first token (the papers' W for the pool, lookahead's guess set
            size); the draft verifies all of them for its last token in every forward.
     K:     candidate suffixes: the K newest phrases starting with the draft's last token are
-           verified with the draft in the target's one forward.
+           verified with the draft in the target's one forward (over a feature head, with
+           phrase drafting, also the K newest phrases starting with the root, beside its tree).
     policy/threshold: the draft-length policy (see policies.POLICIES) and its threshold.
     phrase_drafting, lengthening, inspiration, refinement, reuse: each component on or off.
     pool_file: JSON pool to start from and (with reuse) to save to after each request.
