@@ -145,6 +145,7 @@ def test_direct_path_holds_the_stock_modules_weights_bit_for_bit(pair, monkeypat
         assert torch.equal(rows, inner.embed_tokens(torch.tensor(few)))
         rows += 1  # the caller's own tensor: the kept rows stay as they were
     assert torch.equal(embed(torch.tensor([7])), inner.embed_tokens(torch.tensor([7])))
+    assert embed(torch.tensor([], dtype=torch.long)).shape == (0, embed.embedding_dim)  # an empty lookup, as before
     assert torch.equal(decoder.head.parts[0].dequantize(), stock.model.lm_head.weight)  # tied or not
 
 

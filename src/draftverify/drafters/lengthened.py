@@ -127,9 +127,7 @@ class Lengthened(Drafter):
                 self.gain = DECAY * self.gain
                 continue
             after = known[len(draft) :]
-            matched = [
-                next((i for i, (a, b) in enumerate(zip(c, after)) if a != b), min(len(c), len(after))) for c in suffixes
-            ]
+            matched = [_matched(c, after) for c in suffixes]
             if len(known) >= len(draft) and all(m < len(after) or m == len(c) for m, c in zip(matched, suffixes)):
                 self.gain = DECAY * self.gain + (1 - DECAY) * max(matched)
             else:

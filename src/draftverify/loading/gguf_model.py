@@ -39,7 +39,7 @@ class RowEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
         flat = ids.reshape(-1).cpu()
-        if flat.numel() <= FEW_IDS:
+        if 0 < flat.numel() <= FEW_IDS:
             return self._few(flat.tolist()).view(*ids.shape, self.embedding_dim)
         return self._scaled(rows_of(self.source.linear(self.name), flat)).view(*ids.shape, self.embedding_dim)
 
