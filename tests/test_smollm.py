@@ -84,6 +84,19 @@ def test_speculative_equals_autoregressive_and_hf_generate(smollm):
             assert ref[0, ids.shape[1] :].tolist() == ours.tokens, prompt
 
 
+def test_the_methods_over_the_shipped_feature_head_equal_autoregressive(smollm):
+    """The shipped feature head, and the SpecDec++ head shipped for it (`specdec-pp` over the head)."""
+    from draftverify.loading import default_feature_head
+
+    engine = Engine(smollm, default_feature_head(smollm))
+    ar = engine.generate(PROMPTS[0], chat=True, method="autoregressive", max_new_tokens=40)
+    for name in ("speculative", "ouroboros", "specdec-pp", "auto"):
+        out = engine.generate(PROMPTS[0], chat=True, method=name, max_new_tokens=40)
+        assert out.tokens == ar.tokens, name
+        if name == "specdec-pp":
+            assert engine.method(name).draft_source == "feature head" and out.stats.drafted > 0
+
+
 def test_every_method_with_its_shipped_defaults_equals_autoregressive(smollm):
     """What a user gets out of the box: the shipped draft, skip set and SpecDec++ head, each method's defaults."""
     from draftverify.loading import load_draft, shipped_draft_path

@@ -202,7 +202,7 @@ class Engine:
         key = (name, config, slot)
         if key not in self._methods:
             head = self.feature_head
-            if cls.takes_head and head is not None:
+            if cls.drafts_with_head(config, head is not None):
                 target, draft = self._target(slot), head
             elif cls.drafts_with_model(config, head is not None):
                 target, draft = self.slot(slot)

@@ -118,6 +118,18 @@ class FeatureHead(nn.Module):
         self.lm_head = lm_head
         return self
 
+    @property
+    def identity(self) -> dict:
+        """The head's own weights in the form of a model identity (`util.same_weights`): what a file made for this
+        head (a SpecDec++ acceptance head) is checked against. The fingerprint probes its input layer."""
+        return {
+            "model_type": "feature-head",
+            "num_hidden_layers": 1,
+            "hidden_size": self.config.hidden_size,
+            "vocab_size": len(self.config.vocab),
+            "embedding_fingerprint": round(self.fc.weight[:64].float().sum().item(), 3),
+        }
+
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The target's embedding rows of `tokens` [...] -> [..., H]."""
         return F.embedding(tokens, self.embed) if self._embed_rows is None else self._embed_rows(tokens)

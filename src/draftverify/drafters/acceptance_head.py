@@ -93,6 +93,15 @@ class AcceptanceHeadPolicy(DraftPolicy):
             self.all_accepted *= self.head.accept_prob(hidden)
         return n < self.cap and 1.0 - self.all_accepted <= self.h
 
+    def judge(self, n: int, producer: torch.Tensor) -> bool:
+        """`keep_drafting` for a drafter that hands the state that *produced* draft n (a feature head: its
+        predicted feature, from which draft n is its most likely token; the head file is trained on those states,
+        `acceptance_data.label_head_chains`). p_hat_n is then draft n's own, the first draft's included."""
+        if n == 1:
+            self.all_accepted = 1.0
+        self.all_accepted *= self.head.accept_prob(producer)
+        return n < self.cap and 1.0 - self.all_accepted <= self.h
+
 
 # -- files -------------------------------------------------------------------------------
 

@@ -35,6 +35,10 @@ that starts unlucky stay shut: its nodes would not be drafted again, so never sc
 node's chance is its bin's rate (starting from the probability itself, 4 rounds' worth). The
 counts are kept per head and sampling setting in the engine's `models.Shared` (`acceptance`).
 
+With a `policy` (SpecDec++ over the head, `methods.specdec_pp`) the head drafts one chain of its most likely
+tokens instead, and the policy alone says when to stop: after each draft it is handed the feature that produced
+it (`AcceptanceHeadPolicy.judge`).
+
 The candidates are deterministic guesses (no q): greedy decoding accepts the child that equals
 the target's argmax, sampled decoding verifies them by multi-draft rejection sampling
 (`verify.verify_tree`), so both stay exact. `width = 1` drafts a chain.
@@ -48,6 +52,7 @@ import time
 import torch
 
 from draftverify.costs import at_context, curve, marginal_times
+from draftverify.drafters.acceptance_head import AcceptanceHeadPolicy
 from draftverify.drafters.base import Drafter, Proposal, Step
 from draftverify.feature_head import FeatureHead
 from draftverify.feature_head_cache import HeadCache
@@ -109,7 +114,9 @@ class FeatureHeadDrafter(Drafter):
         nodes: int = 0,
         max_nodes: int = 48,
         vocab: int = DRAFT_VOCAB,
+        policy: AcceptanceHeadPolicy | None = None,
     ):
+        self.policy = policy  # SpecDec++'s stopping rule: a chain instead of a tree (the module docstring)
         self.head, self.depth, self.width, self.nodes, self.max_nodes = head.pack(), depth, width, nodes, max_nodes
         self.target = target
         # FR-Spec: the head's vocabulary is most frequent first, so a prefix is a smaller head (0: all)
@@ -141,7 +148,8 @@ class FeatureHeadDrafter(Drafter):
         s.stats.draft_forwards += 1
         committed = self.cache.length
         self.expected = 0.0
-        paths = self.expand(s, out[-1], len(seq) - 1, min(room, self.depth)) if room > 0 else []
+        grow = self.expand if self.policy is None else self.chain
+        paths = grow(s, out[-1], len(seq) - 1, min(room, self.depth)) if room > 0 else []
         self.cache.crop(committed)
         return Proposal(paths, hidden=True, expected=self.expected)
 
@@ -204,6 +212,22 @@ class FeatureHeadDrafter(Drafter):
         self.expected = sum(values[n] for n in keep)
         leaves = [n for n in keep if not any(parents[c] == n for c in keep)]
         return [list(paths[leaf]) for leaf in sorted(leaves, key=lambda n: -values[n])]
+
+    @torch.inference_mode()
+    def chain(self, s: Session, feature: torch.Tensor, root: int, depth: int) -> list[list[int]]:
+        """One chain after the root: each draft the head's most likely token, drafted on until the policy says stop
+        (or `depth`); the policy reads the feature that produced each draft."""
+        drafts: list[int] = []
+        for n in range(1, depth + 1):
+            tokens, probs = self.head.top(feature[None], self.vocab.numel(), 1)
+            token, p = tokens[0][0], probs[0][0]
+            self.valued.setdefault(tuple(drafts), []).append((token, p))  # scored for the calibration as the tree's
+            drafts.append(token)
+            if n == depth or not self.policy.judge(n, feature):
+                break
+            feature = self.cache.forward(feature[None], torch.tensor([token], device=self.device), [root + n - 1])[0]
+            s.stats.draft_forwards += 1
+        return [drafts]
 
     def best_nodes(self, parents: list[int], values: list[float], times: list[float]) -> set[int]:
         """The n most valuable nodes (a tree), n the most expected tokens per second of the target or `nodes`;

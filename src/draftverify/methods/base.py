@@ -68,10 +68,16 @@ class Method(ABC):
         return cls.needs_draft or cls.uses_draft
 
     @classmethod
+    def drafts_with_head(cls, config, has_head: bool) -> bool:
+        """Whether an instance with `config` is handed the engine's feature head as its draft, the engine having
+        one (`has_head`) or not."""
+        return cls.takes_head and has_head
+
+    @classmethod
     def drafts_with_model(cls, config, has_head: bool) -> bool:
         """Whether an instance with `config` drafts with the engine's draft model (which the engine then loads), the
-        engine having a feature head (`has_head`) or not. A method that takes the head is handed the head instead."""
-        return cls.loads_draft() and not (cls.takes_head and has_head)
+        engine having a feature head (`has_head`) or not. A method handed the head drafts with it instead."""
+        return cls.loads_draft() and not cls.drafts_with_head(config, has_head)
 
     @classmethod
     def make_config(cls, preset: str | None = None, **overrides):

@@ -8,6 +8,14 @@ Method `specdec-pp`, also reachable as `specdec++` (`+` is not allowed in bench 
 2. drafting stops as soon as 1 - prod(p_hat) > h, or at the hard cap of 20 tokens;
 3. verification is unchanged, so output stays identical (greedy) or exactly distributed (sampling).
 
+What drafts (`drafter`): the engine's feature head when it has one (the default model ships one), as
+`speculative` drafts with it; else, or with `drafter=model`, the draft model, as in the paper. Over the head the
+round drafts one chain of the head's most likely tokens and the acceptance head reads the head's predicted
+feature that produced each draft (`drafters.feature.FeatureHeadDrafter` with a policy); its head file is trained
+for that head (`train-acceptance-head --draft HEAD_FOLDER`). A choice of this project, not the paper's: where a
+verified row costs a share of a step (a CPU), the paper's separate draft model is accepted too seldom for any
+stopping rule to pay (docs/specdec.md).
+
 Method `ouroboros-pp` is Ouroboros with the same head as its drafting stop rule: the draft's
 phrase-by-phrase sentence draft ends at the first drafted token where 1 - prod(p_hat) > h
 (checked per token, also inside a phrase), instead of at gamma tokens.
@@ -22,8 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftverify.drafters.acceptance_head import DEFAULT_CAP, DEFAULT_H, AcceptanceHead, AcceptanceHeadPolicy, load_head
+from draftverify.drafters.base import Drafter
 from draftverify.drafters.draft_model import DraftModel
-from draftverify.drafters.feature import DRAFT_VOCAB
+from draftverify.drafters.feature import DRAFT_VOCAB, FeatureHeadDrafter
 from draftverify.errors import require
 from draftverify.loading import model_identity
 from draftverify.methods.base import Method, register
@@ -32,6 +41,8 @@ from draftverify.session import Session
 
 SHIPPED_HEADS = Path(__file__).parent.parent / "assets" / "specdec-heads"
 DEFAULT_HEAD = "default"
+FEATURE_HEAD_DEFAULT = "feature"  # the shipped head for the default model's feature head
+DRAFTERS = ("head", "model")
 THRESHOLD_PRESETS = {f"h0.{h}": {"h": h / 10} for h in (1, 3, 5, 7, 9)}  # the paper's grid for h
 
 
@@ -42,16 +53,19 @@ class SpecDecPPConfig:
     head: a head file made by `draftverify train-acceptance-head`, or the name of a head shipped in
           assets/specdec-heads/ (`default`: the one for the default target and draft).
     vocab: draft only from the target's `vocab` most frequent reply tokens (FR-Spec, `Method.draft_vocab`; 0 = all
-          of them): a draft forward then reads that many rows of the LM head."""
+          of them): a draft forward then reads that many rows of the LM head.
+    drafter: `head`: the engine's feature head where it has one, else the draft model; `model`: the draft model."""
 
     h: float = DEFAULT_H
     cap: int = DEFAULT_CAP
     head: str = DEFAULT_HEAD
     vocab: int = DRAFT_VOCAB
+    drafter: str = "head"
 
     def __post_init__(self):
         check_head_settings(self.h, self.cap)
         require(self.vocab >= 0, f"vocab={self.vocab} must be >= 0")
+        require(self.drafter in DRAFTERS, f"drafter={self.drafter!r}: use one of {', '.join(DRAFTERS)}")
 
 
 class HeadStops:
@@ -61,11 +75,13 @@ class HeadStops:
 
     def make_policy(self) -> AcceptanceHeadPolicy:
         if self._head is None:  # loaded once, checked against this draft/target pair
+            over_head = self.draft_source == "feature head"
+            drafts = self.draft if over_head else self.draft_model().model
             self._head = load_head(
-                resolve_head(self.config.head),
-                draft_identity=model_identity(self.draft_model().model),
+                resolve_head(self.config.head, over_head),
+                draft_identity=drafts.identity if over_head else model_identity(drafts),
                 target_identity=model_identity(self.target.model),
-            ).to(self.draft.device)
+            ).to(self.target.device)
         return AcceptanceHeadPolicy(self._head, self.config.h, self.config.cap)
 
 
@@ -75,9 +91,17 @@ class SpecDecPP(HeadStops, Method):
     aliases = ("specdec++",)  # the issue's name; bench specs cannot hold "+"
     Config = SpecDecPPConfig
     needs_draft = True
+    takes_head = True
     presets = {"paper": {"h": 0.7, "cap": 20}, **THRESHOLD_PRESETS}  # paper: best overall, with a w_rej = 6 head
 
-    def drafter(self, s: Session) -> DraftModel:
+    @classmethod
+    def drafts_with_head(cls, config, has_head: bool) -> bool:
+        return has_head and config.drafter == "head"
+
+    def drafter(self, s: Session) -> Drafter:
+        if self.draft_source == "feature head":
+            c = self.config
+            return FeatureHeadDrafter(self.draft, self.target, depth=c.cap, vocab=c.vocab, policy=self.make_policy())
         return DraftModel(self.draft_model(), self.make_policy(), vocab=self.draft_vocab(self.config.vocab))
 
 
@@ -101,6 +125,10 @@ class OuroborosPP(HeadStops, Ouroboros):
     Config = OuroborosPPConfig
     presets = {**Ouroboros.presets, **THRESHOLD_PRESETS}
 
+    @classmethod
+    def drafts_with_head(cls, config, has_head: bool) -> bool:
+        return False  # its sentence draft is the draft model's, phrase by phrase, the head reading its states
+
 
 def check_head_settings(h: float, cap: int) -> None:
     require(0 < h < 1, f"h={h} must lie strictly between 0 and 1 (the paper tries 0.1..0.9)")
@@ -111,10 +139,13 @@ def shipped_heads() -> dict[str, Path]:
     return {p.stem: p for p in sorted(SHIPPED_HEADS.glob("*.safetensors"))}
 
 
-def resolve_head(name: str) -> Path:
-    """A path to a head file, or the name of a shipped head."""
+def resolve_head(name: str, over_head: bool = False) -> Path:
+    """A path to a head file, or the name of a shipped head; `default` names the one for what drafts (`over_head`:
+    the default model's feature head)."""
     if name.endswith(".safetensors") or "/" in name:
         return Path(name).expanduser()
+    if name == DEFAULT_HEAD and over_head:
+        name = FEATURE_HEAD_DEFAULT
     heads = shipped_heads()
     require(
         name in heads,

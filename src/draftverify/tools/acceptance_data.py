@@ -19,13 +19,17 @@ from pathlib import Path
 
 import torch
 
+from draftverify.drafters.feature import DRAFT_VOCAB
 from draftverify.errors import require
+from draftverify.feature_head import FeatureHead
 from draftverify.loading import Loaded
 from draftverify.models import Runner
 from draftverify.sampling import Sampling
 from draftverify.tools import replies
 from draftverify.util import atomic_path, atomic_write
 from draftverify.verify import fit_vocab
+
+CHAIN_DEPTH = 8  # a feature head's chains are labelled this deep: past it the head's drafts are seldom still right
 
 
 @dataclass
@@ -185,9 +189,73 @@ def label_responses(
     return Examples(torch.cat(features), torch.cat(labels), torch.cat(response))
 
 
+def label_head_chains(
+    target: Runner,
+    head: FeatureHead,
+    prompts: list[list[int]],
+    answers: list[list[int]],
+    sampling: Sampling,
+    depth: int,
+    vocab: int,
+    progress: bool = True,
+) -> Examples:
+    """Steps 2-3 for a feature head (SpecDec++ over the head: `drafters.feature` with a policy).
+
+    On the target's answer, the head drafts a chain from every root whose first draft is an answer token, as it
+    drafts while decoding: its most likely token among its `vocab` most frequent, `depth` drafts at most, each
+    read from the head's predicted feature (`feature_losses.rollout`: the head's inputs before the root are the
+    target's own features). That predicted feature is the training input of the draft it produced (what
+    `AcceptanceHeadPolicy.judge` reads), and its label the chance that the target accepts the draft: 1 or 0
+    for greedy answers (is it the answer's token?), p(draft) under the answers' sampling settings else (a
+    deterministic guess is accepted with its probability). A chain's drafts count up to its first one off the
+    answer: the policy judges a draft only while the earlier ones were accepted.
+    """
+    from tqdm import tqdm
+
+    from draftverify.tools.make_draft.feature_losses import rollout
+
+    features, labels, response = [], [], []
+    n_vocab = vocab or head.vocab.numel()
+    for index, (prompt, answer) in enumerate(
+        tqdm(list(zip(prompts, answers)), desc="labelling", unit="answer", disable=not progress)
+    ):
+        seq = prompt + answer
+        n = len(seq) - 2  # head inputs at positions 0..n-1: (f_t, token t + 1) -> the draft of token t + 2
+        if not answer or n < 1:
+            continue
+        target.reset()
+        out = target.forward(seq, last=len(seq), hidden=True)  # f_t after every token t
+        ids = torch.tensor(seq, device=out.hidden.device)
+        truth = ids[2:]  # [n]: the answer's token at each input's drafted position
+        with torch.no_grad():
+            steps = rollout(head, out.hidden[None, :n].to(head.fc.weight.dtype), ids[None, 1 : n + 1], depth)
+            if not sampling.greedy:
+                p = sampling.probs(out.logits[1 : n + 1].float())  # [n, V]: the target's law of each drafted token
+        roots = torch.arange(n, device=ids.device)
+        alive = roots + 2 >= len(prompt)  # [n]: chains whose drafts are all still on the answer
+        for d, step in enumerate(steps, start=1):  # draft d of the chain rooted at r reads position r + d - 1
+            at = roots + d - 1
+            alive = alive & (at < n)
+            if not alive.any():
+                break
+            at = at.clamp(max=n - 1)
+            produced = step[0, at]  # [n, H]: the predicted feature that produced each chain's draft d
+            with torch.no_grad():
+                draft = head.vocab[head.logits(produced, n_vocab).argmax(-1)]  # [n]
+            right = draft == truth[at]
+            label = right.float() if sampling.greedy else p[at].gather(-1, draft[:, None]).squeeze(-1)
+            features.append(produced[alive].float().cpu())
+            labels.append(label[alive].float().cpu())
+            response.append(torch.full((int(alive.sum()),), index))
+            alive = alive & right
+    target.reset()
+    require(features, "no training positions: the target's answers are empty (check the prompts and --max-new-tokens)")
+    return Examples(torch.cat(features), torch.cat(labels), torch.cat(response))
+
+
 def labelled_examples(
     target: Loaded,
-    draft: Loaded,
+    draft: Loaded | FeatureHead,
     ids: list[list[int]],
     answers: list[list[int]],
     sampling: Sampling,
@@ -195,8 +263,18 @@ def labelled_examples(
     seed: int,
     cache_dir: Path | None = None,
     progress: bool = True,
+    depth: int = CHAIN_DEPTH,
+    vocab: int = DRAFT_VOCAB,
 ) -> Examples:
-    """Steps 2-3 for the answers of step 1, cached under a key of the pair, the answers, the sampling, r and seed."""
+    """Steps 2-3 for the answers of step 1, cached under a key of the pair, the answers, the sampling, r and seed
+    (a feature head as the draft: `label_head_chains`, with `depth` and `vocab` in the key instead of r and seed)."""
+    if isinstance(draft, FeatureHead):
+        key = _key("chains", target.identity, draft.identity, ids, answers, _describe(sampling), depth, vocab)
+        examples = _read_examples(cache_dir, f"examples-{key}.safetensors")
+        if examples is None:
+            examples = label_head_chains(Runner(target.model), draft, ids, answers, sampling, depth, vocab, progress)
+            _write_examples(cache_dir, f"examples-{key}.safetensors", examples)
+        return examples
     key = _key("examples", target.identity, draft.identity, ids, answers, _describe(sampling), r, seed)
     examples = _read_examples(cache_dir, f"examples-{key}.safetensors")
     if examples is None:

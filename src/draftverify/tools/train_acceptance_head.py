@@ -8,6 +8,9 @@ Huang et al. 2024, section 3.3. Steps (data: `acceptance_data`; fit and report: 
 3. the draft reads a mixed response Z: Z_i = X_i for a fraction r of positions, Y_i for the rest
    (the paper's BERT-style mixing, so the draft sees its own tokens as at inference); its final
    hidden state e_i at each position reading a Y_i is one training input, with label P_i;
+   A feature head as the draft (`--draft` a head folder, SpecDec++ over the head): instead of 2-3 the head drafts
+   a chain from every root of the answers, and the predicted feature that produced each draft is labelled
+   (`acceptance_data.label_head_chains`);
 4. f_theta is fitted by weighted binary cross-entropy (w_acc on the accept side, w_rej on the
    reject side) and judged on held-out responses: loss and calibration (reliability bins, ECE).
 """
@@ -29,6 +32,7 @@ from draftverify.cli_options import (
 )
 from draftverify.drafters.acceptance_head import AcceptanceHead, save_head
 from draftverify.errors import require
+from draftverify.feature_head import FeatureHead
 from draftverify.loading import Loaded
 from draftverify.prompt_files import read_prompts
 from draftverify.sampling import Sampling
@@ -44,7 +48,7 @@ SHIPPED_PROMPTS = Path(__file__).parent.parent / "assets" / "specdec-prompts.jso
 
 def train_acceptance_head(
     target: Loaded,
-    draft: Loaded,
+    draft: Loaded | FeatureHead,
     prompts: list[tuple[str, bool]],
     settings: TrainSettings,
     sampling: Sampling = Sampling(),
@@ -58,6 +62,7 @@ def train_acceptance_head(
     examples = labelled_examples(target, draft, ids, answers, sampling, settings.r, settings.seed, cache_dir, progress)
     head, report = fit_head(examples, settings, progress=progress)
     head.settings = {
+        "drafter": "feature head" if isinstance(draft, FeatureHead) else "model",
         "training": dict(vars(settings)),
         "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p},
         "prompts": len(prompts),
@@ -118,7 +123,7 @@ CACHE = typer.Option(
 def train_acceptance_head_command(
     out: Path = OUT,
     target: Optional[str] = target_option(),
-    draft: Optional[str] = draft_option("Draft model the head is for"),
+    draft: Optional[str] = draft_option("Draft model or feature head the head is for"),
     prompts: Path = prompts_option(SHIPPED_PROMPTS, "Training prompts"),
     chat: bool = CHAT,
     depth: int = DEPTH,
@@ -150,7 +155,8 @@ def train_acceptance_head_command(
     draft_model = load_draft(draft, target_model, dtype=dtype, device=device)
     require(
         draft_model is not None,
-        "train-acceptance-head needs a draft model: pass --draft (a folder, a .gguf file or self:layers=N)",
+        "train-acceptance-head needs a draft: pass --draft (a draft model's folder, a .gguf file, self:layers=N or "
+        "a feature head's folder)",
     )
     cache_dir = cache_root() / "specdec" if cache else None
     head = train_acceptance_head(
