@@ -231,26 +231,35 @@ def label_head_chains(
             steps = rollout(head, out.hidden[None, :n].to(head.fc.weight.dtype), ids[None, 1 : n + 1], depth)
             if not sampling.greedy:
                 p = sampling.probs(out.logits[1 : n + 1].float())  # [n, V]: the target's law of each drafted token
-        roots = torch.arange(n, device=ids.device)
-        alive = roots + 2 >= len(prompt)  # [n]: chains whose drafts are all still on the answer
-        for d, step in enumerate(steps, start=1):  # draft d of the chain rooted at r reads position r + d - 1
-            at = roots + d - 1
-            alive = alive & (at < n)
-            if not alive.any():
-                break
-            at = at.clamp(max=n - 1)
-            produced = step[0, at]  # [n, H]: the predicted feature that produced each chain's draft d
-            with torch.no_grad():
-                draft = head.vocab[head.logits(produced, n_vocab).argmax(-1)]  # [n]
-            right = draft == truth[at]
-            label = right.float() if sampling.greedy else p[at].gather(-1, draft[:, None]).squeeze(-1)
-            features.append(produced[alive].float().cpu())
-            labels.append(label[alive].float().cpu())
-            response.append(torch.full((int(alive.sum()),), index))
-            alive = alive & right
+        for produced, label in _chain_drafts(head, steps, truth, len(prompt), None if sampling.greedy else p, n_vocab):
+            features.append(produced.float().cpu())
+            labels.append(label.float().cpu())
+            response.append(torch.full((len(label),), index))
     target.reset()
     require(features, "no training positions: the target's answers are empty (check the prompts and --max-new-tokens)")
     return Examples(torch.cat(features), torch.cat(labels), torch.cat(response))
+
+
+def _chain_drafts(head: FeatureHead, steps: list, truth: torch.Tensor, prompt: int, p: torch.Tensor | None, vocab: int):
+    """Per depth d, for the chains still on the answer: the predicted features that produced their draft d and its
+    labels (`label_head_chains`; `steps`: the rollout's, `truth` [n]: the answer's token at each input's drafted
+    position, `p` [n, V]: the target's law there when sampling, None for greedy labels)."""
+    n = truth.shape[0]
+    roots = torch.arange(n, device=truth.device)
+    alive = roots + 2 >= prompt  # [n]: chains whose drafts are all still on the answer
+    for d, step in enumerate(steps, start=1):  # draft d of the chain rooted at r reads position r + d - 1
+        at = roots + d - 1
+        alive = alive & (at < n)
+        if not alive.any():
+            return
+        at = at.clamp(max=n - 1)
+        produced = step[0, at]  # [n, H]: the predicted feature that produced each chain's draft d
+        with torch.no_grad():
+            draft = head.vocab[head.logits(produced, vocab).argmax(-1)]  # [n]
+        right = draft == truth[at]
+        label = right.float() if p is None else p[at].gather(-1, draft[:, None]).squeeze(-1)
+        yield produced[alive], label[alive]
+        alive = alive & right
 
 
 def labelled_examples(
