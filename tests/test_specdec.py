@@ -538,8 +538,9 @@ def test_over_a_feature_head_the_labelled_inputs_are_what_drafting_reads(tiny):
     examples = label_head_chains(runner, feature, [prompt], [answer], Sampling(), depth=4, vocab=0, progress=False)
     seq = prompt + answer
     runner.reset()
-    features = runner.forward(seq, last=len(seq), hidden=True).hidden
-    replayed = {d: ([], []) for d in range(1, 5)}
+    out = runner.forward(seq, last=len(seq), hidden=True)
+    features, law = out.hidden, Sampling(temperature=1.0).probs(out.logits)  # law[t]: the target's after token t
+    replayed = {d: ([], [], []) for d in range(1, 5)}
     for root in range(len(prompt) - 2, len(seq) - 2):  # input position r drafts token r + 2 first
         cache = HeadCache(feature, capacity=len(seq) + 8)
         produced = cache.forward(features[: root + 1], torch.tensor(seq[1 : root + 2]), range(root + 1))[-1]
@@ -549,13 +550,19 @@ def test_over_a_feature_head_the_labelled_inputs_are_what_drafting_reads(tiny):
             draft = int(feature.vocab[feature.logits(produced).argmax()])
             replayed[d][0].append(produced)
             replayed[d][1].append(float(draft == seq[root + 1 + d]))
+            replayed[d][2].append(law[root + d, draft].item())
             if draft != seq[root + 1 + d]:
                 break
             produced = cache.forward(produced[None], torch.tensor([draft]), [root + d])[0]
-    want_features = torch.cat([torch.stack(f) for f, _ in replayed.values() if f])
-    want_labels = torch.tensor([x for _, labels in replayed.values() for x in labels])
+    want_features = torch.cat([torch.stack(f) for f, _, _ in replayed.values() if f])
+    want_labels = torch.tensor([x for _, labels, _ in replayed.values() for x in labels])
     assert torch.equal(examples.labels, want_labels)
     assert torch.allclose(examples.features, want_features, atol=1e-4)
+    # under sampling settings a draft's label is the target's probability of it: a deterministic guess's acceptance
+    sampled = label_head_chains(runner, feature, [prompt], [answer], Sampling(temperature=1.0), 4, 0, progress=False)
+    assert torch.equal(sampled.features, examples.features)
+    want = torch.tensor([x for _, _, probs in replayed.values() for x in probs])
+    assert torch.allclose(sampled.labels, want, atol=1e-6)
     assert 0 < examples.labels.mean() < 1 and len(replayed[3][0]) > 0  # right and wrong drafts, chains ran on
 
 

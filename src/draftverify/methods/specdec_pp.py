@@ -85,7 +85,7 @@ class HeadStops:
                 resolve_head(self.config.head, over_head),
                 draft_identity=drafts.identity if over_head else model_identity(drafts),
                 target_identity=model_identity(self.target.model),
-            ).to(self.target.device)
+            ).to(self.draft.fc.weight.device if over_head else self.draft.device)
         h = self.config.h
         if h is None:
             h = HEAD_H if self.draft_source == "feature head" else DEFAULT_H
