@@ -368,21 +368,27 @@ def test_policy_sets_the_draft_lengths_in_the_method(tiny, tmp_path):
 # -- exactness ------------------------------------------------------------------------------
 
 
+def assert_equals_autoregressive(engine: Engine, head: Path, *label):
+    """`specdec-pp` with `head`, at two settings, gives autoregressive decoding's tokens on two prompts; returns
+    its last output."""
+    for prompt in ["Hello there, how", "def f(x):\n    return"]:
+        ids = engine.encode(prompt)
+        ar = engine.generate(ids, method="autoregressive", max_new_tokens=32, eos_token_id=[])
+        for options in ({"h": 0.2}, {"h": 0.8, "cap": 3}):
+            out = engine.generate(
+                ids, method="specdec-pp", max_new_tokens=32, eos_token_id=[], head=str(head), **options
+            )
+            assert out.tokens == ar.tokens, (*label, prompt, options)
+    return out
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("draft_kind", ["random", "self"])
 def test_greedy_equals_autoregressive(tiny, tmp_path, arch, draft_kind):
     target = tiny(arch, seed=0)
     draft = tiny(arch, seed=1, layers=2) if draft_kind == "random" else target
     path = random_head(tmp_path / "head.safetensors", target, draft)
-    engine = Engine(target, draft)
-    for prompt in ["Hello there, how", "def f(x):\n    return"]:
-        ids = engine.encode(prompt)
-        ar = engine.generate(ids, method="autoregressive", max_new_tokens=32, eos_token_id=[])
-        for options in ({"h": 0.2}, {"h": 0.8, "cap": 3}):
-            out = engine.generate(
-                ids, method="specdec-pp", max_new_tokens=32, eos_token_id=[], head=str(path), **options
-            )
-            assert out.tokens == ar.tokens, (arch, draft_kind, prompt, options)
+    out = assert_equals_autoregressive(Engine(target, draft), path, arch, draft_kind)
     if draft_kind == "self":
         assert out.stats.acceptance_rate == 1.0
 
@@ -479,14 +485,7 @@ def feature_head_engine(tiny, tmp_path, bias: float | None = None, seed: int = 1
 
 def test_over_a_feature_head_greedy_equals_autoregressive_and_the_head_sets_the_lengths(tiny, tmp_path):
     engine, target, feature, path = feature_head_engine(tiny, tmp_path)
-    for prompt in ["Hello there, how", "def f(x):\n    return"]:
-        ids = engine.encode(prompt)
-        ar = engine.generate(ids, method="autoregressive", max_new_tokens=32, eos_token_id=[])
-        for options in ({"h": 0.2}, {"h": 0.8, "cap": 3}):
-            out = engine.generate(
-                ids, method="specdec-pp", max_new_tokens=32, eos_token_id=[], head=str(path), **options
-            )
-            assert out.tokens == ar.tokens, (prompt, options)
+    assert_equals_autoregressive(engine, path)
     for bias, per_round in ((-20.0, 1), (20.0, 6)):  # every draft judged, the first too: 1 or the cap a round
         engine, *_, path = feature_head_engine(tiny, tmp_path, bias)
         stats = engine.generate(
