@@ -55,7 +55,8 @@ class SpecDecPPConfig:
        paper's, over a draft model; 0.3 over a feature head, `HEAD_H`).
     cap: hard cap on drafted tokens per round (20 in the paper).
     head: a head file made by `draftverify train-acceptance-head`, or the name of a head shipped in
-          assets/specdec-heads/ (`default`: the one for the default target and draft).
+          assets/specdec-heads/ (`default`: the one shipped for what drafts, `feature` over the default model's
+          feature head and `default` over its draft model).
     vocab: draft only from the target's `vocab` most frequent reply tokens (FR-Spec, `Method.draft_vocab`; 0 = all
           of them): a draft forward then reads that many rows of the LM head.
     drafter: `head`: the engine's feature head where it has one, else the draft model; `model`: the draft model."""
