@@ -122,7 +122,8 @@ class FeatureHeadDrafter(Drafter):
         # FR-Spec: the head's vocabulary is most frequent first, so a prefix is a smaller head (0: all)
         self.vocab = head.vocab[: vocab or head.vocab.numel()]
         self.expand_s = 0.0  # seconds one expansion step takes (a running mean)
-        self.costs = curve(target, widths=TREE_WIDTHS)
+        # the target's cost curve, which the tree's size reads; a chain's length is the policy's alone
+        self.costs = curve(target, widths=TREE_WIDTHS) if policy is None else None
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
         self.cache: HeadCache | None = None
         self.pending: list[tuple[torch.Tensor, list[int], int]] = []  # rounds not fed: features, tokens, position

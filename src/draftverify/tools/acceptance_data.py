@@ -229,9 +229,9 @@ def label_head_chains(
         truth = ids[2:]  # [n]: the answer's token at each input's drafted position
         with torch.no_grad():
             steps = rollout(head, out.hidden[None, :n].to(head.fc.weight.dtype), ids[None, 1 : n + 1], depth)
-            if not sampling.greedy:
-                p = sampling.probs(out.logits[1 : n + 1].float())  # [n, V]: the target's law of each drafted token
-        for produced, label in _chain_drafts(head, steps, truth, len(prompt), None if sampling.greedy else p, n_vocab):
+        # [n, V]: the target's law of each drafted token, for labels under sampling settings
+        law = None if sampling.greedy else sampling.probs(out.logits[1 : n + 1].float())
+        for produced, label in _chain_drafts(head, steps, truth, len(prompt), law, n_vocab):
             features.append(produced.float().cpu())
             labels.append(label.float().cpu())
             response.append(torch.full((len(label),), index))
@@ -279,15 +279,16 @@ def labelled_examples(
     (a feature head as the draft: `label_head_chains`, with `depth` and `vocab` in the key instead of r and seed)."""
     if isinstance(draft, FeatureHead):
         key = _key("chains", target.identity, draft.identity, ids, answers, _describe(sampling), depth, vocab)
-        examples = _read_examples(cache_dir, f"examples-{key}.safetensors")
-        if examples is None:
-            examples = label_head_chains(Runner(target.model), draft, ids, answers, sampling, depth, vocab, progress)
-            _write_examples(cache_dir, f"examples-{key}.safetensors", examples)
-        return examples
+        return _cached_examples(
+            cache_dir,
+            key,
+            lambda: label_head_chains(Runner(target.model), draft, ids, answers, sampling, depth, vocab, progress),
+        )
     key = _key("examples", target.identity, draft.identity, ids, answers, _describe(sampling), r, seed)
-    examples = _read_examples(cache_dir, f"examples-{key}.safetensors")
-    if examples is None:
-        examples = label_responses(
+    return _cached_examples(
+        cache_dir,
+        key,
+        lambda: label_responses(
             Runner(target.model),
             Runner(draft.model),
             ids,
@@ -297,12 +298,20 @@ def labelled_examples(
             seed,
             progress,
             greedy_answers=sampling.greedy,
-        )
-        _write_examples(cache_dir, f"examples-{key}.safetensors", examples)
-    return examples
+        ),
+    )
 
 
 # -- caching -------------------------------------------------------------------------------
+
+
+def _cached_examples(cache_dir: Path | None, key: str, make) -> Examples:
+    """The examples cached under `key`, else `make()`'s, cached for the next run."""
+    examples = _read_examples(cache_dir, f"examples-{key}.safetensors")
+    if examples is None:
+        examples = make()
+        _write_examples(cache_dir, f"examples-{key}.safetensors", examples)
+    return examples
 
 
 def _describe(sampling: Sampling) -> list:
