@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from draftverify.detokenize import Detokenizer
 from draftverify.errors import require
 from draftverify.sampling import Sampling
 from draftverify.stats import Stats
@@ -44,6 +45,7 @@ class Session:
     processor: object = None  # a logits.Processor: penalties, logit_bias, a grammar, logprobs (None: none)
     others: int = 0  # rows the rest of the batch fed to the last shared forward (0: decoding alone; `batch`)
     _generators: dict = field(default_factory=dict)
+    _decoded: Detokenizer | None = None  # the output's text token by token, for stop strings
 
     def generator(self, device: torch.device | str) -> torch.Generator:
         """The request's random source on `device`, created once (seeded per device) and never reseeded."""
@@ -87,7 +89,9 @@ class Session:
         if token in self.stopping.eos_token_ids:
             return "eos"
         if self.stopping.stop_strings:
-            text = self.tokenizer.decode(self.output, skip_special_tokens=True)
+            if self._decoded is None:
+                self._decoded = Detokenizer(self.tokenizer)
+            text = self._decoded.extend(self.output[len(self._decoded.tokens) :])
             hits = [text.find(s) for s in self.stopping.stop_strings if s in text]
             if hits:
                 self.stop_text_at = min(hits)
