@@ -215,3 +215,17 @@ def test_quick_through_the_cli(tiny, tmp_path):
     assert res.exit_code != 0 and "holds a run with another config" in str(res.exception)
     res = CliRunner().invoke(app, ["bench", "--methods", "nope", "--prompts", str(prompts), "--datasets", ""])
     assert res.exit_code != 0 and "unknown method 'nope'" in str(res.exception)
+
+
+def test_every_repeat_of_a_prompt_starts_from_the_same_warm_state(engine, tmp_path):
+    """Ouroboros keeps its phrase pool across requests and `auto` its figures: a later repeat of a prompt must not
+    draft from the first repeat's own reply, so every repeat runs the same rounds."""
+    results = bench(engine, tmp_path, repeats=3, max_new_tokens=24, methods="ouroboros,auto").run(progress=False)
+    for label in ("ouroboros", "auto"):
+        for prompt in PROMPTS:
+            runs = [r for r in results["records"] if r["label"] == label and r["prompt_id"] == prompt.id]
+            assert len(runs) == 3
+            assert len({(r["target_forwards"], r["accepted"], r["drafted"]) for r in runs}) == 1, (label, prompt.id)
+    # the warm start from one prompt to the next stays: the pool the last prompt met holds the earlier replies
+    method = engine.method("ouroboros")
+    assert method.warm_state() is not None and len(method.warm_state()) > 0

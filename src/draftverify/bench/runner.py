@@ -213,6 +213,20 @@ class Bench:
                 fields = self.generate_ours(spec, ids, max_new_tokens, sampling)
         return {**fields, **memory}
 
+    def same_start(self, spec: BenchSpec, prompt_id: str, starts: dict) -> None:
+        """Every repeat of a prompt starts a warm method from the state its first repeat (in this process) started
+        from: a phrase pool kept from the first repeat would hold that repeat's own reply and draft the later ones
+        from it (Ouroboros, Lookahead with `reuse`), and `auto`'s figures would have learnt from it. A repeat
+        measures the same generation again; the warm start from the earlier prompts stays."""
+        if self.settings.repeats < 2 or spec.is_peer or not spec.warm:
+            return
+        method = self.engine.method(spec.name, spec.preset, **{k: v for k, v in spec.options if k != "warm"})
+        start = starts.get(spec.label)
+        if start is not None and start[0] == prompt_id:
+            method.restore_warm_state(start[1])
+        else:
+            starts[spec.label] = (prompt_id, method.warm_state())
+
     def peer_state(self, spec: BenchSpec):
         """The peer's instance (kept across prompts unless `warm=false`): llama.cpp, or transformers' `generate`."""
         engine, state = self.engine, self.peer_states.get(spec.label)
@@ -286,10 +300,12 @@ class Bench:
             disable=not progress,
             dynamic_ncols=True,
         )
+        starts: dict[str, tuple[str, object]] = {}  # label -> (prompt id, the warm state its repeats start from)
         with bar:
             for prompt_id, repeat, label in todo:
                 bar.set_postfix_str(f"{prompt_id} {label}", refresh=False)
                 prompt = prompts[prompt_id]
+                self.same_start(specs[label], prompt_id, starts)
                 fields = self.generate(
                     specs[label], self.ids[prompt_id], self.settings.max_new_tokens, self.seed(index[prompt_id], repeat)
                 )

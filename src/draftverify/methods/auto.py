@@ -28,6 +28,7 @@ which drafter produced each round's tokens (`Stats.extra["auto_chunks"]`; `gener
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from draftverify.costs import curve
@@ -111,6 +112,12 @@ class Auto(Method):
 
     def share(self, first: "Auto") -> None:
         self.figures = first.figures  # one set of figures for every batch slot
+
+    def warm_state(self) -> Figures:
+        return copy.deepcopy(self.figures)
+
+    def restore_warm_state(self, state: Figures) -> None:
+        self.figures.records, self.figures.scale = copy.deepcopy(state.records), state.scale
 
     def candidates(self, s: Session) -> dict[str, Drafter]:
         has_draft = isinstance(self.draft, Runner)

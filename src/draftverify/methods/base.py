@@ -103,6 +103,16 @@ class Method(ABC):
         """This instance serves another batch slot than `first` (slot 0's, same config): share whatever warm state
         should outlive a request across slots (a phrase pool, `auto`'s figures). Nothing by default."""
 
+    def warm_state(self):
+        """A copy of what this instance carries from one request into the next (its warm start: a phrase pool,
+        `auto`'s figures), for `restore_warm_state`; None where it carries nothing."""
+        return None
+
+    def restore_warm_state(self, state) -> None:
+        """Start the next request from `state` (a `warm_state` taken earlier) instead of what the requests since
+        left: the bench gives every repeat of a prompt the start its first repeat had. In place, so the batch
+        slots that share this instance's state (`share`) see it too."""
+
     def draft_model(self) -> Runner:
         """The draft model's runner, refusing a feature head (for methods that draft with a model of their own)."""
         require(

@@ -18,6 +18,7 @@ The pool (`draftverify.drafters.pool.PhrasePool`) can outlive a request (`reuse`
 
 from __future__ import annotations
 
+import copy
 from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,13 @@ class PoolMethod(Method):
 
     def share(self, first: "PoolMethod") -> None:
         self.first = first
+
+    def warm_state(self) -> PhrasePool | None:
+        return copy.deepcopy((self.first or self).pool) if self.config.reuse else None
+
+    def restore_warm_state(self, state: PhrasePool | None) -> None:
+        if self.config.reuse:
+            (self.first or self).pool = copy.deepcopy(state)
 
     def rounds(self, s: Session) -> Rounds:
         owner = (
