@@ -9,6 +9,7 @@ tokens follow the target's law (chi-square)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -211,3 +212,56 @@ def test_sampling_follows_the_targets_law(direct, stock):
                             eos_token_id=[], policy="constant", k=3)  # fmt: skip
         counts[r.tokens[1]] = counts.get(r.tokens[1], 0) + 1
     assert second_token_pvalue(stock.model, prompt, sampling, counts) > 1e-3
+
+
+@pytest.mark.parametrize("arithmetic", ["fp32", "q8"])
+def test_a_long_prompt_beside_decoding_requests_runs_in_parts_and_changes_no_bit(direct, arithmetic, monkeypatch):
+    """A prompt longer than `prompt_part` that joins a batch while another request decodes is fed a part a step;
+    its logits, every row's final hidden state and its cache are bit for bit a whole prefill's, and the other
+    request gets a token every step."""
+    from draftverify import batch as batch_module
+    from draftverify.backend.feed import Feed
+    from draftverify.backend.linear import Packs
+    from draftverify.batch import Batch
+    from draftverify.models import Shared
+
+    make = lambda: Runner(direct.model, shared=Shared(packs=Packs(arithmetic)))  # noqa: E731
+    part = 128
+    alone, parted, other = make(), make(), make()
+    assert parted.rows_alone
+    prompt = [int(t) for t in torch.randint(2, 80, (2 * part + 37,), generator=torch.Generator().manual_seed(0))]
+    whole = alone.forward(prompt, last=1, hidden="all")
+
+    def prefill(box):
+        box.append((yield Feed(prompt, last=1, hidden="all")))
+
+    def decoding(box):
+        out = yield Feed([3, 17, 5])
+        while len(box) < 8:
+            box.append(out)
+            out = yield Feed([int(out.logits[-1].argmax())])
+
+    sizes = []
+    spied = batch_module.forward_many
+    monkeypatch.setattr(
+        batch_module,
+        "forward_many",
+        lambda runners, feeds: sizes.append([f.size for f in feeds]) or spied(runners, feeds),
+    )
+    got, steps = [], []
+    batch = Batch(prompt_part=part)
+    batch.add(SimpleNamespace(), other, decoding(steps))
+    batch.step()
+    batch.add(SimpleNamespace(), parted, prefill(got))
+    while batch.members:
+        batch.step()
+    assert sizes[1:4] == [[1, part], [1, part], [1, 37]]  # a part a step, a token for the other each
+    assert torch.equal(got[0].logits, whole.logits) and torch.equal(got[0].hidden, whole.hidden)
+    for (ka, va), (kb, vb) in zip(parted.cached_kv(), alone.cached_kv()):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    sizes.clear()  # with nobody decoding, prompts run whole: parts would only delay them
+    both = Batch(prompt_part=part)
+    for runner in (make(), make()):
+        both.add(SimpleNamespace(), runner, prefill([]))
+    both.step()
+    assert sizes == [[len(prompt), len(prompt)]]

@@ -100,6 +100,10 @@ def test_spawned_load_run(tiny, tmp_path):
             r["tokens_per_s"] > 0 and r["latency_p50_s"] <= r["latency_p99_s"] and r["ttft_p50_s"] <= r["latency_p99_s"]
         )
         assert all(c["tokens"] >= 1 for c in r["calls"])
+        # the waits between pieces of streamed text: the run's p99 and longest, each call's longest, not every wait
+        longest = [c["gap_max_s"] for c in r["calls"] if c["gap_max_s"] is not None]
+        assert longest and 0 < r["gap_p99_s"] <= r["gap_max_s"] == max(longest) <= r["latency_p99_s"]
+        assert all("gaps" not in c for c in r["calls"])
     assert "| `auto` | 3 | 6 | 0 |" in (out / "report.md").read_text() and (out / "tokens_per_s.png").stat().st_size > 0
     bad = CliRunner().invoke(
         app, ["load", "--url", "http://example.com/v1", "--out", str(tmp_path / "x"), "--data-dir", str(data)]

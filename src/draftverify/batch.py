@@ -18,13 +18,22 @@ verification: each request's `Session.others` says how many rows the rest of the
 step, and `auto` prices a draft by the rows it *adds* to the shared forward (`costs.marginal_time`),
 so draft lengths shrink as the batch grows and speculation stops where the cost curve turns
 linear.
+
+With `prompt_part` rows (`Batch(prompt_part=...)`, `serve --prompt-part`), a longer prompt that joins
+while others decode is fed that many rows a step (on a runner whose rows do not depend on the rows
+beside them, `Runner.rows_alone`: the cache and the logits are the ones a whole prefill gives, bit for
+bit), so the others go on emitting tokens instead of waiting for the whole prompt, whose prefill
+takes many decoding steps' time; the parts cost a little throughput (each streams the weights again).
+Off (0) by default, as llama.cpp's server feeds a prompt whole.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-from draftverify.backend.feed import Feed
+import torch
+
+from draftverify.backend.feed import Feed, Forward
 from draftverify.models import Runner, forward_many
 from draftverify.round import Rounds
 from draftverify.session import Session
@@ -41,13 +50,24 @@ class Member:
     error: BaseException | None = None
     done: bool = False
     tag: object = None  # the caller's handle (the server's ticket)
+    fed: int = 0  # the rows of `feed` already run (a prompt fed in parts)
+    states: list[torch.Tensor] = field(default_factory=list)  # their final hidden states, when `feed` asks for all
+
+
+def divisible(feed: Feed, part: int) -> bool:
+    """Whether `feed` is a prompt that may run in parts of `part` rows: causal new tokens after the cache (no
+    positions, tree, skipped layers or draft vocabulary) whose logits are asked for its last few rows only."""
+    plain = feed.positions is None and feed.tree_mask is None and feed.skip is None and feed.vocab is None
+    return plain and feed.last is not None and feed.last <= part
 
 
 class Batch:
     """Requests that share every target forward; see the module docstring."""
 
-    def __init__(self):
+    def __init__(self, prompt_part: int = 0):
+        """`prompt_part`: feed a longer prompt that many rows a step while others decode (0: whole)."""
         self.members: list[Member] = []
+        self.prompt_part = prompt_part
 
     def __len__(self) -> int:
         return len(self.members)
@@ -64,17 +84,19 @@ class Batch:
         """One stacked forward for every live member; returns the members that ended (and leave the batch)."""
         live = [m for m in self.members if not m.done]
         if live:
-            rows = [m.feed.size for m in live]
+            long = [self.prompt_part > 0 and self._long_prompt(m) for m in live]
+            parts = [self._part(m, split=lp and not all(long)) for m, lp in zip(live, long)]
+            rows = [part.size for part in parts]
             for m, n in zip(live, rows):
                 m.session.others = sum(rows) - n
             try:
-                outs = forward_many([m.runner for m in live], [m.feed for m in live])
+                outs = forward_many([m.runner for m in live], parts)
             except Exception as exc:  # the stacked forward itself failed: every member in it fails
                 for m in live:
                     self._fail(m, exc)
             else:
-                for m, out in zip(live, outs):
-                    self._advance(m, out)
+                for m, part, out in zip(live, parts, outs):
+                    self._take(m, part, out)
         ended = [m for m in self.members if m.done]
         self.members = [m for m in self.members if not m.done]
         return ended
@@ -86,6 +108,33 @@ class Batch:
             member.done = member.session.done = True
             member.session.stats.finish_reason = member.session.stats.finish_reason or "cancelled"
         self.members = [m for m in self.members if m is not member]
+
+    def _long_prompt(self, m: Member) -> bool:
+        """Whether `m` waits for a prompt (or the rest of one) longer than `prompt_part` that may run in parts."""
+        rest = m.feed.size - m.fed
+        return rest > self.prompt_part and (m.fed > 0 or (divisible(m.feed, self.prompt_part) and m.runner.rows_alone))
+
+    def _part(self, m: Member, split: bool) -> Feed:
+        """What of `m.feed` runs this step: its next `prompt_part` rows (`split`: a long prompt while others
+        decode; logits for the last of them, unused, and the hidden states when all are asked for), else all of
+        it, or all that is left of a prompt begun in parts."""
+        feed = m.feed
+        if split:
+            tokens = feed.tokens[m.fed : m.fed + self.prompt_part]
+            return Feed(tokens, last=1, hidden="all" if feed.hidden == "all" else False)
+        return feed if m.fed == 0 else replace(feed, tokens=feed.tokens[m.fed :])
+
+    def _take(self, m: Member, part: Feed, out: Forward) -> None:
+        """`m`'s output of this step: kept while its prompt has rows still to run, else handed to its round."""
+        if m.fed + part.size < m.feed.size:
+            m.fed += part.size
+            if m.feed.hidden == "all":
+                m.states.append(out.hidden)
+            return
+        if m.states:
+            out = Forward(out.logits, torch.cat([*m.states, out.hidden]))
+        m.fed, m.states = 0, []
+        self._advance(m, out)
 
     def _advance(self, m: Member, out) -> None:
         try:

@@ -136,6 +136,11 @@ class Runner:
         return self.decoder if self.backend == "static" else None
 
     @property
+    def rows_alone(self) -> bool:
+        """Whether a forward's rows do not depend on the rows beside them (`StaticDecoder.rows_alone`)."""
+        return self.static is not None and self.static.rows_alone
+
+    @property
     def length(self) -> int:
         return self.cache.length
 

@@ -157,6 +157,15 @@ class StaticDecoder:
         source.release()
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
+    @property
+    def rows_alone(self) -> bool:
+        """Whether each row of a forward gets the bits it would get in any other forward of this decoder: a file's
+        block products (row-invariant at every row count), the kernels' attention (each row alone; not Gemma 2's
+        capped scores, which Python forms per forward), norms and rotations per row. A prompt may then be fed in
+        parts (`batch.Batch`) and no bit changes."""
+        file_blocks = getattr(self.model, "weight_source", None) is not None
+        return file_blocks and self.rope_attention is not None and all(layer.softcap is None for layer in self.layers)
+
     def new_cache(self) -> StaticCache:
         return StaticCache(len(self.layers), self.n_kv, self.head_dim, self.kv_dtype, self.device, self.max_length)
 

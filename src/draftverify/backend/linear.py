@@ -64,6 +64,8 @@ class PackedLinear:
     `arithmetic` "q8": a target weight with exact Q4_1 / Q8_0 blocks takes the q8 product (kernels/q8.py) at every
     row count. A q8 weight's `quant` is what the one-call layer takes of it (`q8_layer_weight`)."""
 
+    any_rows = False  # one product for every row count (`BlockLinear`): no, oneDNN's sums may depend on it
+
     def __init__(self, linears: list[torch.nn.Linear], draft: bool = False, arithmetic: str = "fp32"):
         weights = [lin.weight.detach() for lin in linears]
         weight = weights[0].contiguous() if len(weights) == 1 else torch.cat(weights)  # [out, in] (one: not copied)
@@ -176,6 +178,8 @@ class BlockLinear:
     element is one part's row dotted with x, so fusing changes no bits. Quacks as PackedLinear where the decoder
     and `Spans` ask: `blocks` (row-invariant: stacked rows share one call), `quant` (the weight as the kernels'
     one-call `layer` takes it, `layer_weight`), `out_features`."""
+
+    any_rows = True  # one product for every row count: the rows of any sequences may share a call (`Spans`)
 
     def __init__(self, weights: list, bias: torch.Tensor | None = None, arithmetic: str = "fp32"):
         self.parts = [for_arithmetic(w, arithmetic) for w in concat_runs(weights)]

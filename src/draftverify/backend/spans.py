@@ -11,7 +11,8 @@ class Spans:
     """The rows of a stacked forward, (first row, count) per sequence in order, and how a linear takes them:
     each sequence's rows on the product its own forward would use, so stacking changes no row's arithmetic.
     The quantized product is row-invariant and takes every short sequence's rows in one call; oneDNN, whose
-    sums may depend on the row count, takes each long sequence's rows (a prefill) alone."""
+    sums may depend on the row count, takes each long sequence's rows (a prefill) alone. A file's block product
+    (`BlockLinear.any_rows`) is the same product at every row count and takes all rows in one call."""
 
     def __init__(self, spans: list[tuple[int, int]], device):
         self.single = len(spans) == 1
@@ -24,7 +25,7 @@ class Spans:
         )
 
     def __call__(self, linear: PackedLinear, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
-        if self.single or linear.blocks is None:  # one sequence; or no quantized product (oneDNN throughout)
+        if self.single or linear.blocks is None or linear.any_rows:  # one sequence; one product for any rows
             return linear(x)
         if not self.long:
             return linear(x, quant=True)

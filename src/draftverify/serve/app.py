@@ -80,6 +80,7 @@ class ServeConfig:
     model_name: str | None = None  # the id clients send as `model`; default: the target's name
     max_queue: int = 16  # requests that may wait for a place in the running batch; more get 429
     max_batch: int = 8  # requests decoded together (continuous batching; 1 = one at a time)
+    prompt_part: int = 0  # feed a longer prompt this many rows a step while others decode (`batch.Batch`); 0: whole
     timeout_s: float = 600.0  # per request, from arrival to the last token
     shutdown_grace_s: float = 30.0  # on shutdown, how long the running generation may go on
     default_max_tokens: int = 256  # when a request gives no max_tokens
@@ -92,6 +93,7 @@ class ServeConfig:
         require(self.methods, "no method given: pass e.g. --methods speculative")
         require(self.max_queue >= 0, f"max_queue={self.max_queue} must be at least 0")
         require(self.max_batch >= 1, f"max_batch={self.max_batch} must be at least 1")
+        require(self.prompt_part >= 0, f"prompt_part={self.prompt_part} must be at least 0 (0: prompts fed whole)")
         require(self.timeout_s > 0, f"timeout={self.timeout_s} must be positive (seconds)")
         require(self.shutdown_grace_s >= 0, f"shutdown_grace={self.shutdown_grace_s} must be at least 0 (seconds)")
         require(self.default_max_tokens >= 1, f"default_max_tokens={self.default_max_tokens} must be at least 1")
@@ -120,7 +122,7 @@ class Service:
                 log.info("pool %s: %d phrases", method.config.pool_file, len(method.pool))
                 self.pooled.append(method)
         self.metrics = Metrics()
-        self.scheduler = Scheduler(engine, config.max_queue, self.metrics, config.max_batch)
+        self.scheduler = Scheduler(engine, config.max_queue, self.metrics, config.max_batch, config.prompt_part)
 
     def start(self) -> None:
         self.scheduler.start()

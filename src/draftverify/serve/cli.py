@@ -48,6 +48,11 @@ SERVE_DEVICE_MAP = typer.Option(
     None,
     help="Spread the target over several GPUs with accelerate, e.g. 'auto' (then --device is ignored for the target).",
 )
+SERVE_PROMPT_PART = typer.Option(
+    0,
+    help="Feed a prompt longer than this many tokens that many a step while other requests decode, so their "
+    "streams go on during its prefill (a little less throughput); 0 (default): whole, as llama.cpp's server does.",
+)
 SERVE_LOG_LEVEL = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug.")
 
 
@@ -60,6 +65,7 @@ def serve(
     model_name: Optional[str] = SERVE_MODEL_NAME,
     max_queue: int = SERVE_MAX_QUEUE,
     max_batch: int = SERVE_MAX_BATCH,
+    prompt_part: int = SERVE_PROMPT_PART,
     timeout: float = SERVE_TIMEOUT,
     shutdown_grace: float = SERVE_SHUTDOWN_GRACE,
     default_max_tokens: int = SERVE_DEFAULT_MAX_TOKENS,
@@ -83,6 +89,7 @@ def serve(
         model_name=model_name,
         max_queue=max_queue,
         max_batch=max_batch,
+        prompt_part=prompt_part,
         timeout_s=timeout,
         shutdown_grace_s=shutdown_grace,
         default_max_tokens=default_max_tokens,

@@ -52,6 +52,8 @@ class Call:
     text: str = ""
     error: str = ""
     valid: bool | None = None  # the text parses / validates against the JSON format sent; None: none was sent
+    gap_max_s: float | None = None  # the longest wait between two pieces of text (a stream that stalled)
+    gaps: list[float] = field(default_factory=list, repr=False)  # every wait between two pieces of text
 
 
 @dataclass
@@ -66,6 +68,8 @@ class Run:
     latency_p99_s: float | None
     ttft_p50_s: float | None
     ttft_p99_s: float | None
+    gap_p99_s: float | None = None  # over every wait between two pieces of text of every request of the run
+    gap_max_s: float | None = None
     mismatches: int = 0  # greedy outputs that differ from the reference output of the same prompt
     invalid: int | None = None  # outputs that do not parse / validate; None when no JSON format was sent
     calls: list[Call] = field(default_factory=list)
@@ -121,7 +125,7 @@ async def one_call(client, base: str, model: str, method: str, index: int, promp
             if response.status_code != 200:
                 call.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:200]}"
                 return call
-            parts = []
+            parts, last = [], 0.0
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -132,12 +136,17 @@ async def one_call(client, base: str, model: str, method: str, index: int, promp
                 for choice in event.get("choices", []):
                     text = choice.get("delta", {}).get("content")
                     if text:
+                        now = time.perf_counter() - start
                         if call.ttft_s is None:
-                            call.ttft_s = time.perf_counter() - start
+                            call.ttft_s = now
+                        else:
+                            call.gaps.append(now - last)
+                        last = now
                         parts.append(text)
                 if event.get("usage"):
                     call.tokens = event["usage"]["completion_tokens"]
             call.text, call.ok = "".join(parts), True
+            call.gap_max_s = max(call.gaps, default=None)
     except Exception as exc:  # a refused connection, a timeout, a broken stream: this request's error
         call.error = f"{type(exc).__name__}: {exc}"[:200]
     finally:
@@ -176,6 +185,7 @@ async def run_load(
     good = [c for c in calls if c.ok]
     for c in good:  # checked after the clock stopped: the check is the tool's work, not the server's
         c.valid = output_valid(c.text, ask.response_format)
+    gaps = [g for c in good for g in c.gaps]
     return Run(
         method=method,
         concurrency=concurrency,
@@ -187,9 +197,18 @@ async def run_load(
         latency_p99_s=percentile([c.latency_s for c in good], 99),
         ttft_p50_s=percentile([c.ttft_s for c in good if c.ttft_s is not None], 50),
         ttft_p99_s=percentile([c.ttft_s for c in good if c.ttft_s is not None], 99),
+        gap_p99_s=percentile(gaps, 99),
+        gap_max_s=max(gaps, default=None),
         invalid=None if all(c.valid is None for c in good) else sum(1 for c in good if c.valid is False),
         calls=sorted(calls, key=lambda c: c.prompt),
     )
+
+
+def without_gaps(run: dict) -> dict:
+    """A run as results.json holds it: each call's longest gap, not every gap (the run's percentiles have them)."""
+    for call in run["calls"]:
+        call.pop("gaps")
+    return run
 
 
 def count_mismatches(runs: list[Run]) -> None:
@@ -324,5 +343,5 @@ def load(
             "response_format_file": format_file,
             "response_format": ask.response_format,
         },
-        "runs": [asdict(r) for r in runs],
+        "runs": [without_gaps(asdict(r)) for r in runs],
     }

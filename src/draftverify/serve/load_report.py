@@ -38,7 +38,8 @@ def header(results: dict) -> list[str]:
         )
     return lines + [
         "- tokens/s = all completion tokens of a run / its wall time (aggregate over clients); latency and TTFT "
-        "per request.",
+        "per request; text gap: every wait between two pieces of a streamed reply, over all requests of the run "
+        "(a stream that stalls while another request's prompt is read shows here).",
         "- mismatches: greedy outputs that differ from the same prompt's output at the lowest concurrency of the "
         "same method (for that run: the first method's).",
     ]
@@ -49,8 +50,8 @@ def table(runs: list[dict]) -> list[str]:
     JSON format was sent (unknown, not 0)."""
     lines = [
         "| method | concurrency | requests | errors | tokens/s | vs 1 client | latency p50 / p99 (s) "
-        "| TTFT p50 / p99 (s) | mismatches | invalid |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p50 / p99 (s) | text gap p99 / max (s) | mismatches | invalid |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def sec(x):
@@ -65,7 +66,8 @@ def table(runs: list[dict]) -> list[str]:
             f"| `{run['method']}` | {run['concurrency']} | {run['requests']} | {run['errors']} "
             f"| {run['tokens_per_s']:.1f} | {ratio:.2f}x "
             f"| {sec(run['latency_p50_s'])} / {sec(run['latency_p99_s'])} "
-            f"| {sec(run['ttft_p50_s'])} / {sec(run['ttft_p99_s'])} | {run['mismatches']} "
+            f"| {sec(run['ttft_p50_s'])} / {sec(run['ttft_p99_s'])} "
+            f"| {sec(run.get('gap_p99_s'))} / {sec(run.get('gap_max_s'))} | {run['mismatches']} "
             f"| {'-' if invalid is None else invalid} |"
         )
     return lines

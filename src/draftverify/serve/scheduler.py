@@ -90,11 +90,11 @@ class Ticket:
 class Scheduler:
     """A bounded FIFO line of tickets and the worker thread that runs them, up to `max_batch` at once."""
 
-    def __init__(self, engine: Engine, max_queue: int, metrics: Metrics, max_batch: int = 8):
+    def __init__(self, engine: Engine, max_queue: int, metrics: Metrics, max_batch: int = 8, prompt_part: int = 0):
         self.engine, self.max_queue, self.metrics, self.max_batch = engine, max_queue, metrics, max_batch
         self._line: deque[Ticket] = deque()
         self._cond = threading.Condition()
-        self._batch = Batch()
+        self._batch = Batch(prompt_part)
         self._joining = 0
         self._closing = False
         self._cancel_at = math.inf  # once draining: when the running generations are cut short
