@@ -23,8 +23,9 @@ With `prompt_part` rows (`Batch(prompt_part=...)`, `serve --prompt-part`), a lon
 while others decode is fed that many rows a step (on a runner whose rows do not depend on the rows
 beside them, `Runner.rows_alone`: the cache and the logits are the ones a whole prefill gives, bit for
 bit), so the others go on emitting tokens instead of waiting for the whole prompt, whose prefill
-takes many decoding steps' time; the parts cost a little throughput (each streams the weights again).
-Off (0) by default, as llama.cpp's server feeds a prompt whole.
+takes many decoding steps' time, and a shorter request that arrives meanwhile joins at the next part
+rather than after the whole prefill; each part streams the weights again. Off (0) by default here;
+the server feeds prompts in parts by default (`ServeConfig.prompt_part`).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class ServeConfig:
     model_name: str | None = None  # the id clients send as `model`; default: the target's name
     max_queue: int = 16  # requests that may wait for a place in the running batch; more get 429
     max_batch: int = 8  # requests decoded together (continuous batching; 1 = one at a time)
-    prompt_part: int = 0  # feed a longer prompt this many rows a step while others decode (`batch.Batch`); 0: whole
+    prompt_part: int = 128  # feed a longer prompt this many rows a step while others decode (`batch.Batch`); 0: whole
     timeout_s: float = 600.0  # per request, from arrival to the last token
     shutdown_grace_s: float = 30.0  # on shutdown, how long the running generation may go on
     default_max_tokens: int = 256  # when a request gives no max_tokens

@@ -49,9 +49,9 @@ SERVE_DEVICE_MAP = typer.Option(
     help="Spread the target over several GPUs with accelerate, e.g. 'auto' (then --device is ignored for the target).",
 )
 SERVE_PROMPT_PART = typer.Option(
-    0,
+    128,
     help="Feed a prompt longer than this many tokens that many a step while other requests decode, so their "
-    "streams go on during its prefill (a little less throughput); 0 (default): whole, as llama.cpp's server does.",
+    "streams go on and shorter requests join during its prefill; 0: whole, as llama.cpp's server does.",
 )
 SERVE_LOG_LEVEL = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug.")
 
