@@ -159,12 +159,13 @@ class StaticDecoder:
 
     @property
     def rows_alone(self) -> bool:
-        """Whether each row of a forward gets the bits it would get in any other forward of this decoder: a file's
-        block products (row-invariant at every row count), the kernels' attention (each row alone; not Gemma 2's
-        capped scores, which Python forms per forward), norms and rotations per row. A prompt may then be fed in
-        parts (`batch.Batch`) and no bit changes."""
-        file_blocks = getattr(self.model, "weight_source", None) is not None
-        return file_blocks and self.rope_attention is not None and all(layer.softcap is None for layer in self.layers)
+        """Whether each row of a forward gets the bits it would get in any other forward of this decoder: every
+        product one product at every row count (`any_rows`: a file's blocks), the kernels' attention (each row
+        alone; not Gemma 2's capped scores, which Python forms per forward), norms and rotations per row. A prompt
+        may then be fed in parts (`batch.Batch`) and no bit changes."""
+        linears = [self.head, *(w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+        products = all(linear.any_rows for linear in linears)
+        return products and self.rope_attention is not None and all(layer.softcap is None for layer in self.layers)
 
     def new_cache(self) -> StaticCache:
         return StaticCache(len(self.layers), self.n_kv, self.head_dim, self.kv_dtype, self.device, self.max_length)
