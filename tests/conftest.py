@@ -12,11 +12,19 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def _cores_per_worker() -> int:
+    """The cores this test process may use: the machine's, shared out among pytest-xdist's workers
+    (`scripts/test.sh` runs one per core, at most 4): two workers each running two threads on two
+    cores would spin against each other."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
 @pytest.fixture(autouse=True)
 def _threads(request):
     """One thread for tiny models (thread hand-offs dominate their tiny matmuls, badly so on a busy
-    machine), all cores (at most 2 here) for tests of the real model."""
-    torch.set_num_threads(min(2, os.cpu_count() or 1) if "smollm" in request.fixturenames else 1)
+    machine), this worker's cores (at most 2) for tests of the real model."""
+    torch.set_num_threads(min(2, _cores_per_worker()) if "smollm" in request.fixturenames else 1)
 
 
 @pytest.fixture(scope="session")
