@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
-from conftest import ARCHS, make_model
+from conftest import ARCHS, SLIDING_ARCHS, make_model
 
 from draftverify import DraftVerifyError, Runner
 
@@ -39,6 +41,20 @@ def test_tree_forward_matches_each_branch_run_alone(tiny, arch):
     ref = Runner(model)
     ref.forward(prefix + [9, 12])
     torch.testing.assert_close(after, ref.forward([13]).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS + ("qwen3",) + SLIDING_ARCHS)
+def test_the_stock_forward_takes_no_argument_transformers_deprecates(tiny, arch):
+    """The eager backend passes the stock model only what its installed transformers takes without a
+    FutureWarning (a deprecated argument, such as `past_key_values` for the cache, is removed later)."""
+    run = Runner(tiny(arch).model, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        run.forward([5, 6, 7, 8])
+        mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
+        run.forward([9, 10, 11], positions=torch.tensor([4, 5, 5]), tree_mask=mask, hidden=True)
+        run.select(4, [4, 6])
+        run.forward([12], last=1)
 
 
 def test_crop_and_last(tiny):

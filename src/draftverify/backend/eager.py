@@ -5,6 +5,7 @@ custom 4-D attention mask. Trees and Jacobi windows go through the stock `attent
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
@@ -23,6 +24,9 @@ class EagerDecoder:
         self.dtype = model.get_input_embeddings().weight.dtype
         self.windows = layer_windows(model.config)
         self._dict_masks = isinstance(getattr(model.config, "layer_types", None), (list, tuple))
+        # the cache's argument: `cache` in recent transformers 5 (which still maps the older name, warning that it
+        # goes), `past_key_values` before
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def new_cache(self) -> EagerCache:
         return EagerCache(self.device)
@@ -49,10 +53,10 @@ class EagerDecoder:
         with skip.applied(self.model) if skip is not None else contextlib.nullcontext():
             out = self.model(
                 input_ids=tokens.view(1, n),
-                past_key_values=cache.store,
                 use_cache=True,
                 logits_to_keep=feed.last or 0,
                 output_hidden_states=bool(feed.hidden),
+                **{self._cache_arg: cache.store},
                 **kwargs,
             )
         cache.length += n
