@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (first run only) and run the whole test suite, the real default model included.
-# The tests run in one process per core (pytest-xdist; at most 4, each loads the default model once);
-# DV_TEST_WORKERS=1 runs them in this process, as plain pytest does.
+# The tests run in one process per core (pytest-xdist; at most 4, each loads the default model once), each test
+# file whole on one of them, in its own order. DV_TEST_WORKERS=1 runs them all in this process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -9,6 +9,6 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
 workers=${DV_TEST_WORKERS:-$(python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}
 if [ "$workers" -gt 1 ]; then
-  exec python -m pytest -q -p no:cacheprovider -n "$workers" "$@"
+  exec python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile "$@"
 fi
 exec python -m pytest -q -p no:cacheprovider "$@"

@@ -234,8 +234,9 @@ def test_models_health_metrics(live):
     assert models["object"] == "list" and models["data"][0]["methods"] == ["speculative[k=4]", "autoregressive"]
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["queue_capacity"] == 16 and health["busy"] is False
+    # long enough to draft (a reply that ends at its first token drafts nothing), whatever ran before on this server
     r = client.post(
-        "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "temperature": 0, "method": "speculative"}
+        "/v1/completions", json={"prompt": "Hello there", "max_tokens": 12, "temperature": 0, "method": "speculative"}
     )
     assert (
         r.json()["draftverify"]["method"] == "speculative[k=4]"
@@ -246,6 +247,7 @@ def test_models_health_metrics(live):
     assert samples["draftverify_queue_depth"] == 0 and samples["draftverify_queue_capacity"] == 16
     assert samples['draftverify_generated_tokens_total{method="speculative[k=4]"}'] >= 3
     drafted = samples['draftverify_drafted_tokens_total{method="speculative[k=4]"}']
+    assert drafted > 0
     assert samples['draftverify_acceptance_rate{method="speculative[k=4]"}'] == pytest.approx(
         samples['draftverify_accepted_tokens_total{method="speculative[k=4]"}'] / drafted, abs=1e-5
     )
