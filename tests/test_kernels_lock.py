@@ -44,3 +44,52 @@ def test_a_finished_build_records_itself_and_loads_without_the_builder(monkeypat
     monkeypatch.setattr(builder, "load", lambda **_: pytest.fail("the builder ran for a recorded build"))
     again = kernels.cpu.__wrapped__()  # what a fresh process does
     assert again is not None and hasattr(again, "block_linear")
+
+
+ZEN5 = {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "sse4_2"}
+
+
+@pytest.mark.parametrize(
+    "level, isa, kept",
+    [
+        ("", "avx512vnni", ZEN5),
+        ("native", "avx512vnni", ZEN5),
+        ("avx512vnni", "avx512vnni", ZEN5),
+        ("avx512", "avx512", {"avx2", "fma", "avx512f", "avx512bw", "sse4_2"}),
+        ("AVXVNNI", "avx2_avxvnni", {"avx2", "fma", "avx_vnni", "sse4_2"}),
+        ("avx2", "avx2", {"avx2", "fma", "sse4_2"}),
+    ],
+)
+def test_draftverify_isa_runs_a_lower_level_of_the_cpu(monkeypatch, level, isa, kept):
+    """DRAFTVERIFY_ISA leaves out the flags above its level, so every choice (the build's name and flags, the q8
+    default's VNNI test) sees the CPU it names; the build's name says which it is."""
+    monkeypatch.setattr(kernels, "native_flags", lambda: set(ZEN5))
+    monkeypatch.setenv("DRAFTVERIFY_ISA", level)
+    kernels.cpu_flags.cache_clear()
+    try:
+        assert kernels.cpu_flags() == kept
+        assert kernels.isa() == isa
+        assert kernels.has_vnni() == (isa == "avx512vnni")
+        assert ("-mavx512f" in kernels.machine_flags()) == isa.startswith("avx512")
+    finally:
+        kernels.cpu_flags.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "level, message",
+    [
+        ("sse", "'sse' is not a level: use one of avx2, avxvnni, avx512, avx512vnni"),
+        ("avx512", "needs avx512bw, avx512f"),
+    ],
+)
+def test_draftverify_isa_refuses_what_the_cpu_lacks_in_one_line(monkeypatch, level, message):
+    from draftverify.errors import DraftVerifyError
+
+    monkeypatch.setattr(kernels, "native_flags", lambda: {"avx2", "fma"})  # Zen 3: no AVX-512
+    monkeypatch.setenv("DRAFTVERIFY_ISA", level)
+    kernels.cpu_flags.cache_clear()
+    try:
+        with pytest.raises(DraftVerifyError, match=message):
+            kernels.cpu_flags()
+    finally:
+        kernels.cpu_flags.cache_clear()

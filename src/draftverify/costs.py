@@ -196,10 +196,11 @@ def machine() -> dict:
 
 @functools.cache
 def kernel_build() -> str:
-    """The kernels' build tag (a hash of their sources) and torch's version: a rebuild can change any time."""
-    from draftverify.kernels import source_tag
+    """The kernels' build tag (a hash of their sources and the instruction set they are built for) and torch's
+    version: a rebuild can change any time."""
+    from draftverify.kernels import isa, source_tag
 
-    return f"{source_tag()}-torch{torch.__version__}"
+    return f"{source_tag()}-{isa()}-torch{torch.__version__}"
 
 
 def curve_key(runner: Runner, all_logits: bool, widths) -> dict:

@@ -9,10 +9,15 @@ module.cpp registers them all), compiled once per machine and cached.
 (not x86-64 with AVX2 + FMA, no C++ compiler or ninja, a failed build, or
 `DRAFTVERIFY_KERNELS=0`); the static path then uses oneDNN for every row count, ATen's
 RMSNorm and SDPA. The build
-takes a minute or so, says so on stderr, and lands in `~/.cache/draftverify/kernels/`
+takes a few minutes on 2 cores, says so on stderr, and lands in `~/.cache/draftverify/kernels/`
 under a name that changes with the source and the CPU's vector width (an AVX-512 build for a CPU
 that has it, else AVX2), with a record of the torch and flags it was built with (`BUILT_FILE`), so later processes
 import it directly, whatever path their checkout of the same sources sits at.
+
+`DRAFTVERIFY_ISA` (`avx2`, `avxvnni`, `avx512`, `avx512vnni`) runs a lower level of this CPU's instruction set, as
+though the CPU stopped there: the build, every choice of path and the reports follow (`cpu_flags` leaves out what
+lies above it). So the AVX2 kernels (Zen 3's) are built and tested on an AVX-512 machine:
+`DRAFTVERIFY_ISA=avx2 bash scripts/test.sh`. A level this CPU does not have is refused.
 """
 
 from __future__ import annotations
@@ -37,14 +42,47 @@ def unavailable() -> str | None:
     return _why_not
 
 
-@functools.cache
-def cpu_flags() -> set[str]:
+# DRAFTVERIFY_ISA's levels: the flags each one needs, and the flags of the levels above it that it leaves out
+ISA_LEVELS = {
+    "avx2": ({"avx2", "fma"}, {"avx_vnni"}),
+    "avxvnni": ({"avx2", "fma", "avx_vnni"}, set()),
+    "avx512": ({"avx2", "fma", "avx512f", "avx512bw"}, {"avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16"}),
+    "avx512vnni": ({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"}, set()),
+}
+
+
+def native_flags() -> set[str]:
+    """The flags /proc/cpuinfo gives this CPU (empty where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
     line = next((line for line in text.splitlines() if line.startswith("flags")), "")
     return set(line.split(":", 1)[-1].split())
+
+
+@functools.cache
+def cpu_flags() -> set[str]:
+    """This CPU's flags, less those above the level `DRAFTVERIFY_ISA` names, if set (read once a process)."""
+    flags = native_flags()
+    level = os.environ.get("DRAFTVERIFY_ISA", "").strip().lower()
+    if not level or level == "native":
+        return flags
+    from draftverify.errors import require
+
+    require(level in ISA_LEVELS, f"DRAFTVERIFY_ISA={level!r} is not a level: use one of {', '.join(ISA_LEVELS)}")
+    needs, above = ISA_LEVELS[level]
+    missing = needs - flags
+    require(not missing, f"DRAFTVERIFY_ISA={level} needs {', '.join(sorted(missing))}, which this CPU lacks: unset it")
+    if level in ("avx2", "avxvnni"):
+        above = above | {flag for flag in flags if flag.startswith("avx512")}
+    return flags - above
+
+
+def isa() -> str:
+    """The instruction set the kernels are built for here: `avx512vnni`, `avx512`, `avx2`, or `avx2_avxvnni`."""
+    wide, vnni, avx_vnni = has_avx512(), has_vnni(), has_avx_vnni()
+    return ("avx512vnni" if vnni else "avx512" if wide else "avx2") + ("_avxvnni" if avx_vnni and not vnni else "")
 
 
 def has_avx512() -> bool:
@@ -99,6 +137,10 @@ def _flags(wide: bool, vnni: bool, avx_vnni: bool = False) -> list[str]:
     # (same soname, already loaded), so there is one thread pool.
     return [
         "-O3",
+        # the arithmetic is what the intrinsics say: left to itself the compiler fuses a multiply and the add after it
+        # into one FMA (one rounding fewer) where it sees both, and whether it sees both depends on how much of a
+        # kernel's template it unrolls, so one row alone and the same row among others could get different bits
+        "-ffp-contract=off",
         "-fopenmp",
         "-mavx2",
         "-mfma",
@@ -182,9 +224,7 @@ def cpu():
     from draftverify.util import cache_root
 
     # 16-lane AVX-512 and int8 dot products where the CPU has them (a per-CPU build)
-    wide, vnni, avx_vnni = has_avx512(), has_vnni(), has_avx_vnni()
-    isa = "avx512vnni" if vnni else "avx512" if wide else "avx2"
-    name = f"draftverify_cpu_{source_tag()}_{isa}{'_avxvnni' if avx_vnni and not vnni else ''}"
+    name = f"draftverify_cpu_{source_tag()}_{isa()}"
     folder = cache_root() / "kernels" / name
     flags = machine_flags()
     record = _build_record(flags)
@@ -209,7 +249,7 @@ def _build(folder: Path, name: str, flags: list[str], record: str):
     if fresh:
         print(
             "draftverify: compiling the CPU kernels (quantized and one-row matmuls, attention, RMSNorm) once"
-            " (about a minute)...",
+            " (a few minutes on 2 cores)...",
             file=sys.stderr,
             flush=True,
         )
