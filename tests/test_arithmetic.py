@@ -34,7 +34,7 @@ def test_default_rule(tmp_path, monkeypatch):
     path.write_text(
         json.dumps({"m.gguf": {"ppl_fp32": 10.0, "ppl_q8": 10.01}, "bad.gguf": {"ppl_fp32": 1, "ppl_q8": 2}})
     )
-    monkeypatch.setattr(kernels, "has_vnni", lambda: True)
+    monkeypatch.setattr(kernels, "cpu", lambda: object())  # compiled kernels: VNNI, AVX-VNNI or AVX2 alike
     assert ar.Q8_DEFAULT and ar.default_arithmetic("/x/m.gguf", "cpu", path)[0] == "q8"
     assert ar.default_arithmetic("/x/bad.gguf", "cpu", path)[0] == "fp32"
     assert ar.default_arithmetic("/x/unknown.gguf", "cpu", path)[0] == "fp32"
@@ -43,8 +43,12 @@ def test_default_rule(tmp_path, monkeypatch):
     monkeypatch.setattr(ar, "Q8_DEFAULT", False)  # the switch: every condition met, fp32
     assert ar.default_arithmetic("/x/m.gguf", "cpu", path) == ("fp32", "q8 is switched off (arithmetic.Q8_DEFAULT)")
     monkeypatch.setattr(ar, "Q8_DEFAULT", True)
-    monkeypatch.setattr(kernels, "has_vnni", lambda: False)
-    assert ar.default_arithmetic("/x/m.gguf", "cpu", path)[0] == "fp32"
+    monkeypatch.setattr(kernels, "cpu", lambda: None)  # no compiler, or not x86-64 with AVX2: q8 would be numpy's
+    monkeypatch.setattr(kernels, "_why_not", "no C++ compiler")
+    assert ar.default_arithmetic("/x/m.gguf", "cpu", path) == (
+        "fp32",
+        "no compiled CPU kernels for q8's integer products here (no C++ compiler)",
+    )
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])

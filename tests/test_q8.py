@@ -63,6 +63,22 @@ def test_kernel_matches_reference_bit_for_bit(layout, sub, k, centred, half):
 
 
 @needs_kernels
+@pytest.mark.parametrize("layout,sub,k", CASES)
+def test_the_largest_codes_times_the_largest_activations_are_exact(layout, sub, k):
+    """Every code at its largest (15, 31 or 255) times activations that round to +-127 everywhere: the integer sums
+    at their bounds. AVX2's maddubs adds pairs of products in int16, and the kernel adds a half block's pairs in
+    int16 before widening them (4 x 2 x 31 x 127 = 31496 < 32767): a wider sum would saturate, and differ here."""
+    w = weight(layout, sub, 32, k)
+    w.codes.fill_(0xFF if layout == "u4" else {"u5": 31}.get(layout, 255))
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0  # alternating signs: pairs of products that cancel
+    x[3, : k // 2] = -1.0
+    y = q8k.matmul(q8k.prepare(w), x).numpy()
+    assert np.array_equal(y.view(np.uint32), q8k.reference(x.numpy(), w).view(np.uint32))
+
+
+@needs_kernels
 @pytest.mark.parametrize("centred", [False, True], ids=["asymmetric", "centred"])
 @pytest.mark.parametrize("layout,sub,k", CASES)
 def test_every_row_is_its_one_row_product(layout, sub, k, centred):

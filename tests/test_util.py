@@ -137,3 +137,15 @@ def test_no_source_file_over_400_lines_and_no_function_over_60():
                 if node.end_lineno - first + 1 > 60:
                     long_functions[f"{path.relative_to(root)}:{node.name}"] = node.end_lineno - first + 1
     assert not long_functions, f"split these functions: {long_functions}"
+
+
+def test_a_reports_command_carries_the_environment_that_changes_the_run(monkeypatch):
+    from draftverify.util import RUN_ENV, command_line
+
+    for name in RUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert command_line("draftverify", ["bench", "--out", "a b"]) == "draftverify bench --out 'a b'"
+    monkeypatch.setenv("DRAFTVERIFY_ISA", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("UNRELATED", "1")
+    assert command_line("draftverify", ["bench"]) == "DRAFTVERIFY_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 draftverify bench"

@@ -8,8 +8,10 @@ token, sampling exactly distributed. `Engine.load(dtype=...)` takes the arithmet
 
 The default rule (`default_arithmetic`): q8 when all of these hold (and `Q8_DEFAULT` is on), else fp32:
 - the target is a GGUF file (its block weights are what q8 multiplies; a safetensors target stays fp32),
-- the CPU has integer dot products in the kernels' build (AVX-512 VNNI; a plain AVX2 CPU gets the maddubs product
-  when asked for, not by default, since nothing here measured it paying),
+- the compiled CPU kernels load here: they multiply with the CPU's integer dot products (AVX-512 VNNI `vpdpbusd`,
+  AVX-VNNI's, or AVX2's `maddubs`, which every CPU the kernels build for has; the same bits on each, docs/q8.md).
+  On AVX2 too q8 decodes faster than fp32 and makes verified rows cheaper (docs/q8.md links the run); without
+  the kernels q8 would run on a numpy reference, far slower than fp32,
 - the published quality record of this model (`QUALITY`, written by `python -m draftverify.tools.quality`) has q8's
   perplexity within `PPL_TOLERANCE` of fp32's on its named text.
 `Q8_DEFAULT` is the switch for the whole rule: on since the q8 products (weights in tiles of 16 outputs, one
@@ -56,19 +58,19 @@ def within_tolerance(record: dict | None) -> bool:
 
 def default_arithmetic(source: Path | str | None, device: str = "cpu", quality_path: Path = QUALITY) -> tuple[str, str]:
     """The rule of this module's docstring for a target loaded from `source`: (arithmetic, why in a few words)."""
-    from draftverify.kernels import has_vnni
+    from draftverify.kernels import cpu, unavailable
 
     path = Path(source) if source is not None else None
     if path is None or path.suffix != ".gguf":
         return "fp32", "the target is not a GGUF file"
     if device != "cpu":
         return "fp32", f"the target runs on {device}"
-    if not has_vnni():
-        return "fp32", "this CPU has no AVX-512 VNNI integer dot products"
     if not within_tolerance(quality(path.name, quality_path)):
         return "fp32", f"no quality record puts q8 within {PPL_TOLERANCE:.0%} of fp32's perplexity for {path.name}"
     if not Q8_DEFAULT:
         return "fp32", "q8 is switched off (arithmetic.Q8_DEFAULT)"
+    if cpu() is None:  # asked last: the first call of a machine builds them (minutes)
+        return "fp32", f"no compiled CPU kernels for q8's integer products here ({unavailable()})"
     return "q8", f"q8's perplexity is within {PPL_TOLERANCE:.0%} of fp32's for {path.name}"
 
 

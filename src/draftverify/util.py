@@ -6,7 +6,9 @@
   acceptance head, a draft without embeddings) used with that model? One rule, one tolerance;
 - `eos_ids`: the tokens that end a model's reply;
 - `cache_root`: where converted models, compiled kernels and training caches are kept;
-- `optional_import`: a dependency of one extra (plots, the tools, the server), imported where it is used.
+- `optional_import`: a dependency of one extra (plots, the tools, the server), imported where it is used;
+- `command_line`: a report's command as a user retypes it (the settings of the environment that change what runs
+  included).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import importlib
 import math
 import os
 import secrets
+import shlex
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -136,3 +139,14 @@ def optional_import(module: str, extra: str):
     except ImportError as exc:
         top = module.split(".")[0]
         raise DraftVerifyError(f"{top} is not installed: pip install 'draftverify[{extra}]'") from exc
+
+
+# Environment variables that change what a run computes or how fast: our kernels' instruction set and whether they
+# are used, and the instruction sets torch's and oneDNN's own kernels are held to.
+RUN_ENV = ("DRAFTVERIFY_ISA", "DRAFTVERIFY_KERNELS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
+def command_line(prog: str, argv: list[str]) -> str:
+    """`prog argv...` as a user would type it again, after the `RUN_ENV` settings this process runs under."""
+    settings = [f"{name}={shlex.quote(os.environ[name])}" for name in RUN_ENV if os.environ.get(name)]
+    return " ".join([*settings, prog, shlex.join(argv)])

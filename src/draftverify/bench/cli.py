@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 from typing import Optional
@@ -17,6 +16,7 @@ from draftverify.cli_options import (
     seed_option,
     target_option,
 )
+from draftverify.util import command_line
 
 DEFAULT_METHODS = "autoregressive,speculative,hf-assisted,hf-prompt-lookup"
 DEFAULT_MAX_NEW_TOKENS = 256  # replies long enough that the prompt's forward does not dominate the time
@@ -131,7 +131,7 @@ def bench(
     prompt_list = _prompts(datasets, data_dir, prompts, limit, per_category, turns)
     engine = _engine(specs, target, draft, dtype, device, backend)
     _describe(engine, f"{len(prompt_list)} prompts x {len(specs)} methods x {settings.repeats} repeat(s)")
-    command = "draftverify " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else ""  # empty from Python
+    command = command_line("draftverify", sys.argv[1:]) if sys.argv[1:2] == ["bench"] else ""  # empty from Python
     results = Bench(engine, prompt_list, specs, settings, out).run(
         command=command, overwrite=overwrite, progress=progress
     )

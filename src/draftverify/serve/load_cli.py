@@ -89,9 +89,8 @@ def load_command(
 ):
     """Load-test the OpenAI-compatible endpoint: tokens/s, latency and TTFT per method and concurrency, and whether
     greedy outputs under load equal the single-client ones. Loopback only; bounded in requests and time."""
-    import shlex
-
     from draftverify.methods.spec import parse_specs, split_specs
+    from draftverify.util import command_line
 
     require(spawn != (url is not None), "give either --url (a running server on this machine) or --spawn")
     require(requests >= 1 and max_tokens >= 1, "--requests and --max-tokens must be at least 1")
@@ -99,7 +98,7 @@ def load_command(
     fmt = read_response_format(response_format) if response_format is not None else None
     labels = [s.label for s in parse_specs(methods)] if spawn else split_specs(methods)
     prompts = load_prompt_texts([d for d in datasets.split(",") if d], data_dir, requests)
-    command = "draftverify " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["load"] else ""
+    command = command_line("draftverify", sys.argv[1:]) if sys.argv[1:2] == ["load"] else ""
     ask = Ask(max_tokens, timeout, fmt, system)
     settings = (labels, levels, prompts, requests, ask, time_limit)
     fmt_file = None if response_format is None else str(response_format)
