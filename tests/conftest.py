@@ -27,21 +27,20 @@ def _threads(request):
     torch.set_num_threads(min(2, _cores_per_worker()) if "smollm" in request.fixturenames else 1)
 
 
-@pytest.fixture(scope="session")
-def _session_curves(tmp_path_factory):
-    return tmp_path_factory.mktemp("curves")
-
-
-@pytest.fixture(autouse=True)
-def _curves_of_this_session(monkeypatch, _session_curves):
+@pytest.fixture(scope="session", autouse=True)
+def _curves_of_this_session(tmp_path_factory):
     """Engines keep their cost curves in a folder of this test session (costs.cache_folder), not the user's cache:
-    a curve measured on a busy machine would otherwise steer later runs' draft lengths. Within the session two
-    engines of one model read one curve, so a seeded sampled request draws its random numbers at the same draft
-    lengths in both (test_serve compares a server's engine with an offline one). test_costs_cache.py points the
-    folder at a temporary one of each test."""
+    a curve measured on a busy machine would otherwise steer later runs' draft lengths. Session-wide, so that the
+    engines of module fixtures, made before any test's own fixtures, keep theirs there too (they wrote to the
+    user's cache before). Two engines need not read one curve (a server measures in its own thread, with that
+    thread's torch thread count in the curve's key), so a test that compares seeded sampling between engines
+    drafts at a constant length (test_serve). test_costs_cache.py points the folder at a temporary one of each test."""
     from draftverify import costs
 
-    monkeypatch.setattr(costs, "cache_folder", lambda: _session_curves)
+    folder = tmp_path_factory.mktemp("curves")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(costs, "cache_folder", lambda: folder)
+        yield
 
 
 ARCHS = ("llama", "gpt2", "qwen2", "gpt_neox")

@@ -17,8 +17,12 @@ from draftverify import DraftVerifyError, Engine
 from draftverify.serve import ServeConfig, Server, create_app, parse_methods
 from draftverify.serve.protocol import TextStream
 
-METHODS = "speculative[k=4],autoregressive"
-OPTIONS = {"speculative[k=4]": ("speculative", {"k": 4}), "autoregressive": ("autoregressive", {})}
+METHODS = "speculative:k4,autoregressive"
+# k4: a constant draft length (a seeded sampled request equals the offline one at the same draft lengths: docs/serve.md)
+OPTIONS = {
+    "speculative:k4": ("speculative", {"k": 4, "policy": "constant"}),
+    "autoregressive": ("autoregressive", {}),
+}
 WAIT_S = 60  # the longest any single wait in these tests may take
 
 
@@ -115,7 +119,7 @@ def offline(models):
     return Engine(*models)
 
 
-def expect(offline: Engine, prompt, method: str = "speculative[k=4]", chat: bool = False, **kwargs):
+def expect(offline: Engine, prompt, method: str = "speculative:k4", chat: bool = False, **kwargs):
     name, options = OPTIONS[method]
     return offline.generate(prompt, method=name, chat=chat, **options, **kwargs)
 
@@ -231,34 +235,32 @@ def test_openai_client(live, offline):
 def test_models_health_metrics(live):
     client, _ = live
     models = client.get("/v1/models").json()
-    assert models["object"] == "list" and models["data"][0]["methods"] == ["speculative[k=4]", "autoregressive"]
+    assert models["object"] == "list" and models["data"][0]["methods"] == ["speculative:k4", "autoregressive"]
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["queue_capacity"] == 16 and health["busy"] is False
     # long enough to draft (a reply that ends at its first token drafts nothing), whatever ran before on this server
     r = client.post(
         "/v1/completions", json={"prompt": "Hello there", "max_tokens": 12, "temperature": 0, "method": "speculative"}
     )
-    assert (
-        r.json()["draftverify"]["method"] == "speculative[k=4]"
-    )  # a bare name picks the one loaded spec of that method
+    assert r.json()["draftverify"]["method"] == "speculative:k4"  # a bare name picks the one loaded spec of that method
     text = client.get("/metrics").text
     samples = parse_metrics(text)
     assert samples['draftverify_requests_total{route="/v1/completions",status="200"}'] >= 1
     assert samples["draftverify_queue_depth"] == 0 and samples["draftverify_queue_capacity"] == 16
-    assert samples['draftverify_generated_tokens_total{method="speculative[k=4]"}'] >= 3
-    drafted = samples['draftverify_drafted_tokens_total{method="speculative[k=4]"}']
+    assert samples['draftverify_generated_tokens_total{method="speculative:k4"}'] >= 3
+    drafted = samples['draftverify_drafted_tokens_total{method="speculative:k4"}']
     assert drafted > 0
-    assert samples['draftverify_acceptance_rate{method="speculative[k=4]"}'] == pytest.approx(
-        samples['draftverify_accepted_tokens_total{method="speculative[k=4]"}'] / drafted, abs=1e-5
+    assert samples['draftverify_acceptance_rate{method="speculative:k4"}'] == pytest.approx(
+        samples['draftverify_accepted_tokens_total{method="speculative:k4"}'] / drafted, abs=1e-5
     )
     at = {  # position -> verifications that accepted the drafted token there
         int(name.split('position="')[1].split('"')[0]): v
         for name, v in samples.items()
         if name.startswith("draftverify_accepted_at_position_total{")
     }
-    assert sum(at.values()) <= samples['draftverify_accepted_tokens_total{method="speculative[k=4]"}']
+    assert sum(at.values()) <= samples['draftverify_accepted_tokens_total{method="speculative:k4"}']
     assert all(at[p] >= at.get(p + 1, 0) for p in at)  # a token is accepted only after the one before it
-    assert at.get(1, 0) <= samples['draftverify_verifications_total{method="speculative[k=4]"}']
+    assert at.get(1, 0) <= samples['draftverify_verifications_total{method="speculative:k4"}']
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -569,7 +571,7 @@ def test_a_failing_generation_is_its_own_500_and_the_server_goes_on(models, offl
         r = client.post(C, json=GOOD)  # the caches left mid-generation do not leak into the next request
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
         samples = parse_metrics(client.get("/metrics").text)
-        assert samples['draftverify_generations_total{finish_reason="error",method="speculative[k=4]"}'] == 2
+        assert samples['draftverify_generations_total{finish_reason="error",method="speculative:k4"}'] == 2
 
 
 # -- timeouts and shutdown ---------------------------------------------------------------------
@@ -624,8 +626,8 @@ def test_disconnect_frees_the_model(models):
                 gone.result()
         wait_for(lambda: not client.get("/health").json()["busy"], timeout_s=10)
         samples = parse_metrics(client.get("/metrics").text)
-        assert samples['draftverify_generations_total{finish_reason="cancelled",method="speculative[k=4]"}'] == 3
-        assert samples['draftverify_generated_tokens_total{method="speculative[k=4]"}'] < 3 * 100
+        assert samples['draftverify_generations_total{finish_reason="cancelled",method="speculative:k4"}'] == 3
+        assert samples['draftverify_generated_tokens_total{method="speculative:k4"}'] < 3 * 100
 
 
 @pytest.mark.parametrize("grace_s", [0.0, 30.0])

@@ -39,8 +39,9 @@ def test_n_choices_equal_their_requests_alone(live, offline, kind, sampling):  #
     client, _ = live
     # A sampled choice draws its seed's random numbers per draft length, and in a batch the cost policy prices drafts
     # by the rows they add to the shared forward: token-equal to decoding alone where draft lengths are the same
-    # (greedy: always; sampling: autoregressive, or a constant draft length), exactly distributed everywhere.
-    method = "speculative[k=4]" if not sampling["temperature"] else "autoregressive"
+    # (greedy: always; sampling: autoregressive, or a constant draft length, as speculative:k4's), exactly
+    # distributed everywhere.
+    method = "speculative:k4"
     want = wants(offline, kind, 3, method, sampling)
     r = client.post(ROUTES[kind], json=body_for(kind, n=3, method=method, **sampling))
     assert r.status_code == 200, r.text

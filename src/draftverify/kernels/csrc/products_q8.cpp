@@ -152,10 +152,14 @@ void q8_pass(const Args& a, int64_t r0, int64_t t0, int64_t t1, bool first) {
           const int8_t* xr = a.qx + (r0 + r) * K + b * 32 + 16 * h;
           if (h == 0 || S == 16)
             for (int p = 0; p < P; ++p) sum[p][r] = Q::zero_i();
+          if constexpr (Q::kHalfDot) {
+            for (int p = 0; p < P; ++p) sum[p][r] = Q::template half_dot<L>(sum[p][r], w[p], xr);
+          } else {
 #pragma GCC unroll 4
-          for (int g = 0; g < 4; ++g) {
-            const Q::I xg = Q::bcast(xr + 4 * g);
-            for (int p = 0; p < P; ++p) sum[p][r] = Q::template dpacc<L>(sum[p][r], w[p][g], xg);
+            for (int g = 0; g < 4; ++g) {
+              const Q::I xg = Q::bcast(xr + 4 * g);
+              for (int p = 0; p < P; ++p) sum[p][r] = Q::template dpacc<L>(sum[p][r], w[p][g], xg);
+            }
           }
         }
         if constexpr (S == 16) {  // sub-block s = 2 b + h: its terms join the block's in the header's order
