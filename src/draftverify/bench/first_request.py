@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from draftverify.loading.defaults import default_model_path
 from draftverify.loading.gguf import metadata_folder
-from draftverify.util import atomic_path
+from draftverify.util import atomic_path, command_line
 
 PROBE = """
 import json, sys, time
@@ -109,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.requests < 2 or args.processes < 1:
         raise SystemExit("first_request: --requests must be at least 2 and --processes at least 1")
-    command = f"{prog} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = command_line(prog, sys.argv[1:] if argv is None else argv)
     runs = []
     for i in range(args.processes):
         runs.append(probe(args.target, args.method, args.requests, args.max_new_tokens, convert=i == 0))
