@@ -20,6 +20,10 @@ def _cores_per_worker() -> int:
     return max(1, cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:  # the processes tests start get the worker's share too
+    os.environ.setdefault("OMP_NUM_THREADS", str(_cores_per_worker()))
+
+
 @pytest.fixture(autouse=True)
 def _threads(request):
     """One thread for tiny models (thread hand-offs dominate their tiny matmuls, badly so on a busy

@@ -53,7 +53,7 @@ def test_prompt_lookup_sampling_matches_the_target(tiny, monkeypatch):
     and the classic wrong rule (resample from p after a rejection) is caught."""
     target = tiny("llama", seed=0, layers=2, hidden=32)
     engine = Engine(target)
-    sampling, n = Sampling(temperature=0.1, top_k=4), 2500
+    sampling, n = Sampling(temperature=0.1, top_k=4), 1500
     prompt = guessable_prompt(target.model, sampling)
 
     def pvalue():

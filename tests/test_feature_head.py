@@ -244,19 +244,32 @@ def test_tree_sampling_matches_the_target(tiny, monkeypatch, method):
     """Sampled decoding verifies the head's tree by multi-draft rejection sampling: the second token
     follows the target's exact law, and the classic wrong rule is caught. The head drafts only the
     four likeliest second tokens, so its guesses are often right and often wrong. Ouroboros over the head
-    adds the root's phrases beside the tree: the prompt holds phrases after every token, and rows cost nothing, so
-    they are verified whatever the first token was."""
+    adds the root's phrases beside the tree: the prompt holds phrases after every token the target can sample first,
+    and rows cost nothing, so they are verified whatever the first token was."""
     from draftverify.costs import Table
     from draftverify.drafters import feature
 
     target = tiny("llama", seed=0, layers=2, hidden=32)
     V = target.model.config.vocab_size
-    phrases = [t for a in range(V) for t in (a, (7 * a + 1) % V, (3 * a + 2) % V, (5 * a + 3) % V)]
-    sampling, n, prompt = Sampling(temperature=1.0, top_k=6), 1200, phrases + [5, 9, 14]
+    sampling, n = Sampling(temperature=1.0, top_k=6), 1200
+
+    def first_law(prompt):
+        with torch.inference_mode():
+            return sampling.probs(target.model(torch.tensor([prompt])).logits[0, -1])
+
+    # ouroboros: the prompt holds a phrase after each token the target can sample first (grown until it does)
+    prompt, starts = [5, 9, 14], set()
+    while method == "ouroboros":
+        support = set(first_law(prompt).nonzero().flatten().tolist())
+        if support <= starts:
+            break
+        starts |= support
+        phrases = [(a, (7 * a + 1) % V, (3 * a + 2) % V, (5 * a + 3) % V) for a in sorted(starts)]
+        prompt = [t for phrase in phrases for t in phrase] + [5, 9, 14]
     if method == "ouroboros":
         monkeypatch.setattr(feature, "curve", lambda target, widths: Table({w: 1.0 for w in widths}))
     with torch.inference_mode():
-        p1 = sampling.probs(target.model(torch.tensor([prompt])).logits[0, -1])
+        p1 = first_law(prompt)
         p2 = sum(
             p1[x] * sampling.probs(target.model(torch.tensor([prompt + [x]])).logits[0, -1])
             for x in p1.nonzero().flatten().tolist()

@@ -185,7 +185,7 @@ def test_sampling_follows_the_targets_law(pair, monkeypatch):
 
     def pvalue() -> float:
         counts: dict[int, int] = {}
-        for seed in range(1200):
+        for seed in range(600):  # the wrong rule's p-value is below 1e-16 on each family here
             s = Session(prompt, Sampling(temperature=4.0, top_k=2, seed=seed), Stopping(3, ()))
             decode(s, runner, Guess(guesses))
             counts[s.output[1]] = counts.get(s.output[1], 0) + 1

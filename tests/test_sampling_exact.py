@@ -81,7 +81,7 @@ def test_engine_sampling_matches_target_distribution(tiny, arch):
     for x1 in p1.nonzero().flatten().tolist():
         p2 += p1[x1] * sampling.probs(target.model(torch.tensor([prompt + [x1]])).logits[0, -1]).double()
     support = (p2 > 0).nonzero().flatten().tolist()
-    n = 3000
+    n = 2000
     counts = dict.fromkeys(support, 0)
     for seed in range(n):
         r = engine.generate(

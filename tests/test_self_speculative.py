@@ -88,7 +88,7 @@ def test_sampling_matches_the_target_distribution_and_a_wrong_rule_fails(tiny, m
     marginal sum_x1 p(x1) p(x2 | x1); the same harness rejects a broken acceptance rule."""
     target = tiny("llama", seed=0, layers=2, hidden=32)
     engine = Engine(target)
-    prompt, sampling, n = [5, 6, 7], Sampling(temperature=1.0, top_k=8), 2500
+    prompt, sampling, n = [5, 6, 7], Sampling(temperature=1.0, top_k=8), 1500
     options = {"skip": SkipSet((0,), (1,)), "policy": "constant", "k": 1}
 
     def pvalue(counts):

@@ -28,12 +28,14 @@ WAIT_S = 60  # the longest any single wait in these tests may take
 
 class GatedEngine(Engine):
     """An engine the tests can hold: each generation waits for `gate`, sleeps `delay` s per chunk,
-    and raises `fail` (once) at its first chunk."""
+    raises `fail` (once) at its first chunk, and waits for `flowing` after each chunk it hands on."""
 
     def __init__(self, target, draft):
         super().__init__(target, draft)
         self.gate = threading.Event()
         self.gate.set()
+        self.flowing = threading.Event()
+        self.flowing.set()
         self.delay = 0.0
         self.fail: Exception | None = None
 
@@ -45,7 +47,9 @@ class GatedEngine(Engine):
             if self.fail is not None:
                 fail, self.fail = self.fail, None
                 raise fail
-            return on_tokens(tokens)
+            handed = on_tokens(tokens)
+            assert self.flowing.wait(WAIT_S)
+            return handed
 
         return super().request(prompt, method, on_tokens=slowly if on_tokens is not None else None, **kwargs)
 
@@ -636,6 +640,7 @@ def test_shutdown_during_a_stream(models, offline, grace_s):
     grace period, or ends with an error event; either way it ends with [DONE] and the server stops."""
     engine = GatedEngine(*models)
     engine.delay = 0.02
+    engine.flowing.clear()  # the stream stops after its first chunk until the shutdown has begun
     n = 300 if grace_s == 0 else 10
     want = expect(offline, "Hello", max_new_tokens=10, temperature=0.0).text
     with serving(engine, shutdown_grace_s=grace_s, max_batch=1) as (client, server), ThreadPoolExecutor(1) as pool:
@@ -646,6 +651,7 @@ def test_shutdown_during_a_stream(models, offline, grace_s):
             wait_for(lambda: client.get("/health").json()["queue_depth"] == 1)
             server.should_exit = True
             assert waiting.result().status_code == 503
+            engine.flowing.set()
             events += sse_events(lines)
         assert events[-1] == "[DONE]"
         if grace_s:
