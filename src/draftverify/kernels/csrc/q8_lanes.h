@@ -36,12 +36,9 @@ struct Q {
   }
   template <int L> static I dpacc(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
   // A chunk's products go into int32 at once, so a pass adds chunk by chunk (`dpacc`), each row's broadcast serving
-  // every tile of the pass; `half_dot` (the same sums) is there for the other lanes' interface.
+  // every tile of the pass: no `half_dot` (declared only for the other lanes' interface, never called).
   static constexpr bool kHalfDot = false;
-  template <int L> static I half_dot(I acc, const I* w, const int8_t* x) {
-    for (int g = 0; g < 4; ++g) acc = dpacc<L>(acc, w[g], bcast(x + 4 * g));
-    return acc;
-  }
+  template <int L> static I half_dot(I acc, const I* w, const int8_t* x);
   static I zero_i() { return _mm512_setzero_si512(); }
   static I sub_scalar(I a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
@@ -98,18 +95,14 @@ struct Q {
   template <int L> static I dpacc(I acc, I w, I x) { return add(acc, dot<L>(w, x)); }
 #if defined(__AVXVNNI__)
   static constexpr bool kHalfDot = false;  // AVX-VNNI's dot products go into int32 at once, as AVX-512's
+  template <int L> static I half_dot(I acc, const I* w, const int8_t* x);  // never called, as AVX-512's
 #else
   static constexpr bool kHalfDot = true;  // maddubs: a half block at once (`half_dot`)
-#endif
   // The four chunks w[0..3] of a half block (16 k) of a tile times the row's 16 activations at x, added to acc: the
   // integers dpacc chunk by chunk gives. maddubs's pairs (at most 2 * 31 * 127 = 7874 apart from 0) of the four
   // chunks are added in int16 (at most 31496 < 32767: no saturation) and widened once (madd), not once a chunk:
   // fewer of the multiplying instructions that bound this product. u8 codes go as their two nibbles.
   template <int L> static I half_dot(I acc, const I* w, const int8_t* x) {
-#if defined(__AVXVNNI__)
-    for (int g = 0; g < 4; ++g) acc = dpacc<L>(acc, w[g], bcast(x + 4 * g));
-    return acc;
-#else
     const __m256i ones = _mm256_set1_epi16(1);
     auto pairs = [&](auto code) {  // code: a register of codes -> codes <= 31
       __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
@@ -125,8 +118,8 @@ struct Q {
     if constexpr (L != U8) return add(acc, pairs([](__m256i c) { return c; }));
     const I lo = pairs([](__m256i c) { return lo4(c); }), hi = pairs([](__m256i c) { return hi4(c); });
     return add(acc, {_mm256_add_epi32(lo.a, _mm256_slli_epi32(hi.a, 4)), _mm256_add_epi32(lo.b, _mm256_slli_epi32(hi.b, 4))});
-#endif
   }
+#endif
   static I add(I p, I q) { return {_mm256_add_epi32(p.a, q.a), _mm256_add_epi32(p.b, q.b)}; }
   static I zero_i() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
   static I sub_scalar(I p, int32_t s) { const __m256i v = _mm256_set1_epi32(s); return {_mm256_sub_epi32(p.a, v), _mm256_sub_epi32(p.b, v)}; }
