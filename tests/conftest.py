@@ -24,6 +24,18 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:  # the processes t
     os.environ.setdefault("OMP_NUM_THREADS", str(_cores_per_worker()))
 
 
+# The files that take longest, longest first (`--durations=0`, summed by file). `scripts/test.sh` deals whole files
+# to its workers in collection order, so these go out first and no worker is left running a long file alone at
+# the end; the rest keep pytest's order.
+LONGEST_FILES = ("test_specdec.py", "test_smollm.py", "test_backends.py", "test_ouroboros.py", "test_feature_head.py",
+                 "test_sampling_exact.py", "test_self_speculative.py", "test_equivalence.py")  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(autouse=True)
 def _threads(request):
     """One thread for tiny models (thread hand-offs dominate their tiny matmuls, badly so on a busy
