@@ -49,7 +49,7 @@ int64_t argmax_row(const float* x, int64_t V) {
 }  // namespace
 
 // logits [n, V] float32, contiguous -> each row's argmax (n ints). Rows are shared out between the threads by fours.
-std::vector<int64_t> argmax_rows(torch::Tensor logits) {
+std::vector<int64_t> argmax_rows(at::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "argmax_rows: logits must be [n, V] float32, contiguous");
   const int64_t n = logits.size(0), V = logits.size(1);

@@ -126,7 +126,7 @@ inline bool all_allowed(const bool* allowed, int64_t count) {
 // first S slots valid (kv divides H: query head h reads kv head h / (H / kv)); mask [n, S] bool (True = may
 // attend) or empty (every key); d 16, 32, 64, 128 or 256. q float32; keys and values float32, or float16 (a q8
 // target's cache: each read upcast exactly, so the arithmetic is the fp32 one on the stored values). Returns [n, H * d].
-torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t S, torch::Tensor mask, double scale) {
+at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S, at::Tensor mask, double scale) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "attention: shapes");
   const bool half = keys.scalar_type() == at::kHalf;  // a q8 target's cache (keys and values rounded to fp16)
   TORCH_CHECK(q.scalar_type() == at::kFloat && (half || keys.scalar_type() == at::kFloat) && values.scalar_type() == keys.scalar_type(),
@@ -136,7 +136,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && keys.is_contiguous() && values.is_contiguous(), "attention: layout");
   const bool masked = mask.numel() > 0;
   TORCH_CHECK(!masked || (mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.size(0) == n && mask.size(1) == S), "attention: mask");
-  auto out = torch::empty({n, H * d}, q.options());
+  auto out = at::empty({n, H * d}, q.options());
   const float* qp = q.data_ptr<float>();
   const char *kp = static_cast<const char*>(keys.data_ptr()), *vp = static_cast<const char*>(values.data_ptr());
   const int64_t item = keys.element_size();
@@ -285,8 +285,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
 // each value rounded to the nearest half, ties to even, as it is stored), and returns
 // attention(q, keys, values, past + n, mask, scale) [n, H d]: one call for what is otherwise about ten
 // small ops a layer. Each row is handled alone, as in `attention`.
-torch::Tensor rope_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
-                             int64_t past, int64_t heads, torch::Tensor mask, double scale) {
+at::Tensor rope_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
+                             int64_t past, int64_t heads, at::Tensor mask, double scale) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "rope_attention: qkv");
   const int64_t n = qkv.size(0), kv = keys.size(0), d = keys.size(2), half = d / 2;
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv) * d && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes(),
@@ -296,7 +296,7 @@ torch::Tensor rope_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
   TORCH_CHECK(past + n <= keys.size(1), "rope_attention: cache too small");
   const bool fp16 = keys.scalar_type() == at::kHalf;
   TORCH_CHECK((fp16 || keys.scalar_type() == at::kFloat) && values.scalar_type() == keys.scalar_type(), "rope_attention: cache dtype");
-  auto q = torch::empty({n, heads, d}, qkv.options());
+  auto q = at::empty({n, heads, d}, qkv.options());
   const float* src = qkv.data_ptr<float>();
   float* qp = q.data_ptr<float>();
   const int64_t cap = keys.size(1), width = qkv.size(1);

@@ -8,15 +8,15 @@ using dv::exp_nonpositive;
 // A feature head's layer input (feature_draft.FeatureDraft.inputs) in one call: fc([norm(features) ; norm(embed[tokens])])
 // for features [n, H] and embed [V, H] float32, tokens [n] int64 and fc quantized ({q, d, m, bias}, as `layer` takes
 // them). The same kernels as the op-by-op path (norm_row per row, a copy, quant_linear), so the same bits.
-torch::Tensor head_inputs(torch::Tensor features, torch::Tensor tokens, torch::Tensor embed, torch::Tensor w_feature,
-                          torch::Tensor w_embed, double eps, std::vector<torch::Tensor> fc) {
+at::Tensor head_inputs(at::Tensor features, at::Tensor tokens, at::Tensor embed, at::Tensor w_feature,
+                          at::Tensor w_embed, double eps, std::vector<at::Tensor> fc) {
   TORCH_CHECK(features.dim() == 2 && embed.dim() == 2 && features.size(1) == embed.size(1), "head_inputs: shapes");
   TORCH_CHECK(features.scalar_type() == at::kFloat && embed.scalar_type() == at::kFloat && w_feature.scalar_type() == at::kFloat &&
               w_embed.scalar_type() == at::kFloat, "head_inputs: float32 only");
   TORCH_CHECK(features.is_contiguous() && embed.is_contiguous() && w_feature.is_contiguous() && w_embed.is_contiguous() &&
               tokens.is_contiguous() && tokens.scalar_type() == at::kLong && tokens.numel() == features.size(0), "head_inputs: layout");
   const int64_t n = features.size(0), H = features.size(1), V = embed.size(0);
-  auto x = torch::empty({n, 2 * H}, features.options());
+  auto x = at::empty({n, 2 * H}, features.options());
   const float *fp = features.data_ptr<float>(), *ep = embed.data_ptr<float>();
   const int64_t* tp = tokens.data_ptr<int64_t>();
   float* xp = x.data_ptr<float>();
@@ -31,7 +31,7 @@ torch::Tensor head_inputs(torch::Tensor features, torch::Tensor tokens, torch::T
 // logits [n, N] float32 -> per row its k largest logits' positions j (ties: the lower j first) as vocab[j] (vocab [N]
 // int64) and their probabilities under the softmax of the row's N logits. What a drafter asks of a head's logits each
 // step, in one single-threaded pass over a few thousand floats instead of topk, logsumexp and their dispatch.
-std::tuple<std::vector<std::vector<int64_t>>, std::vector<std::vector<double>>> top_probs(torch::Tensor logits, torch::Tensor vocab, int64_t k) {
+std::tuple<std::vector<std::vector<int64_t>>, std::vector<std::vector<double>>> top_probs(at::Tensor logits, at::Tensor vocab, int64_t k) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(), "top_probs: logits must be [n, N] float32");
   const int64_t n = logits.size(0), N = logits.size(1);
   TORCH_CHECK(vocab.scalar_type() == at::kLong && vocab.is_contiguous() && vocab.numel() == N && k >= 1 && k <= N, "top_probs: vocab, k");

@@ -9,11 +9,11 @@ using dv::exp_nonpositive;
 
 // gate_up [M, 2 I] float32 contiguous (gate | up per row) -> silu(gate) * up [M, I]. silu(g) = g * sigmoid(g),
 // the sigmoid from e^-|g| (exp_nonpositive), so every element is formed the same way on every path.
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == at::kFloat && gate_up.size(1) % 2 == 0,
               "silu_mul: gate_up must be [M, 2 I] float32");
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto y = torch::empty({M, I}, gate_up.options());
+  auto y = at::empty({M, I}, gate_up.options());
   const float* src = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, 8192 / std::max<int64_t>(I, 1)), [&](int64_t m0, int64_t m1) {
@@ -36,18 +36,18 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // `layer_weight`): runs fused along out, each {spec, codes, d, m} with spec int64 [product, layout, sub, out,
 // centre] (product 0: block_linear, 1: q8_linear), then the bias (empty for none). Each run is the product the
 // op-by-op path calls for it, the runs joined and the bias added as it joins and adds them, so the bits are the same.
-torch::Tensor dv::quant_product(const torch::Tensor& x, const std::vector<torch::Tensor>& w) {
+at::Tensor dv::quant_product(const at::Tensor& x, const std::vector<at::Tensor>& w) {
   if (w.size() == 4) return quant_linear(x, w[0], w[1], w[2], w[3]);
   TORCH_CHECK(w.size() % 4 == 1, "layer: a weight is {q, d, m, bias} or runs of {spec, codes, d, m} then the bias");
-  const auto none = torch::empty({0}, x.options());
-  std::vector<torch::Tensor> outs;
+  const auto none = at::empty({0}, x.options());
+  std::vector<at::Tensor> outs;
   for (size_t i = 0; i + 1 < w.size(); i += 4) {
     TORCH_CHECK(w[i].scalar_type() == at::kLong && w[i].numel() == 5, "layer: a run's spec is int64 [product, layout, sub, out, centre]");
     const int64_t* spec = w[i].data_ptr<int64_t>();
     outs.push_back(spec[0] == 0 ? block_linear(x, spec[1], spec[2], w[i + 1], w[i + 2], w[i + 3], none)
                                 : q8_linear(x, spec[1], spec[2], spec[3], w[i + 1], w[i + 2], w[i + 3], spec[4], none));
   }
-  torch::Tensor y = outs.size() == 1 ? outs[0] : torch::cat(outs, 1);
+  at::Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
   return w.back().numel() ? y + w.back() : y;
 }
 
@@ -56,9 +56,9 @@ torch::Tensor dv::quant_product(const torch::Tensor& x, const std::vector<torch:
 // + down(silu_mul(gate_up(norm_post(.)))). The same kernels, in the same order, as the static path's op-by-op layer,
 // so the result is the same to the bit; one call instead of about a dozen small ops and their dispatch, which
 // dominate at decoding sizes. It is `layer_many` with one sequence.
-torch::Tensor layer(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_post, double eps, std::vector<torch::Tensor> qkv,
-                    std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, torch::Tensor cos,
-                    torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t past, int64_t heads, torch::Tensor mask, double scale) {
+at::Tensor layer(at::Tensor h, at::Tensor norm_in, at::Tensor norm_post, double eps, std::vector<at::Tensor> qkv,
+                    std::vector<at::Tensor> o, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, at::Tensor cos,
+                    at::Tensor sin, at::Tensor keys, at::Tensor values, int64_t past, int64_t heads, at::Tensor mask, double scale) {
   return layer_many(h, norm_in, norm_post, eps, qkv, o, gate_up, down, cos, sin, {keys}, {values}, {0}, {h.size(0)}, {past}, heads,
                     {mask}, scale);
 }
@@ -67,18 +67,18 @@ torch::Tensor layer(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_p
 // [firsts[j], firsts[j] + ns[j]) of h, cos and sin, its cache (keys[j], values[j], past[j]) and its mask (empty: none).
 // The products run once over every row (each row's product is that row's own: the weights are row-invariant), the
 // attention per sequence, as the op-by-op path's `Spans` and `attend` do, so each sequence gets its own bits.
-torch::Tensor layer_many(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_post, double eps, std::vector<torch::Tensor> qkv,
-                         std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
-                         torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+at::Tensor layer_many(at::Tensor h, at::Tensor norm_in, at::Tensor norm_post, double eps, std::vector<at::Tensor> qkv,
+                         std::vector<at::Tensor> o, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
+                         at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                          std::vector<int64_t> firsts, std::vector<int64_t> ns, std::vector<int64_t> pasts, int64_t heads,
-                         std::vector<torch::Tensor> masks, double scale) {
+                         std::vector<at::Tensor> masks, double scale) {
   const size_t parts = firsts.size();
   TORCH_CHECK(parts && ns.size() == parts && pasts.size() == parts && keys.size() == parts && values.size() == parts &&
                   masks.size() == parts, "layer_many: one first, n, past, cache and mask per sequence");
   const auto projected = dv::quant_product(rms_norm(h, norm_in, eps), qkv);
-  std::vector<torch::Tensor> outs(parts);
+  std::vector<at::Tensor> outs(parts);
   const auto attend = [&](size_t j) {
-    const auto rows = [&](const torch::Tensor& t) { return t.narrow(0, firsts[j], ns[j]); };
+    const auto rows = [&](const at::Tensor& t) { return t.narrow(0, firsts[j], ns[j]); };
     outs[j] = rope_attention(rows(projected), rows(cos), rows(sin), keys[j], values[j], pasts[j], heads, masks[j], scale);
   };
   if (parts == 1) {
@@ -107,6 +107,6 @@ torch::Tensor layer_many(torch::Tensor h, torch::Tensor norm_in, torch::Tensor n
         for (const size_t j : share[t]) attend(j);
     });
   }
-  h = h + dv::quant_product(parts == 1 ? outs[0] : torch::cat(outs), o);
+  h = h + dv::quant_product(parts == 1 ? outs[0] : at::cat(outs), o);
   return h + dv::quant_product(silu_mul(dv::quant_product(rms_norm(h, norm_post, eps), gate_up)), down);
 }

@@ -1,4 +1,6 @@
 // The one place the kernels' Python functions are registered (the compiled module's names and signatures).
+#include <torch/extension.h>
+
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -26,11 +26,11 @@ void dv::norm_row(const float* x, const float* w, float* y, int64_t H, float eps
 }
 
 // x [..., H] and w [H]: float32, contiguous.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rms_norm: float32 only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(-1), "rms_norm: layout");
   const int64_t H = x.size(-1), rows = H ? x.numel() / H : 0;
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   for (int64_t m = 0; m < rows; ++m) dv::norm_row(xp + m * H, wp, yp + m * H, H, static_cast<float>(eps));

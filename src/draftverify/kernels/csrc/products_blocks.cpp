@@ -133,8 +133,8 @@ RowsFn pick(int64_t layout, int64_t sub) {
 // x [M, K] float32 contiguous, K a multiple of 32; layout 0 (U4), 1 (U8), 2 (F16), 3 (BF16), 4 (F32); sub 16 or 32
 // (code layouts); codes [N, row bytes] of any dtype (F16 / BF16 / F32: the weights); d, m float32 [N, K / sub] (empty
 // for F16 / BF16 / F32); bias [N] or empty. Returns y [M, N].
-torch::Tensor block_linear(torch::Tensor x, int64_t layout, int64_t sub, torch::Tensor codes, torch::Tensor d, torch::Tensor m,
-                           torch::Tensor bias) {
+at::Tensor block_linear(at::Tensor x, int64_t layout, int64_t sub, at::Tensor codes, at::Tensor d, at::Tensor m,
+                           at::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "block_linear: x must be [M, K] float32");
   TORCH_CHECK(layout >= U4 && layout <= F32 && (sub == 16 || sub == 32), "block_linear: layout 0..4 and sub 16 or 32");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
@@ -145,7 +145,7 @@ torch::Tensor block_linear(torch::Tensor x, int64_t layout, int64_t sub, torch::
                          d.numel() == N * K / sub && m.numel() == N * K / sub),
               "block_linear: d and m must be float32 [N, K / sub]");
   TORCH_CHECK(!bias.numel() || (bias.scalar_type() == at::kFloat && bias.numel() == N && bias.is_contiguous()), "block_linear: bias");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const Packed w{reinterpret_cast<const uint8_t*>(codes.data_ptr()), coded ? d.data_ptr<float>() : nullptr,
                  coded ? m.data_ptr<float>() : nullptr, bias.numel() ? bias.data_ptr<float>() : nullptr, K};
   const RowsFn rows = pick(layout, sub);

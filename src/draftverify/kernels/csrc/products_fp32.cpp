@@ -37,13 +37,13 @@ void one_row(const float* x, const float* w, float* y, int64_t K, int64_t n0, in
 }  // namespace
 
 // x [1, K], w [N, K]: float32, contiguous, K a multiple of 32; bias [N] or empty.
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
+at::Tensor linear(at::Tensor x, at::Tensor w, at::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: shapes differ");
   TORCH_CHECK(x.size(0) == 1, "linear: one row");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "linear: float32 only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.size(1) % 32 == 0, "linear: layout");
   const int64_t K = x.size(1), N = w.size(0);
-  auto y = torch::empty({1, N}, x.options());
+  auto y = at::empty({1, N}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { one_row(xp, wp, yp, K, n0, n1); });

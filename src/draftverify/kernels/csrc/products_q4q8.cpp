@@ -112,13 +112,13 @@ void quant_block(const float* x, const Quant& w, float* y, int64_t M, int64_t K,
 
 // x [M, K] float32 contiguous; q uint8 (q4: [N, K / 2]) or int8 (q8: [N, K]); d [N, K / 32]; m [N, K / 32]
 // (q4) or empty (q8); bias [N] or empty. Returns y [M, N].
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, torch::Tensor bias) {
+at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor m, at::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "quant_linear: x must be [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1), N = d.size(0);
   const bool q4 = m.numel() > 0;
   TORCH_CHECK(K % 32 == 0 && d.size(1) == K / 32 && q.size(0) == N && q.size(1) == (q4 ? K / 2 : K), "quant_linear: shapes");
   TORCH_CHECK(q.is_contiguous() && d.is_contiguous() && (!q4 || m.is_contiguous()), "quant_linear: layout");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const Quant w{reinterpret_cast<const uint8_t*>(q.data_ptr()), d.data_ptr<float>(), q4 ? m.data_ptr<float>() : nullptr,
                 bias.numel() ? bias.data_ptr<float>() : nullptr};
   const float* xp = x.data_ptr<float>();

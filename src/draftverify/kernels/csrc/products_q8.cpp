@@ -283,8 +283,8 @@ bool vnni() {
 // x [M, K] float32 contiguous, K a multiple of 32; layout 0 (u4), 1 (u8) or 2 (u5); sub 16 or 32; codes uint8 in tiles
 // (top of this file) for N outputs; d, m [tiles, K / sub, 16], both float32 or both float16 (m empty when centre >= 0:
 // M = -centre D); bias [N] or empty. Returns y [M, N] in the q8 arithmetic.
-torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, int64_t N, torch::Tensor codes, torch::Tensor d,
-                        torch::Tensor m, int64_t centre, torch::Tensor bias) {
+at::Tensor q8_linear(at::Tensor x, int64_t layout, int64_t sub, int64_t N, at::Tensor codes, at::Tensor d,
+                        at::Tensor m, int64_t centre, at::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q8_linear: x must be [M, K] float32");
   TORCH_CHECK((layout == U4 || layout == U8 || layout == U5) && (sub == 16 || sub == 32),
               "q8_linear: layout 0 (u4), 1 (u8) or 2 (u5), sub 16 or 32");
@@ -308,7 +308,7 @@ torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, int64_t N,
   });
   std::vector<float> sxf(centred ? 0 : sx.size());
   for (size_t i = 0; i < sxf.size(); ++i) sxf[i] = static_cast<float>(sx[i]);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const TilesFn run = pick(layout, sub, centred, half);
   const Args a{qx.data(), dx.data(), sx.data(), sxf.data(), codes.data_ptr<uint8_t>(), d.data_ptr(), centred ? nullptr : m.data_ptr(),
                bias.numel() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N};
@@ -324,7 +324,7 @@ torch::Tensor q8_linear(torch::Tensor x, int64_t layout, int64_t sub, int64_t N,
 // u8 codes below 32, which the caller has checked), written into `out` (uint8 [tiles, tile bytes], contiguous: the
 // caller places it, kernels/q8.py `TileArena`), the last tile padded with zero codes. A byte shuffle: the codes are
 // not changed, only placed.
-void q8_repack(torch::Tensor codes, int64_t from, int64_t layout, int64_t N, int64_t K, torch::Tensor out) {
+void q8_repack(at::Tensor codes, int64_t from, int64_t layout, int64_t N, int64_t K, at::Tensor out) {
   TORCH_CHECK((from == U4 || from == U8) && (layout == U4 || layout == U8 || layout == U5) && (layout == U4) == (from == U4),
               "q8_repack: u4 codes go to u4 tiles, u8 codes to u8 or u5 tiles");
   const int64_t row_bytes = from == U4 ? K / 2 : K;

@@ -1,7 +1,6 @@
 // The vector helpers every kernel shares: hsum4 (an 8-lane reduction), V16 (16 float lanes: one AVX-512 register,
 // or two AVX2 ones, chosen at build time) and exp_nonpositive (a softmax's e^x, scalar and on 16 lanes).
 #pragma once
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
