@@ -286,7 +286,7 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S
 // attention(q, keys, values, past + n, mask, scale) [n, H d]: one call for what is otherwise about ten
 // small ops a layer. Each row is handled alone, as in `attention`.
 at::Tensor rope_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
-                             int64_t past, int64_t heads, at::Tensor mask, double scale) {
+                          int64_t past, int64_t heads, at::Tensor mask, double scale) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "rope_attention: qkv");
   const int64_t n = qkv.size(0), kv = keys.size(0), d = keys.size(2), half = d / 2;
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv) * d && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes(),

@@ -9,7 +9,7 @@ using dv::exp_nonpositive;
 // for features [n, H] and embed [V, H] float32, tokens [n] int64 and fc quantized ({q, d, m, bias}, as `layer` takes
 // them). The same kernels as the op-by-op path (norm_row per row, a copy, quant_linear), so the same bits.
 at::Tensor head_inputs(at::Tensor features, at::Tensor tokens, at::Tensor embed, at::Tensor w_feature,
-                          at::Tensor w_embed, double eps, std::vector<at::Tensor> fc) {
+                       at::Tensor w_embed, double eps, std::vector<at::Tensor> fc) {
   TORCH_CHECK(features.dim() == 2 && embed.dim() == 2 && features.size(1) == embed.size(1), "head_inputs: shapes");
   TORCH_CHECK(features.scalar_type() == at::kFloat && embed.scalar_type() == at::kFloat && w_feature.scalar_type() == at::kFloat &&
               w_embed.scalar_type() == at::kFloat, "head_inputs: float32 only");

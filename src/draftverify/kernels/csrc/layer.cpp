@@ -57,8 +57,8 @@ at::Tensor dv::quant_product(const at::Tensor& x, const std::vector<at::Tensor>&
 // so the result is the same to the bit; one call instead of about a dozen small ops and their dispatch, which
 // dominate at decoding sizes. It is `layer_many` with one sequence.
 at::Tensor layer(at::Tensor h, at::Tensor norm_in, at::Tensor norm_post, double eps, std::vector<at::Tensor> qkv,
-                    std::vector<at::Tensor> o, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, at::Tensor cos,
-                    at::Tensor sin, at::Tensor keys, at::Tensor values, int64_t past, int64_t heads, at::Tensor mask, double scale) {
+                 std::vector<at::Tensor> o, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, at::Tensor cos,
+                 at::Tensor sin, at::Tensor keys, at::Tensor values, int64_t past, int64_t heads, at::Tensor mask, double scale) {
   return layer_many(h, norm_in, norm_post, eps, qkv, o, gate_up, down, cos, sin, {keys}, {values}, {0}, {h.size(0)}, {past}, heads,
                     {mask}, scale);
 }
@@ -68,10 +68,10 @@ at::Tensor layer(at::Tensor h, at::Tensor norm_in, at::Tensor norm_post, double 
 // The products run once over every row (each row's product is that row's own: the weights are row-invariant), the
 // attention per sequence, as the op-by-op path's `Spans` and `attend` do, so each sequence gets its own bits.
 at::Tensor layer_many(at::Tensor h, at::Tensor norm_in, at::Tensor norm_post, double eps, std::vector<at::Tensor> qkv,
-                         std::vector<at::Tensor> o, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
-                         at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
-                         std::vector<int64_t> firsts, std::vector<int64_t> ns, std::vector<int64_t> pasts, int64_t heads,
-                         std::vector<at::Tensor> masks, double scale) {
+                      std::vector<at::Tensor> o, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
+                      at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                      std::vector<int64_t> firsts, std::vector<int64_t> ns, std::vector<int64_t> pasts, int64_t heads,
+                      std::vector<at::Tensor> masks, double scale) {
   const size_t parts = firsts.size();
   TORCH_CHECK(parts && ns.size() == parts && pasts.size() == parts && keys.size() == parts && values.size() == parts &&
                   masks.size() == parts, "layer_many: one first, n, past, cache and mask per sequence");

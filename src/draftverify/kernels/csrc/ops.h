@@ -30,27 +30,27 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 // attention.cpp
 at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S, at::Tensor mask, double scale);
 at::Tensor rope_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
-                             int64_t past, int64_t heads, at::Tensor mask, double scale);
+                          int64_t past, int64_t heads, at::Tensor mask, double scale);
 // layer.cpp
 at::Tensor silu_mul(at::Tensor gate_up);
 at::Tensor layer(at::Tensor h, at::Tensor norm_in, at::Tensor norm_post, double eps, std::vector<at::Tensor> qkv,
-                    std::vector<at::Tensor> o, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, at::Tensor cos,
-                    at::Tensor sin, at::Tensor keys, at::Tensor values, int64_t past, int64_t heads, at::Tensor mask, double scale);
+                 std::vector<at::Tensor> o, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, at::Tensor cos,
+                 at::Tensor sin, at::Tensor keys, at::Tensor values, int64_t past, int64_t heads, at::Tensor mask, double scale);
 at::Tensor layer_many(at::Tensor h, at::Tensor norm_in, at::Tensor norm_post, double eps, std::vector<at::Tensor> qkv,
-                         std::vector<at::Tensor> o, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
-                         at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
-                         std::vector<int64_t> firsts, std::vector<int64_t> ns, std::vector<int64_t> pasts, int64_t heads,
-                         std::vector<at::Tensor> masks, double scale);
+                      std::vector<at::Tensor> o, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
+                      at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                      std::vector<int64_t> firsts, std::vector<int64_t> ns, std::vector<int64_t> pasts, int64_t heads,
+                      std::vector<at::Tensor> masks, double scale);
 // draft_ops.cpp
 at::Tensor head_inputs(at::Tensor features, at::Tensor tokens, at::Tensor embed, at::Tensor w_feature,
-                          at::Tensor w_embed, double eps, std::vector<at::Tensor> fc);
+                       at::Tensor w_embed, double eps, std::vector<at::Tensor> fc);
 std::tuple<std::vector<std::vector<int64_t>>, std::vector<std::vector<double>>> top_probs(at::Tensor logits, at::Tensor vocab,
                                                                                           int64_t k);
 // products_blocks.cpp: the GGUF block layouts (kernels/blocks.py packs them)
 at::Tensor block_linear(at::Tensor x, int64_t layout, int64_t sub, at::Tensor codes, at::Tensor d, at::Tensor m,
-                           at::Tensor bias);
+                        at::Tensor bias);
 // products_q8.cpp: the q8 arithmetic over u4 / u8 codes in tiles of 16 outputs (kernels/q8.py prepare)
 at::Tensor q8_linear(at::Tensor x, int64_t layout, int64_t sub, int64_t N, at::Tensor codes, at::Tensor d,
-                        at::Tensor m, int64_t centre, at::Tensor bias);
+                     at::Tensor m, int64_t centre, at::Tensor bias);
 void q8_repack(at::Tensor codes, int64_t from, int64_t layout, int64_t N, int64_t K, at::Tensor out);
 bool vnni();

@@ -134,7 +134,7 @@ RowsFn pick(int64_t layout, int64_t sub) {
 // (code layouts); codes [N, row bytes] of any dtype (F16 / BF16 / F32: the weights); d, m float32 [N, K / sub] (empty
 // for F16 / BF16 / F32); bias [N] or empty. Returns y [M, N].
 at::Tensor block_linear(at::Tensor x, int64_t layout, int64_t sub, at::Tensor codes, at::Tensor d, at::Tensor m,
-                           at::Tensor bias) {
+                        at::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "block_linear: x must be [M, K] float32");
   TORCH_CHECK(layout >= U4 && layout <= F32 && (sub == 16 || sub == 32), "block_linear: layout 0..4 and sub 16 or 32");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);

@@ -284,7 +284,7 @@ bool vnni() {
 // (top of this file) for N outputs; d, m [tiles, K / sub, 16], both float32 or both float16 (m empty when centre >= 0:
 // M = -centre D); bias [N] or empty. Returns y [M, N] in the q8 arithmetic.
 at::Tensor q8_linear(at::Tensor x, int64_t layout, int64_t sub, int64_t N, at::Tensor codes, at::Tensor d,
-                        at::Tensor m, int64_t centre, at::Tensor bias) {
+                     at::Tensor m, int64_t centre, at::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q8_linear: x must be [M, K] float32");
   TORCH_CHECK((layout == U4 || layout == U8 || layout == U5) && (sub == 16 || sub == 32),
               "q8_linear: layout 0 (u4), 1 (u8) or 2 (u5), sub 16 or 32");
