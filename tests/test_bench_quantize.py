@@ -59,6 +59,19 @@ def test_llamacpp_peers_on_the_own_file_and_the_f32_export(tmp_path):
     assert all(r["new_tokens"] >= 1 for r in results["records"])
     report = (tmp_path / "report.md").read_text()
     assert "llama.cpp forward, the target's own file (ms)" in report and "llama.cpp forward, F32 re-export" in report
+    assert f"- llama.cpp peers: llama-cpp-python {llama_cpp_version()} (" in report
+
+
+def llama_cpp_version() -> str:
+    import llama_cpp
+
+    return llama_cpp.__version__
+
+
+def test_the_report_names_the_cpu_features_llama_cpp_was_built_with():
+    info = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512_BF16 = 0 | AMX_INT8 = 0 | OPENMP = 1 | \n"
+    assert llamacpp.cpu_features(info) == ["SSE3", "AVX2", "OPENMP"]
+    assert llamacpp.cpu_features("no such line") == []
 
 
 def test_the_llamacpp_peer_prefills_every_request_whole():

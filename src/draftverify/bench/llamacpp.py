@@ -46,6 +46,22 @@ def available() -> bool:
     return True
 
 
+def build() -> str:
+    """The llama.cpp build the peers run: llama-cpp-python's version and the CPU features llama.cpp was compiled with
+    (its system info line), e.g. whether its AMX backend is in (scripts/install-llamacpp.sh leaves it out)."""
+    import llama_cpp
+
+    features = cpu_features(llama_cpp.llama_print_system_info().decode(errors="replace"))
+    return f"llama-cpp-python {llama_cpp.__version__} ({', '.join(features) or 'no CPU features listed'})"
+
+
+def cpu_features(info: str) -> list[str]:
+    """The features llama.cpp's system info marks on in its CPU line ("CPU : SSE3 = 1 | ... | AMX_INT8 = 1 | ...")."""
+    line = next((part.strip() for part in info.splitlines() if part.strip().startswith("CPU :")), "")
+    pairs = (item.split("=") for item in line.removeprefix("CPU :").split("|") if "=" in item)
+    return [name.strip() for name, value in pairs if value.strip() == "1"]
+
+
 def require_llamacpp() -> None:
     require(available(), INSTALL_HINT)
 

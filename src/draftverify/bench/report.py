@@ -206,6 +206,7 @@ def header_lines(results: dict) -> list[str]:
         f"{models}; target arithmetic **{arithmetic}** (weights {cfg['dtype'].replace('torch.', '')}), "
         f"on {env['device']} ({hardware}), {env['torch_threads']} threads; {versions}"
         + (f" ({env['git_commit']})" if env.get("git_commit") else ""),
+        *([f"- llama.cpp peers: {env['llamacpp']}"] if env.get("llamacpp") else []),
         f"- {len(results['prompts'])} prompts ({len(results['skipped'])} skipped), "
         f"{cfg['max_new_tokens']} new tokens at most, {cfg['repeats']} repeat(s), {sampling}; "
         "methods interleaved prompt by prompt after a warm-up",

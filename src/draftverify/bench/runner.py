@@ -372,5 +372,8 @@ class Bench:
         order = schedule(list(self.ids), [s.label for s in self.specs], self.settings.repeats)
         records = [log.generations[job] for job in order if job in log.generations]
         oracles = [log.oracles[p] for p in self.ids if p in log.oracles]
-        head = {"command": command, "config": self.config(), "environment": environment(self.device)}
+        env = environment(self.device)
+        if self.gguf_kinds:  # the llama.cpp build the peers ran: its version and the CPU features it was built with
+            env["llamacpp"] = llamacpp.build()
+        head = {"command": command, "config": self.config(), "environment": env}
         return assemble(self, records, oracles, log.costs or {}, head)
