@@ -10,6 +10,9 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
 workers=${DV_TEST_WORKERS:-$(python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}
 if [ "$workers" -gt 1 ]; then
-  exec python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
+  # --max-worker-restart=0: a test that kills its worker (a native crash) fails the run there and then; xdist's
+  # default starts another worker, which re-ran the crashing file, and once left the controller waiting forever
+  exec python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile --no-loadscope-reorder \
+    --max-worker-restart=0 "$@"
 fi
 exec python -m pytest -q -p no:cacheprovider "$@"
