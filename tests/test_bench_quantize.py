@@ -59,13 +59,9 @@ def test_llamacpp_peers_on_the_own_file_and_the_f32_export(tmp_path):
     assert all(r["new_tokens"] >= 1 for r in results["records"])
     report = (tmp_path / "report.md").read_text()
     assert "llama.cpp forward, the target's own file (ms)" in report and "llama.cpp forward, F32 re-export" in report
-    assert f"- llama.cpp peers: llama-cpp-python {llama_cpp_version()} (" in report
-
-
-def llama_cpp_version() -> str:
     import llama_cpp
 
-    return llama_cpp.__version__
+    assert f"- llama.cpp peers: llama-cpp-python {llama_cpp.__version__} (" in report
 
 
 def test_the_report_names_the_cpu_features_llama_cpp_was_built_with():
