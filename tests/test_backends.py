@@ -468,6 +468,53 @@ def test_attention_kernels_read_and_write_an_fp16_cache_as_its_exact_float32_upc
         torch.testing.assert_close(half_out, out, atol=1e-2, rtol=1e-2)  # the same attention, on rounded keys
 
 
+def test_rope_attention_rounds_cache_values_to_fp16_as_torch_does_at_the_edges():
+    """The fp16 cache's rounding (F16C, 16 values at a time) is torch's: ties to even, the largest finite half, the
+    overflow to infinity, subnormal halves, values below them, signed zeros."""
+    from draftverify.kernels import cpu, unavailable
+
+    kernel = cpu()
+    if kernel is None:
+        pytest.skip(unavailable())
+    heads, kv, d = 1, 1, 64
+    ties = [1 + 2**-11, 1 + 3 * 2**-11, -(2 + 2**-10), 2**-24 * 1.5, 2**-25, -(2**-25)]
+    edges = [65504.0, 65519.0, 65520.0, -70000.0, 6e-8, 3e-8, 1e-9, 0.0, -0.0, 2**-14, 2**-14 - 2**-24]
+    special = torch.tensor(ties + edges, dtype=torch.float32)
+    values = torch.cat([special, torch.randn(d - special.numel()) * 1e-3])
+    qkv = torch.randn(1, (heads + 2 * kv) * d)
+    qkv[0, (heads + kv) * d :] = values
+    cos, sin = torch.ones(1, d), torch.zeros(1, d)
+    keys, cache = torch.zeros(kv, 4, d, dtype=torch.half), torch.zeros(kv, 4, d, dtype=torch.half)
+    kernel.rope_attention(qkv, cos, sin, keys, cache, 2, heads, torch.empty(0, dtype=torch.bool), 0.125)
+    expected = values.half()
+    assert torch.equal(cache[0, 2].view(torch.int16), expected.view(torch.int16))  # bit for bit, zeros' signs too
+
+
+def test_attention_kernel_gives_the_same_bits_on_one_thread_or_two():
+    """However attention's tasks are shared out (one thread, two, or on the calling thread below the work that pays
+    for a second one), every row gets the same bits: trees and steps over contexts of one to several key chunks."""
+    from draftverify.kernels import cpu, unavailable
+
+    kernel = cpu()
+    if kernel is None:
+        pytest.skip(unavailable())
+    torch.manual_seed(4)
+    threads = torch.get_num_threads()
+    try:
+        for n, past in ((1, 100), (1, 700), (5, 140), (16, 130), (16, 600)):
+            q = torch.randn(n, 9, 64)
+            keys, values = torch.randn(3, past + n, 64).half(), torch.randn(3, past + n, 64).half()
+            mask = torch.rand(n, past + n) > 0.2
+            mask[:, past:] = torch.eye(n, dtype=torch.bool) | (torch.rand(n, n) > 0.5).tril()
+            outs = []
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                outs.append(kernel.attention(q, keys, values, past + n, mask, 0.125))
+            assert torch.equal(outs[0], outs[1]), (n, past)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def gguf_style_llama():
     """A tiny Llama whose weights are exact Q4_1 (layers) and Q8_0 (embeddings, tied head) blocks, as a GGUF model
     loads."""

@@ -13,12 +13,17 @@
 #include <cstring>
 
 #include "ops.h"
+#include "scratch.h"
 #include "simd.h"
 
 namespace {
 using dv::V16;
 using dv::exp_nonpositive;
 constexpr int64_t kChunk = 128;
+// Below this many (row, key) pairs of a kv group's heads, summed over the groups, attention runs on the calling
+// thread (a step over a context of about 340 keys with 3 groups), and below kSerialMerge floats of partials a
+// thread, the merge: a parallel region's start and join cost more than that work.
+constexpr int64_t kSerialWork = 1024, kSerialMerge = 16384;
 
 // R query rows x G query heads (d = 16 * C floats each, a row's heads consecutive from q[r]) that read the same
 // keys/values [S, d], over one chunk: the slots idx[0..count) (count <= kChunk; idx padded to a multiple of 16 with
@@ -144,15 +149,18 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S
   float* op = out.data_ptr<float>();
   const int64_t group = H / kv, row_stride = q.stride(0);
   const float sc = static_cast<float>(scale);
-  // Each row's chunks: chunk c of row i is slots bounds[i][c]..bounds[i][c + 1] - 1, holding kChunk of its allowed keys
-  // (the last one the rest); a row with fewer chunks than `chunks` has empty ones at the end.
-  std::vector<std::vector<int64_t>> bounds(n);
+  // Each row's chunks: chunk c of row i is slots b[c]..b[c + 1] - 1 (b = bounds + i * stride, ends[i] entries), holding
+  // kChunk of its allowed keys (the last one the rest); a row with fewer chunks than `chunks` has empty ones at the end.
+  const int64_t stride = (S + kChunk - 1) / kChunk + 2;
+  int64_t* const bounds = dv::scratch<int64_t, dv::kChunkBounds>(n * stride);
+  int64_t* const ends = dv::scratch<int64_t, dv::kChunkCounts>(n);
   int64_t chunks = 0;
   for (int64_t i = 0; i < n; ++i) {
-    std::vector<int64_t>& b = bounds[i];
-    b.push_back(0);
+    int64_t* const b = bounds + i * stride;
+    int64_t e = 0;
+    b[e++] = 0;
     if (!mp) {
-      for (int64_t j = kChunk; j < S; j += kChunk) b.push_back(j);
+      for (int64_t j = kChunk; j < S; j += kChunk) b[e++] = j;
     } else {
       const bool* allowed = mp + i * S;
       int64_t count = 0, masked_at = -1;  // the last masked key a look ahead found
@@ -161,31 +169,61 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S
           const void* hole = std::memchr(allowed + j, 0, kChunk);
           if (hole == nullptr) {
             j += kChunk, count += kChunk;
-            b.push_back(j);
+            b[e++] = j;
             continue;
           }
           masked_at = static_cast<const bool*>(hole) - allowed;
         }
-        if (allowed[j] && ++count % kChunk == 0) b.push_back(j + 1);
+        if (allowed[j] && ++count % kChunk == 0) b[e++] = j + 1;
         ++j;
       }
-      if (count % kChunk == 0) b.pop_back();  // the last boundary closes the last chunk: S does
+      if (count % kChunk == 0) --e;  // the last boundary closes the last chunk: S does
     }
-    b.push_back(S);
-    chunks = std::max<int64_t>(chunks, b.size() - 1);
+    b[e++] = S;
+    ends[i] = e;
+    chunks = std::max<int64_t>(chunks, e - 1);
   }
   // Partials per (row, chunk, head) of the rows with more than one chunk: top, total, acc [d] (a kv group's heads
   // together); a row with one chunk is normalised where it is computed (the merge of one chunk, e^0 = 1, is that).
-  std::vector<float> tops(n * chunks * H), totals(n * chunks * H), accs(chunks > 1 ? n * chunks * H * d : 0);
-  // One task: a kv group's heads over one chunk for kRowsAtOnce consecutive rows. Rows that attend the same keys of
-  // the chunk (a prefill's rows, but for the chunk on their diagonal) go through attend_group together, the
-  // others one by one; either way each row's partial is the one it has alone. Consecutive tasks share the chunk,
-  // which stays in L1 from one block of rows to the next.
-  const int64_t row_blocks = (n + kRowsAtOnce - 1) / kRowsAtOnce;
-  at::parallel_for(0, kv * chunks * row_blocks, 1, [&](int64_t t0, int64_t t1) {
+  // Each is written before it is read (a chunk with no key of a row writes its top, -inf, which the merge skips).
+  float* const tops = dv::scratch<float, dv::kTops>(n * chunks * H);
+  float* const totals = dv::scratch<float, dv::kTotals>(n * chunks * H);
+  float* const accs = dv::scratch<float, dv::kAccs>(chunks > 1 ? n * chunks * H * d : 0);
+  // The tasks are dealt out before they run, costliest first, each to the thread with the least work so far (a
+  // task costs about its rows times the keys they read in its chunk): a kv group's heads are the unit of work, and
+  // there are few groups (SmolLM2's 3 for 2 threads) and chunks of unequal size (a tree's last chunk holds its few
+  // new keys), so an even split by count left one thread with twice the other's work. A task's result does not
+  // depend on which thread runs it. Too little work for two threads (a step over a short context) runs on this one:
+  // starting the others would cost more than it saves; so does a call from a parallel region (a batch's sequences).
+  const int64_t row_blocks = (n + kRowsAtOnce - 1) / kRowsAtOnce, tasks = kv * chunks * row_blocks;
+  int64_t* const order = dv::scratch<int64_t, dv::kTasks>(3 * tasks);  // task ids; their costs; their threads
+  int64_t *const cost = order + tasks, *const owner = cost + tasks;
+  int64_t work = 0;
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t c = (t / row_blocks) % chunks, i0 = (t % row_blocks) * kRowsAtOnce;
+    cost[t] = 0;
+    for (int64_t i = i0; i < std::min(n, i0 + kRowsAtOnce); ++i)
+      if (c < ends[i] - 1) cost[t] += bounds[i * stride + c + 1] - bounds[i * stride + c];
+    work += cost[t];
+    order[t] = t;
+  }
+  const int64_t threads =
+      work < kSerialWork || at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), tasks);
+  std::fill(owner, owner + tasks, 0);
+  if (threads > 1) {
+    std::stable_sort(order, order + tasks, [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+    std::vector<int64_t> load(threads, 0);
+    for (int64_t k = 0; k < tasks; ++k) {
+      const int64_t least = std::min_element(load.begin(), load.end()) - load.begin();
+      owner[order[k]] = least;
+      load[least] += cost[order[k]];
+    }
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t m0, int64_t m1) {  // one share per thread (all of them, run inline)
     int64_t idx[kRowsAtOnce][kChunk];
     int64_t counts[kRowsAtOnce];
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = 0; t < tasks; ++t) {  // a thread's tasks in order: consecutive ones share a chunk, kept in L1
+      if (owner[t] < m0 || owner[t] >= m1) continue;
       const int64_t g = t / (chunks * row_blocks), c = (t / row_blocks) % chunks, i0 = (t % row_blocks) * kRowsAtOnce;
       const int rows = static_cast<int>(std::min<int64_t>(kRowsAtOnce, n - i0));
       const float* qh[kRowsAtOnce];
@@ -193,9 +231,9 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S
       int64_t mine[kRowsAtOnce];
       for (int r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
-        const std::vector<int64_t>& b = bounds[i];
+        const int64_t* const b = bounds + i * stride;
         const int64_t slot = (i * chunks + c) * H + g * group;
-        mine[r] = static_cast<int64_t>(b.size()) - 1;
+        mine[r] = ends[i] - 1;
         int64_t count = 0;
         if (c < mine[r]) {
           const bool* allowed = mp ? mp + i * S : nullptr;
@@ -208,13 +246,13 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S
         }
         counts[r] = count;
         if (count == 0) {  // no key of this chunk for this row
-          std::fill(&tops[slot], &tops[slot + group], -INFINITY);
+          std::fill(tops + slot, &tops[slot + group], -INFINITY);
           continue;
         }
         for (int64_t a = count; a % 16; ++a) idx[r][a] = idx[r][count - 1];
         qh[r] = qp + i * row_stride + g * group * d;
-        acc[r] = mine[r] == 1 ? op + i * H * d + g * group * d : &accs[slot * d];
-        top[r] = &tops[slot], total[r] = &totals[slot];
+        acc[r] = mine[r] == 1 ? op + i * H * d + g * group * d : accs + slot * d;
+        top[r] = tops + slot, total[r] = totals + slot;
       }
       bool together = rows == kRowsAtOnce && counts[0] > 0;
       for (int r = 1; together && r < rows; ++r)
@@ -255,9 +293,9 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S
   });
   if (chunks == 1) return out;
   // Each (row, head) of more than one chunk: its chunks merged in order.
-  at::parallel_for(0, n * H, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, n * H, std::max<int64_t>(1, kSerialMerge / (chunks * d)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t i = r / H, h = r % H, mine = static_cast<int64_t>(bounds[i].size()) - 1;
+      const int64_t i = r / H, h = r % H, mine = ends[i] - 1;
       if (mine == 1) continue;
       float M = -INFINITY;
       for (int64_t c = 0; c < mine; ++c) M = std::max(M, tops[(i * chunks + c) * H + h]);
@@ -269,7 +307,7 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S
         if (tops[slot] == -INFINITY) continue;  // no key of this chunk for this row
         const float w = exp_nonpositive(tops[slot] - M);
         L += w * totals[slot];
-        const float* a = &accs[slot * d];
+        const float* a = accs + slot * d;
         for (int64_t e = 0; e < d; ++e) o[e] += w * a[e];
       }
       const float inv = 1.0f / L;
@@ -301,25 +339,32 @@ at::Tensor rope_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Te
   float* qp = q.data_ptr<float>();
   const int64_t cap = keys.size(1), width = qkv.size(1);
   void *const kp = keys.data_ptr(), *const vp = values.data_ptr();
-  // a key or value row into the cache: as it is, or rounded to the nearest fp16 (ties to even, as torch's copy rounds)
+  // a key or value row into the cache: as it is, or rounded to the nearest fp16 (ties to even, as torch's copy
+  // rounds; F16C's conversion, 16 at a time, is that rounding)
   const auto put = [&](void* cache, int64_t g, int64_t slot, const float* x) {
     const int64_t offset = (g * cap + slot) * d;
     if (fp16) {
-      at::Half* to = static_cast<at::Half*>(cache) + offset;
-      for (int64_t j = 0; j < d; ++j) to[j] = static_cast<at::Half>(x[j]);
+      uint16_t* to = static_cast<uint16_t*>(cache) + offset;
+      for (int64_t j = 0; j < d; j += 16) V16::load(x + j).store_halves(to + j);
     } else {
       std::memcpy(static_cast<float*>(cache) + offset, x, d * sizeof(float));
     }
   };
-  std::vector<float> k(d);
+  alignas(64) float k[256];  // one rotated key (d <= 256)
   for (int64_t i = 0; i < n; ++i) {
     const float* row = src + i * width;
     const float* c = cos.data_ptr<float>() + i * cos.stride(0);
     const float* sn = sin.data_ptr<float>() + i * sin.stride(0);
     for (int64_t h = 0; h < heads + kv; ++h) {  // q heads, then k heads: rotated
       const float* x = row + h * d;
-      float* out = h < heads ? qp + (i * heads + h) * d : k.data();
-      for (int64_t j = 0; j < half; ++j) {
+      float* out = h < heads ? qp + (i * heads + h) * d : k;
+      int64_t j = 0;
+      for (; j + 16 <= half; j += 16) {  // the scalar rule below, 16 lanes at a time (each product rounded, then summed)
+        const V16 lo = V16::load(x + j), hi = V16::load(x + j + half);
+        V16::sub(V16::mul(lo, V16::load(c + j)), V16::mul(hi, V16::load(sn + j))).store(out + j);
+        V16::add(V16::mul(hi, V16::load(c + j + half)), V16::mul(lo, V16::load(sn + j + half))).store(out + j + half);
+      }
+      for (; j < half; ++j) {
         out[j] = x[j] * c[j] - x[j + half] * sn[j];
         out[j + half] = x[j + half] * c[j + half] + x[j] * sn[j + half];
       }

@@ -29,6 +29,7 @@
 
 #include "ops.h"
 #include "q8_lanes.h"
+#include "scratch.h"
 
 namespace {
 
@@ -297,20 +298,22 @@ at::Tensor q8_linear(at::Tensor x, int64_t layout, int64_t sub, int64_t N, at::T
                   (centred || (m.scalar_type() == d.scalar_type() && m.is_contiguous() && m.numel() == d.numel())),
               "q8_linear: d (and m unless centred) must be float32 or float16 [tiles, K / sub, 16], one dtype");
   TORCH_CHECK(!bias.numel() || (bias.scalar_type() == at::kFloat && bias.numel() == N && bias.is_contiguous()), "q8_linear: bias");
-  std::vector<int8_t> qx(M * K);
-  std::vector<float> dx(M * K / 32);
-  std::vector<int32_t> sx(M * K / sub);
+  // the rounded rows live in this thread's scratch (every element written below before it is read)
+  int8_t* qx = dv::scratch<int8_t, dv::kRoundedX>(M * K);
+  float* dx = dv::scratch<float, dv::kRowScales>(M * K / 32);
+  int32_t* sx = dv::scratch<int32_t, dv::kRowSums>(M * K / sub);
   // rows are rounded alone, so a prefill's many rows are shared out between the threads (a few rows: one thread)
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
-    round_rows(xp + r0 * K, r1 - r0, K, static_cast<int>(sub), static_cast<int32_t>(centre), qx.data() + r0 * K,
-               dx.data() + r0 * (K / 32), sx.data() + r0 * (K / sub));
+    round_rows(xp + r0 * K, r1 - r0, K, static_cast<int>(sub), static_cast<int32_t>(centre), qx + r0 * K,
+               dx + r0 * (K / 32), sx + r0 * (K / sub));
   });
-  std::vector<float> sxf(centred ? 0 : sx.size());
-  for (size_t i = 0; i < sxf.size(); ++i) sxf[i] = static_cast<float>(sx[i]);
+  const int64_t sums = centred ? 0 : M * K / sub;
+  float* sxf = dv::scratch<float, dv::kRowSumsF>(sums);
+  for (int64_t i = 0; i < sums; ++i) sxf[i] = static_cast<float>(sx[i]);
   auto y = at::empty({M, N}, x.options());
   const TilesFn run = pick(layout, sub, centred, half);
-  const Args a{qx.data(), dx.data(), sx.data(), sxf.data(), codes.data_ptr<uint8_t>(), d.data_ptr(), centred ? nullptr : m.data_ptr(),
+  const Args a{qx, dx, sx, sxf, codes.data_ptr<uint8_t>(), d.data_ptr(), centred ? nullptr : m.data_ptr(),
                bias.numel() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N};
   // shared out in pairs of tiles (a pass takes two at once), a thread's share at least ~64 K multiply-adds: smaller
   // products run on one thread

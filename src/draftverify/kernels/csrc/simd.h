@@ -26,6 +26,9 @@ struct V16 {
   static V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static V16 load(const uint16_t* p) { return halves(p); }  // 16 IEEE halves, upcast exactly
   void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void store_halves(uint16_t* p) const {  // rounded to the nearest IEEE half, ties to even
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
   static V16 set1(float a) { return {_mm512_set1_ps(a)}; }
   static V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   static V16 mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -88,6 +91,10 @@ struct V16 {
   static V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
   static V16 load(const uint16_t* p) { return halves(p); }  // 16 IEEE halves, upcast exactly
   void store(float* p) const { _mm256_storeu_ps(p, a); _mm256_storeu_ps(p + 8, b); }
+  void store_halves(uint16_t* p) const {  // rounded to the nearest IEEE half, ties to even
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
   static V16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
   static V16 fma(V16 x, V16 y, V16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
   static V16 mul(V16 x, V16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
