@@ -246,7 +246,7 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S
         }
         counts[r] = count;
         if (count == 0) {  // no key of this chunk for this row
-          std::fill(tops + slot, &tops[slot + group], -INFINITY);
+          std::fill(tops + slot, tops + slot + group, -INFINITY);
           continue;
         }
         for (int64_t a = count; a % 16; ++a) idx[r][a] = idx[r][count - 1];
@@ -332,6 +332,7 @@ at::Tensor rope_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Te
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == n && cos.size(1) == d && cos.stride(1) == 1 && sin.sizes() == cos.sizes() && sin.stride(1) == 1 &&
               cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "rope_attention: rotary tables");
   TORCH_CHECK(past + n <= keys.size(1), "rope_attention: cache too small");
+  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128 || d == 256, "rope_attention: head dim 16, 32, 64, 128 or 256");
   const bool fp16 = keys.scalar_type() == at::kHalf;
   TORCH_CHECK((fp16 || keys.scalar_type() == at::kFloat) && values.scalar_type() == keys.scalar_type(), "rope_attention: cache dtype");
   auto q = at::empty({n, heads, d}, qkv.options());
