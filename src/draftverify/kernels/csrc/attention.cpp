@@ -25,16 +25,24 @@ constexpr int64_t kChunk = 128;
 // thread, the merge: a parallel region's start and join cost more than that work.
 constexpr int64_t kSerialWork = 1024, kSerialMerge = 16384;
 
+// Asks for one key or value row (`bytes` long) into L2. A long context's keys and values come from memory (a step
+// reads every layer's, far more than L2 holds), and the hardware's prefetch does not run ahead of the chunk-by-chunk
+// reads: asked for one chunk ahead as the current chunk is read, the next chunk's rows are in L2 when it comes.
+inline void prefetch_row(const void* row, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(row) + o, _MM_HINT_T1);
+}
+
 // R query rows x G query heads (d = 16 * C floats each, a row's heads consecutive from q[r]) that read the same
 // keys/values [S, d], over one chunk: the slots idx[0..count) (count <= kChunk; idx padded to a multiple of 16 with
 // repeats of its last slot). Writes each (row, head)'s partial: top[r][g] (the chunk's largest score), total[r][g]
 // and out[r] (G * d floats, unnormalised). The scores go 16 keys at a time (`sums16`: one transposing sum instead
 // of 16 horizontal ones); a key's score, like every sum here, is formed the same way wherever the key sits in its 16
 // and for any G and R, so each (row, head) gets the bits it gets alone. A key is loaded (and, from an fp16 cache,
-// upcast) once for every row and head, a value once for every head of two rows.
+// upcast) once for every row and head, a value once for every head of two rows. As the first ahead_n keys and
+// values are read, the ones `ahead` elements further on (the next chunk's) are asked for (`prefetch_row`).
 template <int C, int G, int R, typename T>
 void attend_rows(const float* const* q, const T* keys, const T* values, const int64_t* idx, int64_t count, float scale,
-                 float* const* top, float* const* total, float* const* out) {
+                 float* const* top, float* const* total, float* const* out, int64_t ahead, int64_t ahead_n) {
   constexpr int P = G * R;  // (row, head) pairs, row-major: pair r * G + g
   alignas(64) float scores[P][kChunk];
   const int64_t blocks = (count + 15) / 16;
@@ -44,6 +52,7 @@ void attend_rows(const float* const* q, const T* keys, const T* values, const in
     V16 dots[P][16];
     for (int k = 0; k < 16; ++k) {
       const T* key = keys + idx[16 * b + k] * 16 * C;
+      if (16 * b + k < ahead_n) prefetch_row(key + ahead, 16 * C * sizeof(T));
       V16 kv[C];
       for (int c = 0; c < C; ++c) kv[c] = V16::load(key + 16 * c);
       for (int p = 0; p < P; ++p) {
@@ -82,6 +91,7 @@ void attend_rows(const float* const* q, const T* keys, const T* values, const in
         for (int c = 0; c < C; ++c) acc[r][g][c] = V16::zero();
     for (int64_t a = 0; a < count; ++a) {
       const T* v = values + idx[a] * 16 * C;
+      if (a < ahead_n && r0 == 0) prefetch_row(v + ahead, 16 * C * sizeof(T));
       V16 vv[C];
       for (int c = 0; c < C; ++c) vv[c] = V16::load(v + 16 * c);
       for (int r = 0; r < rows; ++r)
@@ -103,14 +113,15 @@ constexpr int kRowsAtOnce = 4;  // rows that share a chunk's keys, computed toge
 
 template <int C, int R, typename T>
 void attend_group(const float* const* q, const T* keys, const T* values, const int64_t* idx, int64_t count,
-                  float scale, float* const* top, float* const* total, float* const* out, int64_t group) {
+                  float scale, float* const* top, float* const* total, float* const* out, int64_t group, int64_t ahead,
+                  int64_t ahead_n) {
   const int64_t d = 16 * C;
   const auto heads = [&](int64_t h, auto width) {
     constexpr int W = decltype(width)::value;
     const float* qh[R];
     float *th[R], *sh[R], *oh[R];
     for (int r = 0; r < R; ++r) qh[r] = q[r] + h * d, th[r] = top[r] + h, sh[r] = total[r] + h, oh[r] = out[r] + h * d;
-    attend_rows<C, W, R, T>(qh, keys, values, idx, count, scale, th, sh, oh);
+    attend_rows<C, W, R, T>(qh, keys, values, idx, count, scale, th, sh, oh, ahead, h == 0 ? ahead_n : 0);
   };
   int64_t h = 0;
   for (; h + kHeadsAtOnce <= group; h += kHeadsAtOnce) heads(h, std::integral_constant<int, kHeadsAtOnce>{});
@@ -259,23 +270,29 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S
         together = counts[r] == counts[0] && std::equal(idx[r], idx[r] + counts[0], idx[0]);
       const int64_t offset = g * cap * d * item;
       const auto run = [&](const auto* kg, const auto* vg) {
+        // a row with a chunk after this one asks for that chunk's keys and values (slots one chunk on, as many as it
+        // spans) as it reads these (`prefetch_row`); the first block of rows asks for all of them
         const auto rows_of = [&](auto r_count, const float* const* qr, const int64_t* ir, int64_t cr, float* const* tr,
-                                 float* const* sr, float* const* ar) {
+                                 float* const* sr, float* const* ar, int64_t i) {
+          const int64_t* const b = bounds + i * stride;
+          const int64_t ahead = kChunk * d;
+          const int64_t ahead_n = i0 == 0 && c + 1 < ends[i] - 1 ? std::min(kChunk, b[c + 2] - b[c + 1]) : 0;
           constexpr int R = decltype(r_count)::value;
           switch (d) {
-            case 16: attend_group<1, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group); break;
-            case 32: attend_group<2, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group); break;
-            case 64: attend_group<4, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group); break;
-            case 128: attend_group<8, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group); break;
-            default: attend_group<16, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group); break;  // Gemma's 256
+            case 16: attend_group<1, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
+            case 32: attend_group<2, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
+            case 64: attend_group<4, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
+            case 128: attend_group<8, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
+            default: attend_group<16, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;  // Gemma's 256
           }
         };
         if (together) {
-          rows_of(std::integral_constant<int, kRowsAtOnce>{}, qh, idx[0], counts[0], top, total, acc);
+          rows_of(std::integral_constant<int, kRowsAtOnce>{}, qh, idx[0], counts[0], top, total, acc, i0);
           return;
         }
         for (int r = 0; r < rows; ++r)
-          if (counts[r] > 0) rows_of(std::integral_constant<int, 1>{}, &qh[r], idx[r], counts[r], &top[r], &total[r], &acc[r]);
+          if (counts[r] > 0)
+            rows_of(std::integral_constant<int, 1>{}, &qh[r], idx[r], counts[r], &top[r], &total[r], &acc[r], i0 + r);
       };
       if (half) {
         run(reinterpret_cast<const uint16_t*>(kp + offset), reinterpret_cast<const uint16_t*>(vp + offset));
