@@ -20,6 +20,8 @@ namespace {
 using dv::V16;
 using dv::exp_nonpositive;
 constexpr int64_t kChunk = 128;
+// The head dims the kernels take (d = 16 C floats, `attend_group`'s C).
+constexpr bool head_dim_supported(int64_t d) { return d == 16 || d == 32 || d == 64 || d == 128 || d == 256; }
 // Below this many (row, key) pairs of a kv group's heads, summed over the groups, attention runs on the calling
 // thread (a step over a context of about 340 keys with 3 groups), and below kSerialMerge floats of partials a
 // thread, the merge: a parallel region's start and join cost more than that work.
@@ -148,7 +150,7 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S
   TORCH_CHECK(q.scalar_type() == at::kFloat && (half || keys.scalar_type() == at::kFloat) && values.scalar_type() == keys.scalar_type(),
               "attention: q float32, keys and values both float32 or both float16");
   const int64_t n = q.size(0), H = q.size(1), d = q.size(2), kv = keys.size(0), cap = keys.size(1);
-  TORCH_CHECK(keys.size(2) == d && (d == 16 || d == 32 || d == 64 || d == 128 || d == 256) && H % kv == 0 && S <= cap, "attention: sizes");
+  TORCH_CHECK(keys.size(2) == d && head_dim_supported(d) && H % kv == 0 && S <= cap, "attention: sizes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && keys.is_contiguous() && values.is_contiguous(), "attention: layout");
   const bool masked = mask.numel() > 0;
   TORCH_CHECK(!masked || (mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.size(0) == n && mask.size(1) == S), "attention: mask");
@@ -200,15 +202,15 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S
   float* const tops = dv::scratch<float, dv::kTops>(n * chunks * H);
   float* const totals = dv::scratch<float, dv::kTotals>(n * chunks * H);
   float* const accs = dv::scratch<float, dv::kAccs>(chunks > 1 ? n * chunks * H * d : 0);
-  // The tasks are dealt out before they run, costliest first, each to the thread with the least work so far (a
-  // task costs about its rows times the keys they read in its chunk): a kv group's heads are the unit of work, and
-  // there are few groups (SmolLM2's 3 for 2 threads) and chunks of unequal size (a tree's last chunk holds its few
-  // new keys), so an even split by count left one thread with twice the other's work. A task's result does not
-  // depend on which thread runs it. Too little work for two threads (a step over a short context) runs on this one:
-  // starting the others would cost more than it saves; so does a call from a parallel region (a batch's sequences).
+  // The tasks are dealt out before they run, costliest first, each to the thread with the least work so far
+  // (`dv::deal`, as a batch's sequences are; a task costs about its rows times the keys they read in its chunk): a
+  // kv group's heads are the unit of work, and there are few groups (SmolLM2's 3 for 2 threads) and chunks of unequal
+  // size (a tree's last chunk holds its few new keys), so an even split by count left one thread with twice the
+  // other's work. A task's result does not depend on which thread runs it. Too little work for two threads (a step
+  // over a short context) runs on this one: starting the others would cost more than it saves; so does a call from a
+  // parallel region (a batch's sequences).
   const int64_t row_blocks = (n + kRowsAtOnce - 1) / kRowsAtOnce, tasks = kv * chunks * row_blocks;
-  int64_t* const order = dv::scratch<int64_t, dv::kTasks>(3 * tasks);  // task ids; their costs; their threads
-  int64_t *const cost = order + tasks, *const owner = cost + tasks;
+  int64_t* const cost = dv::scratch<int64_t, dv::kTasks>(tasks);
   int64_t work = 0;
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t c = (t / row_blocks) % chunks, i0 = (t % row_blocks) * kRowsAtOnce;
@@ -216,20 +218,10 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S
     for (int64_t i = i0; i < std::min(n, i0 + kRowsAtOnce); ++i)
       if (c < ends[i] - 1) cost[t] += bounds[i * stride + c + 1] - bounds[i * stride + c];
     work += cost[t];
-    order[t] = t;
   }
   const int64_t threads =
       work < kSerialWork || at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), tasks);
-  std::fill(owner, owner + tasks, 0);
-  if (threads > 1) {
-    std::stable_sort(order, order + tasks, [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
-    std::vector<int64_t> load(threads, 0);
-    for (int64_t k = 0; k < tasks; ++k) {
-      const int64_t least = std::min_element(load.begin(), load.end()) - load.begin();
-      owner[order[k]] = least;
-      load[least] += cost[order[k]];
-    }
-  }
+  const std::vector<int64_t> owner = dv::deal(cost, tasks, threads);
   at::parallel_for(0, threads, 1, [&](int64_t m0, int64_t m1) {  // one share per thread (all of them, run inline)
     int64_t idx[kRowsAtOnce][kChunk];
     int64_t counts[kRowsAtOnce];
@@ -349,7 +341,7 @@ at::Tensor rope_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Te
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == n && cos.size(1) == d && cos.stride(1) == 1 && sin.sizes() == cos.sizes() && sin.stride(1) == 1 &&
               cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "rope_attention: rotary tables");
   TORCH_CHECK(past + n <= keys.size(1), "rope_attention: cache too small");
-  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128 || d == 256, "rope_attention: head dim 16, 32, 64, 128 or 256");
+  TORCH_CHECK(head_dim_supported(d), "rope_attention: head dim 16, 32, 64, 128 or 256");
   const bool fp16 = keys.scalar_type() == at::kHalf;
   TORCH_CHECK((fp16 || keys.scalar_type() == at::kFloat) && values.scalar_type() == keys.scalar_type(), "rope_attention: cache dtype");
   auto q = at::empty({n, heads, d}, qkv.options());

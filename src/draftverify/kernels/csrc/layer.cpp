@@ -51,6 +51,20 @@ at::Tensor dv::quant_product(const at::Tensor& x, const std::vector<at::Tensor>&
   return w.back().numel() ? y + w.back() : y;
 }
 
+std::vector<int64_t> dv::deal(const int64_t* cost, int64_t n, int64_t threads) {
+  std::vector<int64_t> owner(n, 0);
+  if (threads <= 1) return owner;
+  std::vector<int64_t> order(n), load(threads, 0);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  for (const int64_t j : order) {
+    const int64_t least = std::min_element(load.begin(), load.end()) - load.begin();
+    owner[j] = least;
+    load[least] += cost[j];
+  }
+  return owner;
+}
+
 // One pre-norm decoder layer (Llama family, no q/k norms) for a few new rows h [n, H] of one sequence, every
 // product quantized or a file's blocks (`dv::quant_product`): h + o(attention(rope(qkv(norm_in(h))))), then
 // + down(silu_mul(gate_up(norm_post(.)))). The same kernels, in the same order, as the static path's op-by-op layer,
@@ -92,19 +106,10 @@ at::Tensor layer_many(at::Tensor h, at::Tensor norm_in, at::Tensor norm_post, do
     const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(parts));
     std::vector<int64_t> cost(parts);
     for (size_t j = 0; j < parts; ++j) cost[j] = ns[j] * (pasts[j] + ns[j]);
-    std::vector<size_t> order(parts);
-    std::iota(order.begin(), order.end(), size_t{0});
-    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cost[a] > cost[b]; });
-    std::vector<std::vector<size_t>> share(threads);
-    std::vector<int64_t> work(threads, 0);
-    for (const size_t j : order) {
-      const int64_t t = std::min_element(work.begin(), work.end()) - work.begin();
-      share[t].push_back(j);
-      work[t] += cost[j];
-    }
+    const std::vector<int64_t> owner = dv::deal(cost.data(), static_cast<int64_t>(parts), threads);
     at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {  // one share per thread
-      for (int64_t t = t0; t < t1; ++t)
-        for (const size_t j : share[t]) attend(j);
+      for (size_t j = 0; j < parts; ++j)
+        if (owner[j] >= t0 && owner[j] < t1) attend(j);
     });
   }
   h = h + dv::quant_product(parts == 1 ? outs[0] : at::cat(outs), o);

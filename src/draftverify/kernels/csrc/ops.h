@@ -17,6 +17,9 @@ namespace dv {
 void norm_row(const float* x, const float* w, float* y, int64_t H, float eps);
 // layer.cpp: a quantized weight {q, d, m, bias} as `layer` and `head_inputs` take it, times x (quant_linear).
 at::Tensor quant_product(const at::Tensor& x, const std::vector<at::Tensor>& w);
+// layer.cpp: the thread (0..threads-1) of each of n pieces of work of these costs, dealt out costliest first (ties in
+// order), each to the thread with the least cost so far (a batch's sequences, attention's tasks).
+std::vector<int64_t> deal(const int64_t* cost, int64_t n, int64_t threads);
 }  // namespace dv
 
 // argmax.cpp
