@@ -139,43 +139,35 @@ inline bool all_allowed(const bool* allowed, int64_t count) {
 
 }  // namespace
 
-
-// q [n, H, d] (rows may be strided; heads and features contiguous); keys, values [kv, capacity, d], the
-// first S slots valid (kv divides H: query head h reads kv head h / (H / kv)); mask [n, S] bool (True = may
-// attend) or empty (every key); d 16, 32, 64, 128 or 256. q float32; keys and values float32, or float16 (a q8
-// target's cache: each read upcast exactly, so the arithmetic is the fp32 one on the stored values). Returns [n, H * d].
-at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S, at::Tensor mask, double scale) {
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "attention: shapes");
-  const bool half = keys.scalar_type() == at::kHalf;  // a q8 target's cache (keys and values rounded to fp16)
-  TORCH_CHECK(q.scalar_type() == at::kFloat && (half || keys.scalar_type() == at::kFloat) && values.scalar_type() == keys.scalar_type(),
-              "attention: q float32, keys and values both float32 or both float16");
-  const int64_t n = q.size(0), H = q.size(1), d = q.size(2), kv = keys.size(0), cap = keys.size(1);
-  TORCH_CHECK(keys.size(2) == d && head_dim_supported(d) && H % kv == 0 && S <= cap, "attention: sizes");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && keys.is_contiguous() && values.is_contiguous(), "attention: layout");
-  const bool masked = mask.numel() > 0;
-  TORCH_CHECK(!masked || (mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.size(0) == n && mask.size(1) == S), "attention: mask");
-  auto out = at::empty({n, H * d}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const char *kp = static_cast<const char*>(keys.data_ptr()), *vp = static_cast<const char*>(values.data_ptr());
-  const int64_t item = keys.element_size();
-  const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
-  float* op = out.data_ptr<float>();
-  const int64_t group = H / kv, row_stride = q.stride(0);
-  const float sc = static_cast<float>(scale);
-  // Each row's chunks: chunk c of row i is slots b[c]..b[c + 1] - 1 (b = bounds + i * stride, ends[i] entries), holding
-  // kChunk of its allowed keys (the last one the rest); a row with fewer chunks than `chunks` has empty ones at the end.
-  const int64_t stride = (S + kChunk - 1) / kChunk + 2;
-  int64_t* const bounds = dv::scratch<int64_t, dv::kChunkBounds>(n * stride);
-  int64_t* const ends = dv::scratch<int64_t, dv::kChunkCounts>(n);
-  int64_t chunks = 0;
+// The plan of one attention call (dv::AttentionPlan, ops.h): q [n, H, d] at `q` (rows `row_stride` floats apart;
+// heads and features contiguous); keys, values [kv, capacity, d], the first S slots valid (kv divides H: query head
+// h reads kv head h / (H / kv)); mask [n, S] bool (True = may attend) or null (every key); the output [n, H * d] at
+// `out`. Works out every row's chunks and deals the tasks out to at most `threads` threads; its buffers are this
+// thread's scratch, valid until this thread's next plan.
+dv::AttentionPlan dv::attention_plan(const float* q, int64_t row_stride, const at::Tensor& keys, const at::Tensor& values,
+                                     int64_t n, int64_t H, int64_t S, const bool* mask, double scale, float* out,
+                                     int64_t threads) {
+  AttentionPlan p;
+  p.q = q, p.row_stride = row_stride, p.mask = mask, p.out = out, p.n = n, p.H = H, p.S = S;
+  p.keys = static_cast<const char*>(keys.data_ptr()), p.values = static_cast<const char*>(values.data_ptr());
+  p.half = keys.scalar_type() == at::kHalf, p.item = keys.element_size();
+  p.kv = keys.size(0), p.cap = keys.size(1), p.d = keys.size(2), p.group = H / p.kv;
+  p.scale = static_cast<float>(scale);
+  // Each row's chunk boundaries in slot order (its allowed keys cut every kChunk): b[0] = 0, ..., b[e - 1] = S.
+  // A row whose keys are all allowed (the usual case) takes them directly, and a masked row skips whole allowed
+  // chunks a memchr at a time, so a long context is not scanned key by key.
+  p.stride = (S + kChunk - 1) / kChunk + 2;
+  p.bounds = dv::scratch<int64_t, dv::kChunkBounds>(n * p.stride);
+  p.ends = dv::scratch<int64_t, dv::kChunkCounts>(n);
+  p.chunks = 0;
   for (int64_t i = 0; i < n; ++i) {
-    int64_t* const b = bounds + i * stride;
+    int64_t* const b = p.bounds + i * p.stride;
     int64_t e = 0;
     b[e++] = 0;
-    if (!mp) {
+    if (!mask) {
       for (int64_t j = kChunk; j < S; j += kChunk) b[e++] = j;
     } else {
-      const bool* allowed = mp + i * S;
+      const bool* allowed = mask + i * S;
       int64_t count = 0, masked_at = -1;  // the last masked key a look ahead found
       for (int64_t j = 0; j < S;) {
         if (count % kChunk == 0 && j > masked_at && j + kChunk <= S) {  // a whole chunk of allowed keys at once?
@@ -193,164 +185,189 @@ at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S
       if (count % kChunk == 0) --e;  // the last boundary closes the last chunk: S does
     }
     b[e++] = S;
-    ends[i] = e;
-    chunks = std::max<int64_t>(chunks, e - 1);
+    p.ends[i] = e;
+    p.chunks = std::max<int64_t>(p.chunks, e - 1);
   }
   // Partials per (row, chunk, head) of the rows with more than one chunk: top, total, acc [d] (a kv group's heads
   // together); a row with one chunk is normalised where it is computed (the merge of one chunk, e^0 = 1, is that).
   // Each is written before it is read (a chunk with no key of a row writes its top, -inf, which the merge skips).
-  float* const tops = dv::scratch<float, dv::kTops>(n * chunks * H);
-  float* const totals = dv::scratch<float, dv::kTotals>(n * chunks * H);
-  float* const accs = dv::scratch<float, dv::kAccs>(chunks > 1 ? n * chunks * H * d : 0);
+  p.tops = dv::scratch<float, dv::kTops>(n * p.chunks * H);
+  p.totals = dv::scratch<float, dv::kTotals>(n * p.chunks * H);
+  p.accs = dv::scratch<float, dv::kAccs>(p.chunks > 1 ? n * p.chunks * H * p.d : 0);
   // The tasks are dealt out before they run, costliest first, each to the thread with the least work so far
   // (`dv::deal`, as a batch's sequences are; a task costs about its rows times the keys they read in its chunk): a
   // kv group's heads are the unit of work, and there are few groups (SmolLM2's 3 for 2 threads) and chunks of unequal
   // size (a tree's last chunk holds its few new keys), so an even split by count left one thread with twice the
   // other's work. A task's result does not depend on which thread runs it. Too little work for two threads (a step
-  // over a short context) runs on this one: starting the others would cost more than it saves; so does a call from a
-  // parallel region (a batch's sequences).
-  const int64_t row_blocks = (n + kRowsAtOnce - 1) / kRowsAtOnce, tasks = kv * chunks * row_blocks;
-  int64_t* const cost = dv::scratch<int64_t, dv::kTasks>(tasks);
+  // over a short context) goes to one: starting the others would cost more than it saves.
+  p.row_blocks = (n + kRowsAtOnce - 1) / kRowsAtOnce, p.tasks = p.kv * p.chunks * p.row_blocks;
+  int64_t* const cost = dv::scratch<int64_t, dv::kTasks>(p.tasks);
   int64_t work = 0;
-  for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t c = (t / row_blocks) % chunks, i0 = (t % row_blocks) * kRowsAtOnce;
+  for (int64_t t = 0; t < p.tasks; ++t) {
+    const int64_t c = (t / p.row_blocks) % p.chunks, i0 = (t % p.row_blocks) * kRowsAtOnce;
     cost[t] = 0;
     for (int64_t i = i0; i < std::min(n, i0 + kRowsAtOnce); ++i)
-      if (c < ends[i] - 1) cost[t] += bounds[i * stride + c + 1] - bounds[i * stride + c];
+      if (c < p.ends[i] - 1) cost[t] += p.bounds[i * p.stride + c + 1] - p.bounds[i * p.stride + c];
     work += cost[t];
   }
-  const int64_t threads =
-      work < kSerialWork || at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), tasks);
-  const std::vector<int64_t> owner = dv::deal(cost, tasks, threads);
-  at::parallel_for(0, threads, 1, [&](int64_t m0, int64_t m1) {  // one share per thread (all of them, run inline)
-    int64_t idx[kRowsAtOnce][kChunk];
-    int64_t counts[kRowsAtOnce];
-    for (int64_t t = 0; t < tasks; ++t) {  // a thread's tasks in order: consecutive ones share a chunk, kept in L1
-      if (owner[t] < m0 || owner[t] >= m1) continue;
-      const int64_t g = t / (chunks * row_blocks), c = (t / row_blocks) % chunks, i0 = (t % row_blocks) * kRowsAtOnce;
-      const int rows = static_cast<int>(std::min<int64_t>(kRowsAtOnce, n - i0));
-      const float* qh[kRowsAtOnce];
-      float *acc[kRowsAtOnce], *top[kRowsAtOnce], *total[kRowsAtOnce];
-      int64_t mine[kRowsAtOnce];
-      for (int r = 0; r < rows; ++r) {
-        const int64_t i = i0 + r;
+  p.threads = work < kSerialWork ? 1 : std::max<int64_t>(1, std::min(threads, p.tasks));
+  p.owner = dv::deal(cost, p.tasks, p.threads);
+  return p;
+}
+
+// The tasks of threads [m0, m1) of a plan, in order: consecutive ones share a chunk, kept in L1.
+void dv::attention_run(const AttentionPlan& p, int64_t m0, int64_t m1) {
+  const int64_t n = p.n, H = p.H, d = p.d, S = p.S, chunks = p.chunks, row_blocks = p.row_blocks, group = p.group;
+  const int64_t stride = p.stride, cap = p.cap, item = p.item;
+  const int64_t *const bounds = p.bounds, *const ends = p.ends;
+  const bool* const mp = p.mask;
+  const float sc = p.scale;
+  int64_t idx[kRowsAtOnce][kChunk];
+  int64_t counts[kRowsAtOnce];
+  for (int64_t t = 0; t < p.tasks; ++t) {
+    if (p.owner[t] < m0 || p.owner[t] >= m1) continue;
+    const int64_t g = t / (chunks * row_blocks), c = (t / row_blocks) % chunks, i0 = (t % row_blocks) * kRowsAtOnce;
+    const int rows = static_cast<int>(std::min<int64_t>(kRowsAtOnce, n - i0));
+    const float* qh[kRowsAtOnce];
+    float *acc[kRowsAtOnce], *top[kRowsAtOnce], *total[kRowsAtOnce];
+    int64_t mine[kRowsAtOnce];
+    for (int r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r;
+      const int64_t* const b = bounds + i * stride;
+      const int64_t slot = (i * chunks + c) * H + g * group;
+      mine[r] = ends[i] - 1;
+      int64_t count = 0;
+      if (c < mine[r]) {
+        const bool* allowed = mp ? mp + i * S : nullptr;
+        if (!allowed || all_allowed(allowed + b[c], b[c + 1] - b[c])) {
+          for (int64_t j = b[c]; j < b[c + 1]; ++j) idx[r][count++] = j;
+        } else {
+          for (int64_t j = b[c]; j < b[c + 1]; ++j)
+            if (allowed[j]) idx[r][count++] = j;
+        }
+      }
+      counts[r] = count;
+      if (count == 0) {  // no key of this chunk for this row
+        std::fill(p.tops + slot, p.tops + slot + group, -INFINITY);
+        continue;
+      }
+      for (int64_t a = count; a % 16; ++a) idx[r][a] = idx[r][count - 1];
+      qh[r] = p.q + i * p.row_stride + g * group * d;
+      acc[r] = mine[r] == 1 ? p.out + i * H * d + g * group * d : p.accs + slot * d;
+      top[r] = p.tops + slot, total[r] = p.totals + slot;
+    }
+    bool together = rows == kRowsAtOnce && counts[0] > 0;
+    for (int r = 1; together && r < rows; ++r)
+      together = counts[r] == counts[0] && std::equal(idx[r], idx[r] + counts[0], idx[0]);
+    const int64_t offset = g * cap * d * item;
+    const auto run = [&](const auto* kg, const auto* vg) {
+      // rows of this task that read the same keys go together (a prefill's, rows with no mask), else one at a time;
+      // each row's next chunk (if it has one) is asked for as this one is read, by the first block of rows only
+      const auto rows_of = [&](auto r_count, const float* const* qr, const int64_t* ir, int64_t cr, float* const* tr,
+                               float* const* sr, float* const* ar, int64_t i) {
         const int64_t* const b = bounds + i * stride;
-        const int64_t slot = (i * chunks + c) * H + g * group;
-        mine[r] = ends[i] - 1;
-        int64_t count = 0;
-        if (c < mine[r]) {
-          const bool* allowed = mp ? mp + i * S : nullptr;
-          if (!allowed || all_allowed(allowed + b[c], b[c + 1] - b[c])) {
-            for (int64_t j = b[c]; j < b[c + 1]; ++j) idx[r][count++] = j;
-          } else {
-            for (int64_t j = b[c]; j < b[c + 1]; ++j)
-              if (allowed[j]) idx[r][count++] = j;
-          }
+        const int64_t ahead = kChunk * d;
+        const int64_t ahead_n = i0 == 0 && c + 1 < ends[i] - 1 ? std::min(kChunk, b[c + 2] - b[c + 1]) : 0;
+        constexpr int R = decltype(r_count)::value;
+        switch (d) {
+          case 16: attend_group<1, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
+          case 32: attend_group<2, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
+          case 64: attend_group<4, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
+          case 128: attend_group<8, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
+          default: attend_group<16, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;  // Gemma's 256
         }
-        counts[r] = count;
-        if (count == 0) {  // no key of this chunk for this row
-          std::fill(tops + slot, tops + slot + group, -INFINITY);
-          continue;
-        }
-        for (int64_t a = count; a % 16; ++a) idx[r][a] = idx[r][count - 1];
-        qh[r] = qp + i * row_stride + g * group * d;
-        acc[r] = mine[r] == 1 ? op + i * H * d + g * group * d : accs + slot * d;
-        top[r] = tops + slot, total[r] = totals + slot;
-      }
-      bool together = rows == kRowsAtOnce && counts[0] > 0;
-      for (int r = 1; together && r < rows; ++r)
-        together = counts[r] == counts[0] && std::equal(idx[r], idx[r] + counts[0], idx[0]);
-      const int64_t offset = g * cap * d * item;
-      const auto run = [&](const auto* kg, const auto* vg) {
-        // a row with a chunk after this one asks for that chunk's keys and values (slots one chunk on, as many as it
-        // spans) as it reads these (`prefetch_row`); the first block of rows asks for all of them
-        const auto rows_of = [&](auto r_count, const float* const* qr, const int64_t* ir, int64_t cr, float* const* tr,
-                                 float* const* sr, float* const* ar, int64_t i) {
-          const int64_t* const b = bounds + i * stride;
-          const int64_t ahead = kChunk * d;
-          const int64_t ahead_n = i0 == 0 && c + 1 < ends[i] - 1 ? std::min(kChunk, b[c + 2] - b[c + 1]) : 0;
-          constexpr int R = decltype(r_count)::value;
-          switch (d) {
-            case 16: attend_group<1, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
-            case 32: attend_group<2, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
-            case 64: attend_group<4, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
-            case 128: attend_group<8, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
-            default: attend_group<16, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;  // Gemma's 256
-          }
-        };
-        if (together) {
-          rows_of(std::integral_constant<int, kRowsAtOnce>{}, qh, idx[0], counts[0], top, total, acc, i0);
-          return;
-        }
-        for (int r = 0; r < rows; ++r)
-          if (counts[r] > 0)
-            rows_of(std::integral_constant<int, 1>{}, &qh[r], idx[r], counts[r], &top[r], &total[r], &acc[r], i0 + r);
       };
-      if (half) {
-        run(reinterpret_cast<const uint16_t*>(kp + offset), reinterpret_cast<const uint16_t*>(vp + offset));
-      } else {
-        run(reinterpret_cast<const float*>(kp + offset), reinterpret_cast<const float*>(vp + offset));
+      if (together) {
+        rows_of(std::integral_constant<int, kRowsAtOnce>{}, qh, idx[0], counts[0], top, total, acc, i0);
+        return;
       }
-      for (int r = 0; r < rows; ++r) {
-        if (counts[r] == 0 || mine[r] != 1) continue;
-        for (int64_t h = 0; h < group; ++h) {
-          const float inv = 1.0f / total[r][h];
-          for (int64_t e = 0; e < d; ++e) acc[r][h * d + e] *= inv;
-        }
+      for (int r = 0; r < rows; ++r)
+        if (counts[r] > 0)
+          rows_of(std::integral_constant<int, 1>{}, &qh[r], idx[r], counts[r], &top[r], &total[r], &acc[r], i0 + r);
+    };
+    if (p.half) {
+      run(reinterpret_cast<const uint16_t*>(p.keys + offset), reinterpret_cast<const uint16_t*>(p.values + offset));
+    } else {
+      run(reinterpret_cast<const float*>(p.keys + offset), reinterpret_cast<const float*>(p.values + offset));
+    }
+    for (int r = 0; r < rows; ++r) {
+      if (counts[r] == 0 || mine[r] != 1) continue;
+      for (int64_t h = 0; h < group; ++h) {
+        const float inv = 1.0f / total[r][h];
+        for (int64_t e = 0; e < d; ++e) acc[r][h * d + e] *= inv;
       }
     }
-  });
-  if (chunks == 1) return out;
-  // Each (row, head) of more than one chunk: its chunks merged in order.
-  at::parallel_for(0, n * H, std::max<int64_t>(1, kSerialMerge / (chunks * d)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t i = r / H, h = r % H, mine = ends[i] - 1;
-      if (mine == 1) continue;
-      float M = -INFINITY;
-      for (int64_t c = 0; c < mine; ++c) M = std::max(M, tops[(i * chunks + c) * H + h]);
-      float* o = op + i * H * d + h * d;
-      std::fill(o, o + d, 0.0f);
-      float L = 0.0f;
-      for (int64_t c = 0; c < mine; ++c) {
-        const int64_t slot = (i * chunks + c) * H + h;
-        if (tops[slot] == -INFINITY) continue;  // no key of this chunk for this row
-        const float w = exp_nonpositive(tops[slot] - M);
-        L += w * totals[slot];
-        const float* a = accs + slot * d;
-        for (int64_t e = 0; e < d; ++e) o[e] += w * a[e];
-      }
-      const float inv = 1.0f / L;
-      for (int64_t e = 0; e < d; ++e) o[e] *= inv;
+  }
+}
+
+// (row, head) pairs [r0, r1) of a plan: each of a row with more than one chunk gets its chunks merged in order.
+void dv::attention_merge(const AttentionPlan& p, int64_t r0, int64_t r1) {
+  const int64_t H = p.H, d = p.d, chunks = p.chunks;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t i = r / H, h = r % H, mine = p.ends[i] - 1;
+    if (mine == 1) continue;
+    float M = -INFINITY;
+    for (int64_t c = 0; c < mine; ++c) M = std::max(M, p.tops[(i * chunks + c) * H + h]);
+    float* o = p.out + i * H * d + h * d;
+    std::fill(o, o + d, 0.0f);
+    float L = 0.0f;
+    for (int64_t c = 0; c < mine; ++c) {
+      const int64_t slot = (i * chunks + c) * H + h;
+      if (p.tops[slot] == -INFINITY) continue;  // no key of this chunk for this row
+      const float w = exp_nonpositive(p.tops[slot] - M);
+      L += w * p.totals[slot];
+      const float* a = p.accs + slot * d;
+      for (int64_t e = 0; e < d; ++e) o[e] += w * a[e];
     }
-  });
+    const float inv = 1.0f / L;
+    for (int64_t e = 0; e < d; ++e) o[e] *= inv;
+  }
+}
+
+// Checks the cache and the head dim as `attention` and `rope_attention` need them (before anything is written).
+void dv::check_cache(const at::Tensor& keys, const at::Tensor& values, int64_t heads, const char* op) {
+  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && keys.is_contiguous() && values.is_contiguous(),
+              op, ": keys and values must be [kv, capacity, d], contiguous, of one shape");
+  TORCH_CHECK(head_dim_supported(keys.size(2)), op, ": head dim 16, 32, 64, 128 or 256");
+  TORCH_CHECK((keys.scalar_type() == at::kHalf || keys.scalar_type() == at::kFloat) && values.scalar_type() == keys.scalar_type(),
+              op, ": keys and values both float32 or both float16");
+  TORCH_CHECK(heads % keys.size(0) == 0, op, ": the kv heads must divide the query heads");
+}
+
+// q [n, H, d] (rows may be strided; heads and features contiguous); keys, values [kv, capacity, d], the
+// first S slots valid (kv divides H: query head h reads kv head h / (H / kv)); mask [n, S] bool (True = may
+// attend) or empty (every key); d 16, 32, 64, 128 or 256. q float32; keys and values float32, or float16 (a q8
+// target's cache: each read upcast exactly, so the arithmetic is the fp32 one on the stored values). Returns [n, H * d].
+// A call from a parallel region (a batch's sequences) runs on its own thread.
+at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S, at::Tensor mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "attention: q must be [n, H, d] float32");
+  dv::check_cache(keys, values, q.size(1), "attention");
+  const int64_t n = q.size(0), H = q.size(1), d = q.size(2);
+  TORCH_CHECK(keys.size(2) == d && S <= keys.size(1), "attention: sizes");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d, "attention: layout");
+  const bool masked = mask.numel() > 0;
+  TORCH_CHECK(!masked || (mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.size(0) == n && mask.size(1) == S), "attention: mask");
+  auto out = at::empty({n, H * d}, q.options());
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const dv::AttentionPlan p = dv::attention_plan(q.data_ptr<float>(), q.stride(0), keys, values, n, H, S,
+                                                 masked ? mask.data_ptr<bool>() : nullptr, scale, out.data_ptr<float>(), threads);
+  at::parallel_for(0, p.threads, 1, [&](int64_t m0, int64_t m1) { dv::attention_run(p, m0, m1); });  // a share a thread
+  if (p.chunks == 1) return out;
+  at::parallel_for(0, n * H, std::max<int64_t>(1, kSerialMerge / (p.chunks * d)),
+                   [&](int64_t r0, int64_t r1) { dv::attention_merge(p, r0, r1); });
   return out;
 }
 
-// qkv [n, (H + 2 kv) d]: a layer's fused q/k/v projection of n new tokens (float32, contiguous); cos, sin
-// [n, d]: their rotary tables. Rotates q and k (rotate-half convention: x * cos + rotate_half(x) * sin),
-// writes k and v into the cache slots past..past + n - 1 of keys / values [kv, capacity, d] (float32, or float16:
-// each value rounded to the nearest half, ties to even, as it is stored), and returns
-// attention(q, keys, values, past + n, mask, scale) [n, H d]: one call for what is otherwise about ten
-// small ops a layer. Each row is handled alone, as in `attention`.
-at::Tensor rope_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
-                          int64_t past, int64_t heads, at::Tensor mask, double scale) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "rope_attention: qkv");
-  const int64_t n = qkv.size(0), kv = keys.size(0), d = keys.size(2), half = d / 2;
-  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv) * d && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes(),
-              "rope_attention: shapes");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == n && cos.size(1) == d && cos.stride(1) == 1 && sin.sizes() == cos.sizes() && sin.stride(1) == 1 &&
-              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "rope_attention: rotary tables");
-  TORCH_CHECK(past + n <= keys.size(1), "rope_attention: cache too small");
-  TORCH_CHECK(head_dim_supported(d), "rope_attention: head dim 16, 32, 64, 128 or 256");
+// Rows of a layer's fused q/k/v projection at `src` (n rows `width` floats apart: heads q heads, then kv k heads and
+// kv v heads of d), their rotary tables cos, sin (rows cs_stride apart): rotates q and k (rotate-half convention:
+// x * cos + rotate_half(x) * sin), writes q to `q` [n, heads, d] and k, v into the cache slots past..past + n - 1 of
+// keys / values [kv, capacity, d] (float32, or float16: each value rounded to the nearest half, ties to even, as
+// torch's copy rounds; F16C's conversion, 16 at a time, is that rounding). Each row alone.
+void dv::rope_store(const float* src, int64_t width, const float* cos, const float* sin, int64_t cs_stride, int64_t n,
+                    int64_t heads, const at::Tensor& keys, const at::Tensor& values, int64_t past, float* q) {
+  const int64_t kv = keys.size(0), cap = keys.size(1), d = keys.size(2), half = d / 2;
   const bool fp16 = keys.scalar_type() == at::kHalf;
-  TORCH_CHECK((fp16 || keys.scalar_type() == at::kFloat) && values.scalar_type() == keys.scalar_type(), "rope_attention: cache dtype");
-  auto q = at::empty({n, heads, d}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
-  float* qp = q.data_ptr<float>();
-  const int64_t cap = keys.size(1), width = qkv.size(1);
   void *const kp = keys.data_ptr(), *const vp = values.data_ptr();
-  // a key or value row into the cache: as it is, or rounded to the nearest fp16 (ties to even, as torch's copy
-  // rounds; F16C's conversion, 16 at a time, is that rounding)
   const auto put = [&](void* cache, int64_t g, int64_t slot, const float* x) {
     const int64_t offset = (g * cap + slot) * d;
     if (fp16) {
@@ -363,11 +380,11 @@ at::Tensor rope_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Te
   alignas(64) float k[256];  // one rotated key (d <= 256)
   for (int64_t i = 0; i < n; ++i) {
     const float* row = src + i * width;
-    const float* c = cos.data_ptr<float>() + i * cos.stride(0);
-    const float* sn = sin.data_ptr<float>() + i * sin.stride(0);
+    const float* c = cos + i * cs_stride;
+    const float* sn = sin + i * cs_stride;
     for (int64_t h = 0; h < heads + kv; ++h) {  // q heads, then k heads: rotated
       const float* x = row + h * d;
-      float* out = h < heads ? qp + (i * heads + h) * d : k;
+      float* out = h < heads ? q + (i * heads + h) * d : k;
       int64_t j = 0;
       for (; j + 16 <= half; j += 16) {  // the scalar rule below, 16 lanes at a time (each product rounded, then summed)
         const V16 lo = V16::load(x + j), hi = V16::load(x + j + half);
@@ -382,5 +399,36 @@ at::Tensor rope_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Te
     }
     for (int64_t g = 0; g < kv; ++g) put(vp, g, past + i, row + (heads + kv + g) * d);
   }
+}
+
+// Checks rope_attention's arguments but the rotary tables' row count (before anything is written; `layer_many` checks
+// each sequence's before its one parallel region): n rows of `width` floats of q/k/v, their rotary tables cos, sin
+// [rows, d] (one stride), the cache, the mask [n, past + n] or empty.
+void dv::check_rope(int64_t n, int64_t width, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+                    const at::Tensor& values, int64_t past, int64_t heads, const at::Tensor& mask) {
+  dv::check_cache(keys, values, heads, "rope_attention");
+  const int64_t kv = keys.size(0), d = keys.size(2);
+  TORCH_CHECK(width == (heads + 2 * kv) * d, "rope_attention: shapes");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == d && cos.stride(1) == 1 && sin.sizes() == cos.sizes() &&
+                  sin.strides() == cos.strides() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rope_attention: rotary tables");
+  TORCH_CHECK(past + n <= keys.size(1), "rope_attention: cache too small");
+  TORCH_CHECK(!mask.numel() || (mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.dim() == 2 &&
+                                mask.size(0) == n && mask.size(1) == past + n), "rope_attention: mask");
+}
+
+// qkv [n, (H + 2 kv) d]: a layer's fused q/k/v projection of n new tokens (float32, contiguous); cos, sin
+// [n, d]: their rotary tables. Rotates q and k, stores k and v in the cache (`dv::rope_store`), and returns
+// attention(q, keys, values, past + n, mask, scale) [n, H d]: one call for what is otherwise about ten
+// small ops a layer. Each row is handled alone, as in `attention`.
+at::Tensor rope_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
+                          int64_t past, int64_t heads, at::Tensor mask, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "rope_attention: qkv");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == qkv.size(0), "rope_attention: one rotary row per row of qkv");
+  dv::check_rope(qkv.size(0), qkv.size(1), cos, sin, keys, values, past, heads, mask);
+  const int64_t n = qkv.size(0);
+  auto q = at::empty({n, heads, keys.size(2)}, qkv.options());
+  dv::rope_store(qkv.data_ptr<float>(), qkv.size(1), cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0), n, heads,
+                 keys, values, past, q.data_ptr<float>());
   return attention(q, keys, values, past + n, mask, scale);
 }

@@ -20,6 +20,56 @@ at::Tensor quant_product(const at::Tensor& x, const std::vector<at::Tensor>& w);
 // layer.cpp: the thread (0..threads-1) of each of n pieces of work of these costs, dealt out costliest first (ties in
 // order), each to the thread with the least cost so far (a batch's sequences, attention's tasks).
 std::vector<int64_t> deal(const int64_t* cost, int64_t n, int64_t threads);
+
+// products_q8.cpp: one q8 product's weight (checked, as q8_linear takes it) and room for its rounded rows, so that a
+// layer's products can run in shares inside one parallel region (layer.cpp): rows rounded by `q8_round` (any split
+// of the rows), then every output by `q8_share` (any split of the shares): the bits of q8_linear.
+struct Q8Weight {
+  int64_t layout, sub, N, K, centre;
+  const uint8_t* codes;
+  const void *d, *m;  // float, or fp16 where `half`
+  bool half;
+  const float* bias;  // or null
+};
+struct Q8Rows {  // for M rows of K: int8 codes [M, K], scales [M, K / 32], sums [M, K / sub] and as floats
+  int8_t* qx;
+  float* dx;
+  int32_t* sx;
+  float* sxf;
+};
+Q8Weight q8_weight(int64_t layout, int64_t sub, int64_t N, const at::Tensor& codes, const at::Tensor& d,
+                   const at::Tensor& m, int64_t centre, const at::Tensor& bias, int64_t K);
+void q8_round(const Q8Weight& w, const float* x, int64_t r0, int64_t r1, const Q8Rows& rows);
+void q8_share(const Q8Weight& w, const Q8Rows& rows, int64_t M, float* y, int64_t share, int64_t shares);
+
+// attention.cpp: one attention call's plan, which its threads share (`attention_plan`), then each thread's tasks
+// (`attention_run`) and the merge of the rows' chunks, in any split of the (row, head) pairs (`attention_merge`).
+struct AttentionPlan {
+  const float* q;
+  int64_t row_stride;
+  const char *keys, *values;
+  int64_t item;
+  bool half;
+  const bool* mask;  // or null
+  float* out;
+  int64_t n, H, S, kv, cap, d, group;
+  float scale;
+  int64_t stride, chunks, row_blocks, tasks, threads;
+  int64_t *bounds, *ends;
+  float *tops, *totals, *accs;
+  std::vector<int64_t> owner;
+};
+AttentionPlan attention_plan(const float* q, int64_t row_stride, const at::Tensor& keys, const at::Tensor& values,
+                             int64_t n, int64_t H, int64_t S, const bool* mask, double scale, float* out, int64_t threads);
+void attention_run(const AttentionPlan& p, int64_t m0, int64_t m1);
+void attention_merge(const AttentionPlan& p, int64_t r0, int64_t r1);
+void check_cache(const at::Tensor& keys, const at::Tensor& values, int64_t heads, const char* op);
+void check_rope(int64_t n, int64_t width, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+                const at::Tensor& values, int64_t past, int64_t heads, const at::Tensor& mask);
+void rope_store(const float* src, int64_t width, const float* cos, const float* sin, int64_t cs_stride, int64_t n,
+                int64_t heads, const at::Tensor& keys, const at::Tensor& values, int64_t past, float* q);
+// layer.cpp: silu(gate) * up of rows [m0, m1) of gate_up [M, 2 I] into y [M, I]
+void silu_rows(const float* gate_up, float* y, int64_t I, int64_t m0, int64_t m1);
 }  // namespace dv
 
 // argmax.cpp

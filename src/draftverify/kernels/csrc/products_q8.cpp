@@ -281,15 +281,14 @@ bool vnni() {
 #endif
 }
 
-// x [M, K] float32 contiguous, K a multiple of 32; layout 0 (u4), 1 (u8) or 2 (u5); sub 16 or 32; codes uint8 in tiles
-// (top of this file) for N outputs; d, m [tiles, K / sub, 16], both float32 or both float16 (m empty when centre >= 0:
-// M = -centre D); bias [N] or empty. Returns y [M, N] in the q8 arithmetic.
-at::Tensor q8_linear(at::Tensor x, int64_t layout, int64_t sub, int64_t N, at::Tensor codes, at::Tensor d,
-                     at::Tensor m, int64_t centre, at::Tensor bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q8_linear: x must be [M, K] float32");
+// A weight as q8_linear takes it, checked: layout 0 (u4), 1 (u8) or 2 (u5); sub 16 or 32; codes uint8 in tiles (top of
+// this file) for N outputs of K inputs; d, m [tiles, K / sub, 16], both float32 or both float16 (m empty when
+// centre >= 0: M = -centre D); bias [N] or empty.
+dv::Q8Weight dv::q8_weight(int64_t layout, int64_t sub, int64_t N, const at::Tensor& codes, const at::Tensor& d,
+                           const at::Tensor& m, int64_t centre, const at::Tensor& bias, int64_t K) {
   TORCH_CHECK((layout == U4 || layout == U8 || layout == U5) && (sub == 16 || sub == 32),
               "q8_linear: layout 0 (u4), 1 (u8) or 2 (u5), sub 16 or 32");
-  const int64_t M = x.size(0), K = x.size(1), tiles = (N + 15) / 16;
+  const int64_t tiles = (N + 15) / 16;
   TORCH_CHECK(K % 32 == 0 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.numel() == tiles * (K / 32) * block_bytes(static_cast<int>(layout)),
               "q8_linear: codes must be uint8 tiles of 16 outputs (kernels/q8.py prepare) and K a multiple of 32");
@@ -298,27 +297,51 @@ at::Tensor q8_linear(at::Tensor x, int64_t layout, int64_t sub, int64_t N, at::T
                   (centred || (m.scalar_type() == d.scalar_type() && m.is_contiguous() && m.numel() == d.numel())),
               "q8_linear: d (and m unless centred) must be float32 or float16 [tiles, K / sub, 16], one dtype");
   TORCH_CHECK(!bias.numel() || (bias.scalar_type() == at::kFloat && bias.numel() == N && bias.is_contiguous()), "q8_linear: bias");
+  return {layout, sub, N, K, centre, codes.data_ptr<uint8_t>(), d.data_ptr(), centred ? nullptr : m.data_ptr(), half,
+          bias.numel() ? bias.data_ptr<float>() : nullptr};
+}
+
+// Rows [r0, r1) of x [M, K] rounded for w's product into `rows` (each row alone).
+void dv::q8_round(const Q8Weight& w, const float* x, int64_t r0, int64_t r1, const Q8Rows& rows) {
+  const int64_t K = w.K, sub = w.sub;
+  round_rows(x + r0 * K, r1 - r0, K, static_cast<int>(sub), static_cast<int32_t>(w.centre), rows.qx + r0 * K,
+             rows.dx + r0 * (K / 32), rows.sx + r0 * (K / sub));
+  if (w.centre < 0)  // a weight that is not centred takes the sums as floats (exact)
+    for (int64_t i = r0 * (K / sub); i < r1 * (K / sub); ++i) rows.sxf[i] = static_cast<float>(rows.sx[i]);
+}
+
+// Share `share` of `shares` of the outputs of M rounded rows, into y [M, N]: the pairs of tiles (a pass takes two at
+// once) cut into `shares` runs of the same length (the last shorter).
+void dv::q8_share(const Q8Weight& w, const Q8Rows& rows, int64_t M, float* y, int64_t share, int64_t shares) {
+  const int64_t tiles = (w.N + 15) / 16, pairs = (tiles + 1) / 2, each = (pairs + shares - 1) / shares;
+  const int64_t p0 = share * each, p1 = std::min(pairs, p0 + each);
+  if (p0 >= p1) return;
+  const Args a{rows.qx, rows.dx, rows.sx, rows.sxf, w.codes, w.d, w.m, w.bias, y, M, w.K, w.N};
+  pick(w.layout, w.sub, w.centre >= 0, w.half)(a, 2 * p0, std::min(tiles, 2 * p1));
+}
+
+// x [M, K] float32 contiguous times the weight `dv::q8_weight` checks. Returns y [M, N] in the q8 arithmetic.
+at::Tensor q8_linear(at::Tensor x, int64_t layout, int64_t sub, int64_t N, at::Tensor codes, at::Tensor d,
+                     at::Tensor m, int64_t centre, at::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q8_linear: x must be [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1), tiles = (N + 15) / 16;
+  const dv::Q8Weight w = dv::q8_weight(layout, sub, N, codes, d, m, centre, bias, K);
   // the rounded rows live in this thread's scratch (every element written below before it is read)
-  int8_t* qx = dv::scratch<int8_t, dv::kRoundedX>(M * K);
-  float* dx = dv::scratch<float, dv::kRowScales>(M * K / 32);
-  int32_t* sx = dv::scratch<int32_t, dv::kRowSums>(M * K / sub);
+  const dv::Q8Rows rows{dv::scratch<int8_t, dv::kRoundedX>(M * K), dv::scratch<float, dv::kRowScales>(M * K / 32),
+                        dv::scratch<int32_t, dv::kRowSums>(M * K / sub),
+                        dv::scratch<float, dv::kRowSumsF>(centre >= 0 ? 0 : M * K / sub)};
   // rows are rounded alone, so a prefill's many rows are shared out between the threads (a few rows: one thread)
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
-    round_rows(xp + r0 * K, r1 - r0, K, static_cast<int>(sub), static_cast<int32_t>(centre), qx + r0 * K,
-               dx + r0 * (K / 32), sx + r0 * (K / sub));
-  });
-  const int64_t sums = centred ? 0 : M * K / sub;
-  float* sxf = dv::scratch<float, dv::kRowSumsF>(sums);
-  for (int64_t i = 0; i < sums; ++i) sxf[i] = static_cast<float>(sx[i]);
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) { dv::q8_round(w, xp, r0, r1, rows); });
   auto y = at::empty({M, N}, x.options());
-  const TilesFn run = pick(layout, sub, centred, half);
-  const Args a{qx, dx, sx, sxf, codes.data_ptr<uint8_t>(), d.data_ptr(), centred ? nullptr : m.data_ptr(),
-               bias.numel() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N};
   // shared out in pairs of tiles (a pass takes two at once), a thread's share at least ~64 K multiply-adds: smaller
   // products run on one thread
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * 32));
-  at::parallel_for(0, (tiles + 1) / 2, grain, [&](int64_t p0, int64_t p1) { run(a, 2 * p0, std::min(tiles, 2 * p1)); });
+  const int64_t pairs = (tiles + 1) / 2, grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * 32));
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
+    const Args a{rows.qx, rows.dx, rows.sx, rows.sxf, w.codes, w.d, w.m, w.bias, yp, M, K, N};
+    pick(layout, sub, centre >= 0, w.half)(a, 2 * p0, std::min(tiles, 2 * p1));
+  });
   return y;
 }
 

@@ -8,7 +8,11 @@
 namespace dv {
 
 // The temporaries that can be live at once on one thread, one buffer each.
-enum Scratch { kRoundedX, kRowScales, kRowSums, kRowSumsF, kChunkBounds, kChunkCounts, kTasks, kTops, kTotals, kAccs };
+enum Scratch {
+  kRoundedX, kRowScales, kRowSums, kRowSumsF,                   // q8_linear's rounded rows
+  kChunkBounds, kChunkCounts, kTasks, kTops, kTotals, kAccs,  // attention's plan and partials
+  kLayerFloats, kLayerCodes, kLayerSums,                      // a layer's activations and rounded rows (layer.cpp)
+};
 
 // A buffer up to this size stays for the next call; a larger one (a long prefill's) is given back when a later
 // call needs less, so that a thread holds little between calls.
