@@ -64,6 +64,7 @@ AttentionPlan attention_plan(const float* q, int64_t row_stride, const at::Tenso
 void attention_run(const AttentionPlan& p, int64_t m0, int64_t m1);
 void attention_merge(const AttentionPlan& p, int64_t r0, int64_t r1);
 void check_cache(const at::Tensor& keys, const at::Tensor& values, int64_t heads, const char* op);
+// rope.cpp: rope_attention's checks, and the rotation and cache writes of new rows (before their attention)
 void check_rope(int64_t n, int64_t width, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
                 const at::Tensor& values, int64_t past, int64_t heads, const at::Tensor& mask);
 void rope_store(const float* src, int64_t width, const float* cos, const float* sin, int64_t cs_stride, int64_t n,
@@ -82,6 +83,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor q, at::Tensor d, at::Tensor m, 
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 // attention.cpp
 at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t S, at::Tensor mask, double scale);
+// rope.cpp
 at::Tensor rope_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
                           int64_t past, int64_t heads, at::Tensor mask, double scale);
 // layer.cpp
