@@ -77,3 +77,39 @@ def test_q8_sampling_matches_q8_target_distribution(tiny):
     assert chisquare(observed, expected / expected.sum() * n).pvalue > 1e-3
     wrong = p1[support].numpy() + 1e-3  # the first token's law: a different distribution
     assert chisquare(observed, wrong / wrong.sum() * n).pvalue < 1e-3
+
+
+def test_a_q8_layer_in_one_region_gives_the_op_by_op_bits_on_any_number_of_threads(tiny, monkeypatch):
+    """A q8 layer's one call runs the whole layer in one parallel region (csrc/layer.cpp `layer_region`: rows, tiles
+    and attention's tasks shared out between the threads). On one thread, two or three, alone and stacked, over a
+    context of several attention chunks, its logits and cache are bit for bit the op-by-op layers'."""
+    from test_backends import assert_stacked_is_alone
+
+    from draftverify.backend.linear import Packs
+    from draftverify.models import Runner, Shared
+
+    target = q4_1(tiny("llama", seed=0))
+    make = lambda: Runner(target.model, shared=Shared(packs=Packs("q8")))  # noqa: E731
+    threads = torch.get_num_threads()
+    prompt = [(7 * i) % 90 + 3 for i in range(150)]  # prefilled op by op: past 128 keys, two chunks
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    feeds = [{"tokens": [11]}, {"tokens": [12, 13, 14, 15], "tree_mask": tree}, {"tokens": list(range(20, 28))}]
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            fused, plain = make(), make()
+            assert all(int(layer.fused[0][0][0]) == 1 for layer in fused.static.layers)  # one q8 run a weight
+            for layer in plain.static.layers:
+                layer.fused = None
+            calls = []
+            monkeypatch.setattr(fused.static, "layer_kernel", lambda *a: calls.append(1) or cpu().layer(*a))
+            for feed in ({"tokens": prompt}, *feeds):
+                assert torch.equal(fused.forward(**feed).logits, plain.forward(**feed).logits), (t, feed)
+            assert len(calls) == len(feeds) * len(fused.static.layers)  # each short forward: one call a layer
+            for (ka, va), (kb, vb) in zip(fused.cached_kv(), plain.cached_kv()):
+                assert torch.equal(ka, kb) and torch.equal(va, vb)
+            prompts = [prompt, prompt[:40], prompt[:3]]
+            alone, stacked = [make() for _ in prompts], [make() for _ in prompts]
+            assert_stacked_is_alone(alone, stacked, [[{"tokens": p} for p in prompts], feeds])
+    finally:
+        torch.set_num_threads(threads)
