@@ -1,6 +1,7 @@
 """The q8 arithmetic in an engine: every method greedy-identical to autoregressive decoding in q8."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -79,10 +80,11 @@ def test_q8_sampling_matches_q8_target_distribution(tiny):
     assert chisquare(observed, wrong / wrong.sum() * n).pvalue < 1e-3
 
 
-def test_a_q8_layer_in_one_region_gives_the_op_by_op_bits_on_any_number_of_threads(tiny, monkeypatch):
-    """A q8 layer's one call runs the whole layer in one parallel region (csrc/layer.cpp `layer_region`: rows, tiles
-    and attention's tasks shared out between the threads). On one thread, two or three, alone and stacked, over a
-    context of several attention chunks, its logits and cache are bit for bit the op-by-op layers'."""
+def test_q8_layers_in_one_region_give_the_op_by_op_bits_on_any_number_of_threads(tiny, monkeypatch):
+    """A short q8 forward runs every layer in one call and one parallel region (csrc/region.cpp `LayerStack`: rows,
+    tiles and attention's tasks shared out between the threads), or a layer a call (`layer`) where the stack cannot
+    be used. On one thread, two or three, alone and stacked, over a context of several attention chunks, both give
+    the logits and cache of the op-by-op layers bit for bit."""
     from test_backends import assert_stacked_is_alone
 
     from draftverify.backend.linear import Packs
@@ -97,19 +99,24 @@ def test_a_q8_layer_in_one_region_gives_the_op_by_op_bits_on_any_number_of_threa
     try:
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            fused, plain = make(), make()
-            assert all(int(layer.fused[0][0][0]) == 1 for layer in fused.static.layers)  # one q8 run a weight
+            stacked, layered, plain = make(), make(), make()
+            stack, calls = stacked.static.stack, []
+            assert stack is not None and all(int(layer.fused[0][0][0]) == 1 for layer in stacked.static.layers)
+            counting = SimpleNamespace(forward=lambda *a: calls.append(1) or stack.forward(*a))
+            monkeypatch.setattr(stacked.static, "stack", counting)
+            layered.static.stack = plain.static.stack = None
             for layer in plain.static.layers:
                 layer.fused = None
-            calls = []
-            monkeypatch.setattr(fused.static, "layer_kernel", lambda *a: calls.append(1) or cpu().layer(*a))
             for feed in ({"tokens": prompt}, *feeds):
-                assert torch.equal(fused.forward(**feed).logits, plain.forward(**feed).logits), (t, feed)
-            assert len(calls) == len(feeds) * len(fused.static.layers)  # each short forward: one call a layer
-            for (ka, va), (kb, vb) in zip(fused.cached_kv(), plain.cached_kv()):
-                assert torch.equal(ka, kb) and torch.equal(va, vb)
+                want = plain.forward(**feed).logits
+                for runner in (stacked, layered):
+                    assert torch.equal(runner.forward(**feed).logits, want), (t, feed)
+            assert len(calls) == len(feeds)  # each short forward: one call for all the layers
+            for runner in (stacked, layered):
+                for (ka, va), (kb, vb) in zip(runner.cached_kv(), plain.cached_kv()):
+                    assert torch.equal(ka, kb) and torch.equal(va, vb)
             prompts = [prompt, prompt[:40], prompt[:3]]
-            alone, stacked = [make() for _ in prompts], [make() for _ in prompts]
-            assert_stacked_is_alone(alone, stacked, [[{"tokens": p} for p in prompts], feeds])
+            alone, together = [make() for _ in prompts], [make() for _ in prompts]
+            assert_stacked_is_alone(alone, together, [[{"tokens": p} for p in prompts], feeds])
     finally:
         torch.set_num_threads(threads)

@@ -35,7 +35,7 @@ import torch
 from draftverify.backend.attention import Part, attend
 from draftverify.backend.cache import StaticCache
 from draftverify.backend.feed import Feed, Forward
-from draftverify.backend.linear import QUANT_ROWS, BlockLinear, PackedLinear, Packs, layer_weights
+from draftverify.backend.linear import QUANT_ROWS, BlockLinear, PackedLinear, Packs, layer_weights, one_q8_run
 from draftverify.backend.ops import cpu_kernels, gated, layer_windows, rms_norm, softcap, vocab_logits, window_masks
 from draftverify.backend.recipe import RECIPES, Recipe, activation, unsupported_reason
 from draftverify.backend.source import source_layer, source_norm
@@ -122,6 +122,7 @@ class StaticDecoder:
         self.rope_attention = kernels.rope_attention if kernels is not None else None
         self.layer_kernel = kernels.layer if kernels is not None else None
         self.layer_many = kernels.layer_many if kernels is not None else None
+        self.stack = self._layer_stack(kernels)
         # the q8 arithmetic keeps keys and values in fp16, rounded as they are stored (as llama.cpp's default f16
         # cache does): every attention reads the rounded values, so a row's bits still do not depend on its forward
         self.kv_dtype = torch.float16 if kernels is not None and not draft and packs.arithmetic == "q8" else self.dtype
@@ -193,7 +194,10 @@ class StaticDecoder:
         # (`layer` / `layer_many`: the same kernels, on the same rows, as below)
         short = self.layer_kernel is not None and all(p.n <= QUANT_ROWS for p in parts)
         flat = {key: (cos[:, 0], sin[:, 0]) for key, (cos, sin) in ropes.items()} if short else None  # once a forward
-        for i, layer in enumerate(self.layers):
+        stacked = short and self.stack is not None and not skip_attn and not skip_mlp  # every layer in one call
+        if stacked:
+            h = self._stacked_layers(h, *flat[self.rope_keys[0]], parts)
+        for i, layer in enumerate(() if stacked else self.layers):
             cos, sin = ropes[self.rope_keys[i]]
             if short and layer.fused is not None and i not in skip_attn and i not in skip_mlp:
                 h = self._fused_layer(i, layer, h, *flat[self.rope_keys[i]], parts)
@@ -255,6 +259,31 @@ class StaticDecoder:
         if len(feeds) == 1:
             return parts, all_tokens[0], all_positions[0]
         return parts, torch.cat(all_tokens), torch.cat(all_positions)
+
+    def _layer_stack(self, kernels):
+        """Every layer in one kernel call (`LayerStack`, csrc/region.cpp: the layers' phases in one parallel region)
+        where every layer is a one-call layer of q8 products with the same window and rotary tables; else None."""
+        fused = [layer.fused for layer in self.layers]
+        if kernels is None or any(f is None or not all(one_q8_run(w) for w in f) for f in fused):
+            return None
+        if len(set(self.windows)) != 1 or len(set(self.rope_keys)) != 1:
+            return None
+        layers = self.layers
+        return kernels.LayerStack(
+            [layer.norm_in for layer in layers], [layer.norm_mlp for layer in layers], [layer.eps for layer in layers],
+            [layer.scaling for layer in layers], *([f[k] for f in fused] for k in range(4)), self.n_heads, self.head_dim,
+        )  # fmt: skip
+
+    def _stacked_layers(self, h, cos, sin, parts: list[Part]) -> torch.Tensor:
+        """Every layer of short sequences in one call (`LayerStack.forward`): what `_fused_layer` does a layer at a
+        time, in the same order, so the same bits."""
+        keys = [p.cache.keys[i] for i in range(len(self.layers)) for p in parts]
+        values = [p.cache.values[i] for i in range(len(self.layers)) for p in parts]
+        masks = [p.masks[self.windows[0]] for p in parts]
+        masks = [self.no_mask if mask is None else mask for mask in masks]
+        return self.stack.forward(
+            h, cos, sin, keys, values, [p.first for p in parts], [p.n for p in parts], [p.past for p in parts], masks
+        )
 
     def _fused_layer(self, i: int, layer: _Layer, h, cos, sin, parts: list[Part]) -> torch.Tensor:
         """Layer i of short sequences in one kernel call; cos, sin [rows, head_dim] (the kernels' layout)."""

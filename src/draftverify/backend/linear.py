@@ -288,6 +288,12 @@ def layer_spec(name: str, weight) -> torch.Tensor:
     return torch.tensor(spec, dtype=torch.int64)
 
 
+def one_q8_run(weight: list) -> bool:
+    """Whether a one-call layer's weight is one q8 product ({spec, codes, d, m}, then the bias): what csrc/region.cpp
+    runs (`dv::one_q8_run`)."""
+    return len(weight) == 5 and int(weight[0][0]) == LAYER_PRODUCTS["q8"]
+
+
 def q8_layer_weight(weight, bias: torch.Tensor | None) -> list:
     """A q8 weight (`Q8Weight`) as `dv::quant_product` takes it: {spec, codes, d, m}, then the bias: the product
     `q8_product` calls, the bias added after it (one fp32 add either way)."""

@@ -6,6 +6,11 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [M, 2 I] gate | up product, float32");
   m.def("layer", &layer, "one pre-norm decoder layer on quantized weights for a few rows, float32");
+  py::class_<dv::LayerStack>(m, "LayerStack", "a forward's q8 layers, checked once; forward runs them all in one call")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<double>, std::vector<double>,
+                    std::vector<std::vector<at::Tensor>>, std::vector<std::vector<at::Tensor>>,
+                    std::vector<std::vector<at::Tensor>>, std::vector<std::vector<at::Tensor>>, int64_t, int64_t>())
+      .def("forward", &dv::LayerStack::forward, "h through every layer, each sequence with its caches, float32");
   m.def("layer_many", &layer_many, "the same layer for several sequences' rows stacked, each with its own cache, float32");
   m.def("linear", &linear, "x @ w.T (+ bias) for one row, float32");
   m.def("quant_linear", &quant_linear, "x @ w.T (+ bias) with w in exact Q4_1 / Q8_0 blocks, float32");

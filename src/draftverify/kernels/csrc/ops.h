@@ -71,6 +71,40 @@ void rope_store(const float* src, int64_t width, const float* cos, const float* 
                 int64_t heads, const at::Tensor& keys, const at::Tensor& values, int64_t past, float* q);
 // layer.cpp: silu(gate) * up of rows [m0, m1) of gate_up [M, 2 I] into y [M, I]
 void silu_rows(const float* gate_up, float* y, int64_t I, int64_t m0, int64_t m1);
+
+// region.cpp: layers of q8 products in one parallel region. A layer's weights, checked once (`q8_layer`: its four
+// products each one q8 product, `one_q8_run`); `layers_region` runs L of them over h; `LayerStack` holds a forward's
+// layers so that one call runs them all.
+struct LayerQ8 {
+  const float *norm_in, *norm_post;
+  float eps;
+  double scale;
+  Q8Weight wq, wo, wg, wd;
+};
+bool one_q8_run(const std::vector<at::Tensor>& w);
+LayerQ8 q8_layer(const at::Tensor& norm_in, const at::Tensor& norm_post, double eps, double scale,
+                 const std::vector<at::Tensor>& qkv, const std::vector<at::Tensor>& o,
+                 const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, int64_t H, int64_t A);
+at::Tensor layers_region(const at::Tensor& h, const LayerQ8* layers, int64_t L, const at::Tensor& cos, const at::Tensor& sin,
+                         const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                         const std::vector<int64_t>& firsts, const std::vector<int64_t>& ns,
+                         const std::vector<int64_t>& pasts, int64_t heads, const std::vector<at::Tensor>& masks);
+class LayerStack {
+ public:
+  LayerStack(std::vector<at::Tensor> norms_in, std::vector<at::Tensor> norms_post, std::vector<double> eps,
+             std::vector<double> scales, std::vector<std::vector<at::Tensor>> qkv, std::vector<std::vector<at::Tensor>> o,
+             std::vector<std::vector<at::Tensor>> gate_up, std::vector<std::vector<at::Tensor>> down, int64_t heads,
+             int64_t head_dim);
+  // keys, values: layer-major, a cache a layer and sequence (keys[l * sequences + j]); the rest as `layer_many`'s
+  at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys,
+                     std::vector<at::Tensor> values, std::vector<int64_t> firsts, std::vector<int64_t> ns,
+                     std::vector<int64_t> pasts, std::vector<at::Tensor> masks);
+
+ private:
+  std::vector<LayerQ8> layers_;
+  std::vector<at::Tensor> keep_;  // the tensors layers_ points into
+  int64_t heads_ = 0;
+};
 }  // namespace dv
 
 // argmax.cpp

@@ -1,0 +1,192 @@
+// Decoder layers of q8 products in one parallel region: one layer (`layer_many`'s q8 case) or a whole stack of them
+// (`LayerStack::forward`, a forward's every layer in one call).
+//
+// At decoding sizes a layer's work is small next to what surrounds it when each product, attention and SiLU opens a
+// parallel region of its own: the regions' starts and joins, the serial rounding of each product's rows, the tensors
+// made between them (outputs, views, a concatenation, additions), and, once a layer, the call from Python and the
+// conversion of its ~26 tensors. Here the threads enter one region and go through the phases of every layer apart
+// by barriers: RMSNorm and each product's rounding of its rows shared out by rows; each product by pairs of tiles
+// (`dv::q8_share`); the rotation, cache writes and attention's plan on one thread, then attention's tasks as the plan
+// deals them (in a stacked forward, each sequence's whole attention on the thread it is dealt to); SiLU(gate) * up and
+// the residual adds by rows. A thread keeps the same rows from a layer's last phase to the next layer's first, so
+// no barrier is needed there. Each phase calls the functions the op-by-op layer calls, each row and output formed
+// alone, so the split between threads changes no bit (tests/test_q8_engine.py).
+#include <omp.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "ops.h"
+#include "scratch.h"
+
+namespace {
+
+dv::Q8Weight q8_of(const std::vector<at::Tensor>& w, int64_t K) {
+  const int64_t* spec = w[0].data_ptr<int64_t>();
+  return dv::q8_weight(spec[1], spec[2], spec[3], w[1], w[2], w[3], spec[4], w[4], K);
+}
+
+// Rows [r0, r1) of n that thread t of T takes in a phase of rows.
+std::pair<int64_t, int64_t> row_share(int64_t n, int64_t t, int64_t T) {
+  const int64_t each = (n + T - 1) / T, r0 = std::min(n, t * each);
+  return {r0, std::min(n, r0 + each)};
+}
+
+}  // namespace
+
+bool dv::one_q8_run(const std::vector<at::Tensor>& w) {
+  return w.size() == 5 && w[0].scalar_type() == at::kLong && w[0].numel() == 5 && w[0].data_ptr<int64_t>()[0] == 1;
+}
+
+// One layer's weights, checked (H features in and out, A = heads x head dim the attention's width).
+dv::LayerQ8 dv::q8_layer(const at::Tensor& norm_in, const at::Tensor& norm_post, double eps, double scale,
+                         const std::vector<at::Tensor>& qkv, const std::vector<at::Tensor>& o,
+                         const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, int64_t H,
+                         int64_t A) {
+  TORCH_CHECK(one_q8_run(qkv) && one_q8_run(o) && one_q8_run(gate_up) && one_q8_run(down),
+              "layer: every product must be one q8 product");
+  TORCH_CHECK(norm_in.scalar_type() == at::kFloat && norm_in.is_contiguous() && norm_in.numel() == H &&
+                  norm_post.scalar_type() == at::kFloat && norm_post.is_contiguous() && norm_post.numel() == H,
+              "layer: the norms' weights must be float32 [H]");
+  LayerQ8 l;
+  l.norm_in = norm_in.data_ptr<float>(), l.norm_post = norm_post.data_ptr<float>();
+  l.eps = static_cast<float>(eps), l.scale = scale;
+  l.wq = q8_of(qkv, H), l.wo = q8_of(o, A), l.wg = q8_of(gate_up, H);
+  l.wd = q8_of(down, l.wg.N / 2);
+  TORCH_CHECK(l.wo.N == H && l.wg.N % 2 == 0 && l.wd.N == H, "layer: the products' sizes do not chain");
+  return l;
+}
+
+// h [n, H] through layers[0..L) (each `q8_layer`), sequence j owning rows [firsts[j], firsts[j] + ns[j]) of h, cos
+// and sin, its mask (empty: none) and in layer l the cache keys[l * parts + j], values[...] with pasts[j] tokens.
+at::Tensor dv::layers_region(const at::Tensor& h, const LayerQ8* layers, int64_t L, const at::Tensor& cos,
+                             const at::Tensor& sin, const std::vector<at::Tensor>& keys,
+                             const std::vector<at::Tensor>& values, const std::vector<int64_t>& firsts,
+                             const std::vector<int64_t>& ns, const std::vector<int64_t>& pasts, int64_t heads,
+                             const std::vector<at::Tensor>& masks) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat, "layer: h must be [n, H] float32, contiguous");
+  const int64_t n = h.size(0), H = h.size(1), parts = static_cast<int64_t>(firsts.size());
+  TORCH_CHECK(L > 0 && parts > 0 && ns.size() == firsts.size() && pasts.size() == firsts.size() &&
+                  masks.size() == firsts.size() && static_cast<int64_t>(keys.size()) == L * parts &&
+                  values.size() == keys.size(), "layer: one first, n, past and mask a sequence, a cache a layer and sequence");
+  const int64_t d = keys[0].size(2), width = (heads + 2 * keys[0].size(0)) * d, A = heads * d;
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == n, "layer: one rotary row per row of h");
+  int64_t I = 0;
+  for (int64_t l = 0; l < L; ++l) {  // every check before the region: nothing may throw inside it
+    const LayerQ8& w = layers[l];
+    TORCH_CHECK(w.wq.N == width && w.wq.K == H && w.wo.K == A && w.wo.N == H, "layer: the weights do not fit h and the caches");
+    I = std::max(I, w.wg.N / 2);
+    for (int64_t j = 0; j < parts; ++j) {
+      const at::Tensor &k = keys[l * parts + j], &v = values[l * parts + j];
+      TORCH_CHECK(firsts[j] >= 0 && ns[j] > 0 && firsts[j] + ns[j] <= n, "layer: a sequence's rows lie outside h");
+      TORCH_CHECK(k.dim() == 3 && k.size(2) == d && k.size(0) == keys[0].size(0), "layer: the caches' shapes differ");
+      dv::check_rope(ns[j], width, cos, sin, k, v, pasts[j], heads, masks[j]);
+    }
+  }
+  // this thread's scratch: the activations (normed rows, q/k/v, rotated q, attention, h after attention, normed
+  // again, gate | up, SiLU, a product's output), then one product's rounded rows at a time (scales, sums as floats)
+  const int64_t Kmax = std::max({H, A, I}), acts = n * (3 * H + width + 2 * A + 3 * I + H);
+  float* const x1 = dv::scratch<float, dv::kLayerFloats>(acts + n * Kmax / 32 + n * Kmax / 16);
+  float *const qkv = x1 + n * H, *const q = qkv + n * width, *const att = q + n * A, *const h2 = att + n * A;
+  float *const x2 = h2 + n * H, *const gu = x2 + n * H, *const sl = gu + n * 2 * I, *const y = sl + n * I;
+  float* const dx = x1 + acts;
+  const dv::Q8Rows r8{dv::scratch<int8_t, dv::kLayerCodes>(n * Kmax), dx, dv::scratch<int32_t, dv::kLayerSums>(n * Kmax / 16),
+                      dx + n * Kmax / 32};
+  auto out = at::empty({n, H}, h.options());
+  const float *const cp = cos.data_ptr<float>(), *const sp = sin.data_ptr<float>();
+  float* const op = out.data_ptr<float>();
+  const int64_t T = at::in_parallel_region() ? 1 : at::get_num_threads();
+  // a batch's sequences: each attention whole on one thread, dealt out by cost (as the op-by-op path does)
+  std::vector<int64_t> owner(parts, 0);
+  if (parts > 1) {
+    std::vector<int64_t> cost(parts);
+    for (int64_t j = 0; j < parts; ++j) cost[j] = ns[j] * (pasts[j] + ns[j]);
+    owner = dv::deal(cost.data(), parts, T);
+  }
+  std::vector<const bool*> mask(parts);
+  for (int64_t j = 0; j < parts; ++j) mask[j] = masks[j].numel() ? masks[j].data_ptr<bool>() : nullptr;
+  dv::AttentionPlan plan;  // one sequence's, made by thread 0 each layer
+#pragma omp parallel num_threads(T)
+  {
+    const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+    const auto [r0, r1] = row_share(n, t, threads);
+    const auto product = [&](const dv::Q8Weight& w, float* result) {
+#pragma omp barrier
+      dv::q8_share(w, r8, n, result, t, threads);
+#pragma omp barrier
+    };
+    for (int64_t l = 0; l < L; ++l) {
+      const LayerQ8& w = layers[l];
+      const at::Tensor *const ks = keys.data() + l * parts, *const vs = values.data() + l * parts;
+      const float* const hp = l == 0 ? h.data_ptr<float>() : op;  // later layers: in place, a thread its own rows
+      for (int64_t r = r0; r < r1; ++r) dv::norm_row(hp + r * H, w.norm_in, x1 + r * H, H, w.eps);
+      dv::q8_round(w.wq, x1, r0, r1, r8);
+      product(w.wq, qkv);
+      if (parts == 1) {
+        if (t == 0) {
+          dv::rope_store(qkv, width, cp, sp, cos.stride(0), n, heads, ks[0], vs[0], pasts[0], q);
+          plan = dv::attention_plan(q, A, ks[0], vs[0], n, heads, pasts[0] + n, mask[0], w.scale, att, threads);
+        }
+#pragma omp barrier
+        if (t < plan.threads) dv::attention_run(plan, t, t + 1);
+        if (plan.chunks > 1) {
+#pragma omp barrier
+          const auto [m0, m1] = row_share(n * heads, t, threads);
+          dv::attention_merge(plan, m0, m1);
+        }
+      } else {
+        for (int64_t j = 0; j < parts; ++j) {
+          if (owner[j] != t) continue;
+          const int64_t f = firsts[j];
+          dv::rope_store(qkv + f * width, width, cp + f * cos.stride(0), sp + f * sin.stride(0), cos.stride(0), ns[j],
+                         heads, ks[j], vs[j], pasts[j], q + f * A);
+          const dv::AttentionPlan p = dv::attention_plan(q + f * A, A, ks[j], vs[j], ns[j], heads, pasts[j] + ns[j],
+                                                         mask[j], w.scale, att + f * A, 1);
+          dv::attention_run(p, 0, 1);
+          if (p.chunks > 1) dv::attention_merge(p, 0, ns[j] * heads);
+        }
+      }
+#pragma omp barrier
+      dv::q8_round(w.wo, att, r0, r1, r8);
+      product(w.wo, y);
+      for (int64_t r = r0; r < r1; ++r) {  // the residual add, the second norm
+        for (int64_t k = 0; k < H; ++k) h2[r * H + k] = hp[r * H + k] + y[r * H + k];
+        dv::norm_row(h2 + r * H, w.norm_post, x2 + r * H, H, w.eps);
+      }
+      dv::q8_round(w.wg, x2, r0, r1, r8);
+      product(w.wg, gu);
+      const int64_t Il = w.wg.N / 2;  // (gate | up and SiLU rows Il wide, at most I)
+      dv::silu_rows(gu, sl, Il, r0, r1);
+      dv::q8_round(w.wd, sl, r0, r1, r8);
+      product(w.wd, y);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t k = 0; k < H; ++k) op[r * H + k] = h2[r * H + k] + y[r * H + k];
+    }
+  }
+  return out;
+}
+
+// A forward's layers, checked once (`q8_layer`); `forward` runs them all in one region (`layers_region`).
+dv::LayerStack::LayerStack(std::vector<at::Tensor> norms_in, std::vector<at::Tensor> norms_post, std::vector<double> eps,
+                           std::vector<double> scales, std::vector<std::vector<at::Tensor>> qkv,
+                           std::vector<std::vector<at::Tensor>> o, std::vector<std::vector<at::Tensor>> gate_up,
+                           std::vector<std::vector<at::Tensor>> down, int64_t heads, int64_t head_dim) {
+  const size_t L = norms_in.size();
+  TORCH_CHECK(L > 0 && norms_post.size() == L && eps.size() == L && scales.size() == L && qkv.size() == L &&
+                  o.size() == L && gate_up.size() == L && down.size() == L, "LayerStack: one of each a layer");
+  const int64_t H = norms_in[0].numel();
+  for (size_t l = 0; l < L; ++l) {
+    layers_.push_back(q8_layer(norms_in[l], norms_post[l], eps[l], scales[l], qkv[l], o[l], gate_up[l], down[l], H,
+                               heads * head_dim));
+    for (const auto* group : {&qkv[l], &o[l], &gate_up[l], &down[l]}) keep_.insert(keep_.end(), group->begin(), group->end());
+    keep_.push_back(norms_in[l]), keep_.push_back(norms_post[l]);
+  }
+  heads_ = heads;
+}
+
+at::Tensor dv::LayerStack::forward(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys,
+                                   std::vector<at::Tensor> values, std::vector<int64_t> firsts, std::vector<int64_t> ns,
+                                   std::vector<int64_t> pasts, std::vector<at::Tensor> masks) {
+  return layers_region(h, layers_.data(), static_cast<int64_t>(layers_.size()), cos, sin, keys, values, firsts, ns, pasts,
+                       heads_, masks);
+}
