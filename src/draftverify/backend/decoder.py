@@ -15,7 +15,8 @@ the stock model's own modules (no copy of its code, no change to the model), as 
   kernel, each token's row computed alone (backend/attention.py).
 - **One call per layer**: a forward of one sequence over at most `QUANT_ROWS` tokens whose layer has
   only quantized products runs that layer in one kernel call (kernels/csrc/layer.cpp `layer`), the same kernels in the
-  same order as the op-by-op layer, so the same bits. SiLU(gate) * up is our kernel on every path, so
+  same order as the op-by-op layer, so the same bits; where every layer is one of q8 products, every layer in one
+  call (`LayerStack`, kernels/csrc/region.cpp). SiLU(gate) * up is our kernel on every path, so
   stacked (batched) forwards, which run the layers op by op, still give each sequence its own bits.
 
 This is the one place where draftverify runs a decoder loop of its own instead of the stock class (as
@@ -268,11 +269,10 @@ class StaticDecoder:
             return None
         if len(set(self.windows)) != 1 or len(set(self.rope_keys)) != 1:
             return None
-        layers = self.layers
-        return kernels.LayerStack(
-            [layer.norm_in for layer in layers], [layer.norm_mlp for layer in layers], [layer.eps for layer in layers],
-            [layer.scaling for layer in layers], *([f[k] for f in fused] for k in range(4)), self.n_heads, self.head_dim,
-        )  # fmt: skip
+        norms_in, norms_post = [layer.norm_in for layer in self.layers], [layer.norm_mlp for layer in self.layers]
+        eps, scales = [layer.eps for layer in self.layers], [layer.scaling for layer in self.layers]
+        products = ([f[k] for f in fused] for k in range(4))  # qkv, o, gate_up, down: each layer's
+        return kernels.LayerStack(norms_in, norms_post, eps, scales, *products, self.n_heads, self.head_dim)
 
     def _stacked_layers(self, h, cos, sin, parts: list[Part]) -> torch.Tensor:
         """Every layer of short sequences in one call (`LayerStack.forward`): what `_fused_layer` does a layer at a
