@@ -69,6 +69,12 @@ std::vector<int64_t> dv::deal(const int64_t* cost, int64_t n, int64_t threads) {
   return owner;
 }
 
+std::vector<int64_t> dv::deal_sequences(const std::vector<int64_t>& ns, const std::vector<int64_t>& pasts, int64_t threads) {
+  std::vector<int64_t> cost(ns.size());
+  for (size_t j = 0; j < ns.size(); ++j) cost[j] = ns[j] * (pasts[j] + ns[j]);  // rows times the keys they read
+  return deal(cost.data(), static_cast<int64_t>(ns.size()), threads);
+}
+
 // One pre-norm decoder layer (Llama family, no q/k norms) for a few new rows h [n, H] of one sequence, every
 // product quantized or a file's blocks (`dv::quant_product`): h + o(attention(rope(qkv(norm_in(h))))), then
 // + down(silu_mul(gate_up(norm_post(.)))). The same kernels, in the same order, as the static path's op-by-op layer,
@@ -93,7 +99,7 @@ at::Tensor layer_many(at::Tensor h, at::Tensor norm_in, at::Tensor norm_post, do
   const size_t parts = firsts.size();
   TORCH_CHECK(parts && ns.size() == parts && pasts.size() == parts && keys.size() == parts && values.size() == parts &&
                   masks.size() == parts, "layer_many: one first, n, past, cache and mask per sequence");
-  if (dv::one_q8_run(qkv) && dv::one_q8_run(o) && dv::one_q8_run(gate_up) && dv::one_q8_run(down)) {
+  if (dv::one_q8_run(qkv) && dv::one_q8_run(o) && dv::one_q8_run(gate_up) && dv::one_q8_run(down)) {  // region.cpp
     TORCH_CHECK(keys[0].dim() == 3, "layer_many: the caches must be [kv, capacity, d]");
     const dv::LayerQ8 layer =
         dv::q8_layer(norm_in, norm_post, eps, scale, qkv, o, gate_up, down, h.size(-1), heads * keys[0].size(2));
@@ -114,9 +120,7 @@ at::Tensor layer_many(at::Tensor h, at::Tensor norm_in, at::Tensor norm_post, do
     // sequences are dealt out costliest first, each to the thread with the least work so far: split by count, one
     // thread could get the long contexts while the other waits.
     const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(parts));
-    std::vector<int64_t> cost(parts);
-    for (size_t j = 0; j < parts; ++j) cost[j] = ns[j] * (pasts[j] + ns[j]);
-    const std::vector<int64_t> owner = dv::deal(cost.data(), static_cast<int64_t>(parts), threads);
+    const std::vector<int64_t> owner = dv::deal_sequences(ns, pasts, threads);
     at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {  // one share per thread
       for (size_t j = 0; j < parts; ++j)
         if (owner[j] >= t0 && owner[j] < t1) attend(j);

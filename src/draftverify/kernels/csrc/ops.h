@@ -20,6 +20,8 @@ at::Tensor quant_product(const at::Tensor& x, const std::vector<at::Tensor>& w);
 // layer.cpp: the thread (0..threads-1) of each of n pieces of work of these costs, dealt out costliest first (ties in
 // order), each to the thread with the least cost so far (a batch's sequences, attention's tasks).
 std::vector<int64_t> deal(const int64_t* cost, int64_t n, int64_t threads);
+// layer.cpp: a batch's sequences dealt out so (`deal`), each costing its rows times the keys they read
+std::vector<int64_t> deal_sequences(const std::vector<int64_t>& ns, const std::vector<int64_t>& pasts, int64_t threads);
 
 // products_q8.cpp: one q8 product's weight (checked, as q8_linear takes it) and room for its rounded rows, so that a
 // layer's products can run in shares inside one parallel region (layer.cpp): rows rounded by `q8_round` (any split

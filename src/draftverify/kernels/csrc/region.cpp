@@ -97,12 +97,7 @@ at::Tensor dv::layers_region(const at::Tensor& h, const LayerQ8* layers, int64_t
   float* const op = out.data_ptr<float>();
   const int64_t T = at::in_parallel_region() ? 1 : at::get_num_threads();
   // a batch's sequences: each attention whole on one thread, dealt out by cost (as the op-by-op path does)
-  std::vector<int64_t> owner(parts, 0);
-  if (parts > 1) {
-    std::vector<int64_t> cost(parts);
-    for (int64_t j = 0; j < parts; ++j) cost[j] = ns[j] * (pasts[j] + ns[j]);
-    owner = dv::deal(cost.data(), parts, T);
-  }
+  const std::vector<int64_t> owner = dv::deal_sequences(ns, pasts, parts > 1 ? T : 1);
   std::vector<const bool*> mask(parts);
   for (int64_t j = 0; j < parts; ++j) mask[j] = masks[j].numel() ? masks[j].data_ptr<bool>() : nullptr;
   dv::AttentionPlan plan;  // one sequence's, made by thread 0 each layer
