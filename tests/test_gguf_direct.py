@@ -56,15 +56,19 @@ def raw_blocks(rng, kind: int, out: int, k: int) -> np.ndarray:
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory, tokenizer):
     """(path, {name: (raw, type)}): the tiny file and what it holds."""
-    rng, vocab = np.random.default_rng(0), len(tokenizer)
+    return write_file(tmp_path_factory.mktemp("gguf") / "tiny.gguf", LAYER_TYPES, len(tokenizer))
+
+
+def write_file(path, layer_types: list[dict], vocab: int):
+    """A tiny file with these layers' weight types: (path, {name: (raw, type)})."""
+    rng = np.random.default_rng(0)
     tensors = {"token_embd.weight": (raw_blocks(rng, T.Q6_K, vocab, HIDDEN), T.Q6_K)}
     tensors["output_norm.weight"] = (1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32), T.F32)
-    for i, types in enumerate(LAYER_TYPES):
+    for i, types in enumerate(layer_types):
         for name, kind in types.items():
             tensors[f"blk.{i}.{name}.weight"] = (raw_blocks(rng, kind, *SHAPES[name]), kind)
         for norm in ("attn_norm", "ffn_norm"):
             tensors[f"blk.{i}.{norm}.weight"] = (1 + 0.1 * rng.standard_normal(HIDDEN).astype(np.float32), T.F32)
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     finish(GGUFWriter(str(path), "llama"), tensors)
     return path, tensors
 
@@ -165,6 +169,42 @@ def test_the_one_call_layer_gives_the_op_by_op_layers_bits(direct, arithmetic, m
     assert len(calls) == 3 * LAYERS
     for (ka, va), (kb, vb) in zip(fused.cached_kv(), plain.cached_kv()):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_k_quant_layers_in_one_call_give_the_op_by_op_bits(tmp_path, tokenizer):
+    """A file whose every layer is Q4_K_M-like (q|k and v, gate and up: runs of two block types a product): in q8 a
+    short forward runs all its layers in one call (`LayerStack`, each product's runs side by side), with the logits
+    and cache of a layer a call and of the op-by-op layers, on one thread or two."""
+    from transformers import GenerationConfig
+
+    from draftverify.backend.linear import Packs
+    from draftverify.kernels import cpu, unavailable
+    from draftverify.models import Shared
+
+    if cpu() is None:
+        pytest.skip(unavailable())
+    path, _ = write_file(tmp_path / "kquant.gguf", [LAYER_TYPES[0]] * LAYERS, len(tokenizer))
+    config = config_for(tokenizer)
+    model = GGUFModel(GGUFWeights(path, config, tokenizer), GenerationConfig.from_model_config(config))
+    threads = torch.get_num_threads()
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    feeds = [{"tokens": [3, 17, 5, 9, 14, 2] * 25}, {"tokens": [11]}, {"tokens": [12, 13, 14], "tree_mask": tree}]
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            stacked, layered, plain = (Runner(model, shared=Shared(packs=Packs("q8"))) for _ in range(3))
+            assert stacked.static.stack is not None and len(stacked.static.layers[0].fused[0]) == 9  # q|k, v: 2 runs
+            layered.static.stack = plain.static.stack = None
+            plain.static.layers = [replace(layer, fused=None) for layer in plain.static.layers]
+            for feed in feeds:
+                want = plain.forward(**feed).logits
+                for runner in (stacked, layered):
+                    assert torch.equal(runner.forward(**feed).logits, want), (t, feed)
+            for runner in (stacked, layered):
+                for (ka, va), (kb, vb) in zip(runner.cached_kv(), plain.cached_kv()):
+                    assert torch.equal(ka, kb) and torch.equal(va, vb)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("arithmetic", ["fp32", "q8"])

@@ -36,7 +36,7 @@ import torch
 from draftverify.backend.attention import Part, attend
 from draftverify.backend.cache import StaticCache
 from draftverify.backend.feed import Feed, Forward
-from draftverify.backend.linear import QUANT_ROWS, BlockLinear, PackedLinear, Packs, layer_weights, one_q8_run
+from draftverify.backend.linear import QUANT_ROWS, BlockLinear, PackedLinear, Packs, layer_weights, q8_runs
 from draftverify.backend.ops import cpu_kernels, gated, layer_windows, rms_norm, softcap, vocab_logits, window_masks
 from draftverify.backend.recipe import RECIPES, Recipe, activation, unsupported_reason
 from draftverify.backend.source import source_layer, source_norm
@@ -263,9 +263,10 @@ class StaticDecoder:
 
     def _layer_stack(self, kernels):
         """Every layer in one kernel call (`LayerStack`, csrc/region.cpp: the layers' phases in one parallel region)
-        where every layer is a one-call layer of q8 products with the same window and rotary tables; else None."""
+        where every layer is a one-call layer of q8 products (runs of them: a K-quant file's q|k and v) with the same
+        window and rotary tables; else None."""
         fused = [layer.fused for layer in self.layers]
-        if kernels is None or any(f is None or not all(one_q8_run(w) for w in f) for f in fused):
+        if kernels is None or any(f is None or not all(q8_runs(w) for w in f) for f in fused):
             return None
         if len(set(self.windows)) != 1 or len(set(self.rope_keys)) != 1:
             return None

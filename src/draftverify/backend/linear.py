@@ -275,6 +275,7 @@ def q8_weight(blocks):
     return prepare(from_blocks(blocks))
 
 
+MAX_RUNS = 4  # the most runs of blocks a weight of csrc/region.cpp may have (ops.h kMaxRuns)
 LAYER_PRODUCTS = {"blocks": 0, "q8": 1}  # the products csrc/layer.cpp's `dv::quant_product` runs, by its code
 
 
@@ -288,10 +289,11 @@ def layer_spec(name: str, weight) -> torch.Tensor:
     return torch.tensor(spec, dtype=torch.int64)
 
 
-def one_q8_run(weight: list) -> bool:
-    """Whether a one-call layer's weight is one q8 product ({spec, codes, d, m}, then the bias): what csrc/region.cpp
-    runs (`dv::one_q8_run`)."""
-    return len(weight) == 5 and int(weight[0][0]) == LAYER_PRODUCTS["q8"]
+def q8_runs(weight: list) -> bool:
+    """Whether a one-call layer's weight ({spec, codes, d, m} a run, then the bias) is q8 products only: what
+    csrc/region.cpp runs (`dv::q8_runs`)."""
+    runs = weight[:-1:4]  # the specs: int64 [product, ...]
+    return len(weight) % 4 == 1 and len(runs) <= MAX_RUNS and all(int(s[0]) == LAYER_PRODUCTS["q8"] for s in runs)
 
 
 def q8_layer_weight(weight, bias: torch.Tensor | None) -> list:

@@ -99,7 +99,7 @@ at::Tensor layer_many(at::Tensor h, at::Tensor norm_in, at::Tensor norm_post, do
   const size_t parts = firsts.size();
   TORCH_CHECK(parts && ns.size() == parts && pasts.size() == parts && keys.size() == parts && values.size() == parts &&
                   masks.size() == parts, "layer_many: one first, n, past, cache and mask per sequence");
-  if (dv::one_q8_run(qkv) && dv::one_q8_run(o) && dv::one_q8_run(gate_up) && dv::one_q8_run(down)) {  // region.cpp
+  if (dv::q8_runs(qkv) && dv::q8_runs(o) && dv::q8_runs(gate_up) && dv::q8_runs(down)) {  // region.cpp
     TORCH_CHECK(keys[0].dim() == 3, "layer_many: the caches must be [kv, capacity, d]");
     const dv::LayerQ8 layer =
         dv::q8_layer(norm_in, norm_post, eps, scale, qkv, o, gate_up, down, h.size(-1), heads * keys[0].size(2));

@@ -42,7 +42,7 @@ struct Q8Rows {  // for M rows of K: int8 codes [M, K], scales [M, K / 32], sums
 Q8Weight q8_weight(int64_t layout, int64_t sub, int64_t N, const at::Tensor& codes, const at::Tensor& d,
                    const at::Tensor& m, int64_t centre, const at::Tensor& bias, int64_t K);
 void q8_round(const Q8Weight& w, const float* x, int64_t r0, int64_t r1, const Q8Rows& rows);
-void q8_share(const Q8Weight& w, const Q8Rows& rows, int64_t M, float* y, int64_t share, int64_t shares);
+void q8_share(const Q8Weight& w, const Q8Rows& rows, int64_t M, float* y, int64_t ldy, int64_t share, int64_t shares);
 
 // attention.cpp: one attention call's plan, which its threads share (`attention_plan`), then each thread's tasks
 // (`attention_run`) and the merge of the rows' chunks, in any split of the (row, head) pairs (`attention_merge`).
@@ -75,15 +75,22 @@ void rope_store(const float* src, int64_t width, const float* cos, const float* 
 void silu_rows(const float* gate_up, float* y, int64_t I, int64_t m0, int64_t m1);
 
 // region.cpp: layers of q8 products in one parallel region. A layer's weights, checked once (`q8_layer`: its four
-// products each one q8 product, `one_q8_run`); `layers_region` runs L of them over h; `LayerStack` holds a forward's
+// products each runs of q8 weights, `q8_runs`); `layers_region` runs L of them over h; `LayerStack` holds a forward's
 // layers so that one call runs them all.
+constexpr int kMaxRuns = 4;
+struct Q8Product {  // runs of q8 weights fused along the outputs (a K-quant file's q|k and v), each from column col
+  Q8Weight runs[kMaxRuns];
+  int64_t col[kMaxRuns];
+  int count;
+  int64_t N, K;
+};
 struct LayerQ8 {
   const float *norm_in, *norm_post;
   float eps;
   double scale;
-  Q8Weight wq, wo, wg, wd;
+  Q8Product wq, wo, wg, wd;
 };
-bool one_q8_run(const std::vector<at::Tensor>& w);
+bool q8_runs(const std::vector<at::Tensor>& w);
 LayerQ8 q8_layer(const at::Tensor& norm_in, const at::Tensor& norm_post, double eps, double scale,
                  const std::vector<at::Tensor>& qkv, const std::vector<at::Tensor>& o,
                  const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, int64_t H, int64_t A);

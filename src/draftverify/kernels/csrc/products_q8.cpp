@@ -115,7 +115,7 @@ struct Args {
   const void *d, *m;  // float or fp16 (uint16_t) scales: the kernels' T
   const float* bias;
   float* y;
-  int64_t M, K, N;
+  int64_t M, K, N, ldy;  // ldy: floats between y's rows (N, or more where runs of weights share y)
 };
 
 // Rows [r0, r0 + R) of the outputs of tiles [t0, t1), P tiles at a time (t1 - t0 a multiple of P). Each half block
@@ -196,7 +196,7 @@ void q8_pass(const Args& a, int64_t r0, int64_t t0, int64_t t1, bool first) {
       const int64_t n0 = (t + p) * 16, live = std::min<int64_t>(16, a.N - n0);
       for (int r = 0; r < R; ++r) {
         Q::storef(out, acc[p][r]);
-        float* yr = a.y + (r0 + r) * a.N + n0;
+        float* yr = a.y + (r0 + r) * a.ldy + n0;
         for (int64_t o = 0; o < live; ++o) yr[o] = a.bias ? out[o] + a.bias[n0 + o] : out[o];
       }
     }
@@ -310,14 +310,17 @@ void dv::q8_round(const Q8Weight& w, const float* x, int64_t r0, int64_t r1, con
     for (int64_t i = r0 * (K / sub); i < r1 * (K / sub); ++i) rows.sxf[i] = static_cast<float>(rows.sx[i]);
 }
 
-// Share `share` of `shares` of the outputs of M rounded rows, into y [M, N]: the pairs of tiles (a pass takes two at
-// once) cut into `shares` runs of the same length (the last shorter).
-void dv::q8_share(const Q8Weight& w, const Q8Rows& rows, int64_t M, float* y, int64_t share, int64_t shares) {
-  const int64_t tiles = (w.N + 15) / 16, pairs = (tiles + 1) / 2, each = (pairs + shares - 1) / shares;
-  const int64_t p0 = share * each, p1 = std::min(pairs, p0 + each);
-  if (p0 >= p1) return;
-  const Args a{rows.qx, rows.dx, rows.sx, rows.sxf, w.codes, w.d, w.m, w.bias, y, M, w.K, w.N};
-  pick(w.layout, w.sub, w.centre >= 0, w.half)(a, 2 * p0, std::min(tiles, 2 * p1));
+// The outputs of pairs of tiles [p0, p1) of M rounded rows, into y (rows ldy floats apart).
+static void pairs_of(const dv::Q8Weight& w, const dv::Q8Rows& rows, int64_t M, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  const Args a{rows.qx, rows.dx, rows.sx, rows.sxf, w.codes, w.d, w.m, w.bias, y, M, w.K, w.N, ldy};
+  pick(w.layout, w.sub, w.centre >= 0, w.half)(a, 2 * p0, std::min((w.N + 15) / 16, 2 * p1));
+}
+
+// Share `share` of `shares` of the outputs of M rounded rows, into y [M, N] (rows ldy floats apart): the pairs of
+// tiles (a pass takes two at once) cut into `shares` runs of the same length (the last shorter).
+void dv::q8_share(const Q8Weight& w, const Q8Rows& rows, int64_t M, float* y, int64_t ldy, int64_t share, int64_t shares) {
+  const int64_t pairs = ((w.N + 15) / 16 + 1) / 2, each = (pairs + shares - 1) / shares, p0 = share * each;
+  if (p0 < pairs) pairs_of(w, rows, M, y, ldy, p0, std::min(pairs, p0 + each));
 }
 
 // x [M, K] float32 contiguous times the weight `dv::q8_weight` checks. Returns y [M, N] in the q8 arithmetic.
@@ -338,10 +341,7 @@ at::Tensor q8_linear(at::Tensor x, int64_t layout, int64_t sub, int64_t N, at::T
   // products run on one thread
   const int64_t pairs = (tiles + 1) / 2, grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * 32));
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
-    const Args a{rows.qx, rows.dx, rows.sx, rows.sxf, w.codes, w.d, w.m, w.bias, yp, M, K, N};
-    pick(layout, sub, centre >= 0, w.half)(a, 2 * p0, std::min(tiles, 2 * p1));
-  });
+  at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) { pairs_of(w, rows, M, yp, N, p0, p1); });
   return y;
 }
 

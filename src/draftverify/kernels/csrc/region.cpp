@@ -21,9 +21,21 @@
 
 namespace {
 
-dv::Q8Weight q8_of(const std::vector<at::Tensor>& w, int64_t K) {
-  const int64_t* spec = w[0].data_ptr<int64_t>();
-  return dv::q8_weight(spec[1], spec[2], spec[3], w[1], w[2], w[3], spec[4], w[4], K);
+// A one-call layer's weight ({spec, codes, d, m} a run, then the bias) as a product of q8 runs of K inputs.
+dv::Q8Product q8_of(const std::vector<at::Tensor>& w, int64_t K) {
+  dv::Q8Product p{};
+  p.count = static_cast<int>(w.size() / 4), p.K = K;
+  const at::Tensor none = at::empty({0}, w[1].options().dtype(at::kFloat));
+  TORCH_CHECK(p.count <= dv::kMaxRuns, "layer: at most ", dv::kMaxRuns, " runs of blocks a weight");
+  for (int r = 0; r < p.count; ++r) {
+    const int64_t* spec = w[4 * r].data_ptr<int64_t>();
+    p.runs[r] = dv::q8_weight(spec[1], spec[2], spec[3], w[4 * r + 1], w[4 * r + 2], w[4 * r + 3], spec[4], none, K);
+    p.col[r] = p.N, p.N += spec[3];
+  }
+  const at::Tensor& bias = w.back();  // added to each run's columns as it stores them: the same fp32 add
+  TORCH_CHECK(!bias.numel() || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == p.N), "layer: bias");
+  for (int r = 0; bias.numel() && r < p.count; ++r) p.runs[r].bias = bias.data_ptr<float>() + p.col[r];
+  return p;
 }
 
 // Rows [r0, r1) of n that thread t of T takes in a phase of rows.
@@ -34,8 +46,11 @@ std::pair<int64_t, int64_t> row_share(int64_t n, int64_t t, int64_t T) {
 
 }  // namespace
 
-bool dv::one_q8_run(const std::vector<at::Tensor>& w) {
-  return w.size() == 5 && w[0].scalar_type() == at::kLong && w[0].numel() == 5 && w[0].data_ptr<int64_t>()[0] == 1;
+bool dv::q8_runs(const std::vector<at::Tensor>& w) {
+  if (w.size() % 4 != 1 || w.size() / 4 > kMaxRuns) return false;
+  for (size_t i = 0; i + 1 < w.size(); i += 4)
+    if (w[i].scalar_type() != at::kLong || w[i].numel() != 5 || w[i].data_ptr<int64_t>()[0] != 1) return false;
+  return true;
 }
 
 // One layer's weights, checked (H features in and out, A = heads x head dim the attention's width).
@@ -43,8 +58,7 @@ dv::LayerQ8 dv::q8_layer(const at::Tensor& norm_in, const at::Tensor& norm_post,
                          const std::vector<at::Tensor>& qkv, const std::vector<at::Tensor>& o,
                          const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, int64_t H,
                          int64_t A) {
-  TORCH_CHECK(one_q8_run(qkv) && one_q8_run(o) && one_q8_run(gate_up) && one_q8_run(down),
-              "layer: every product must be one q8 product");
+  TORCH_CHECK(q8_runs(qkv) && q8_runs(o) && q8_runs(gate_up) && q8_runs(down), "layer: every product must be q8 runs");
   TORCH_CHECK(norm_in.scalar_type() == at::kFloat && norm_in.is_contiguous() && norm_in.numel() == H &&
                   norm_post.scalar_type() == at::kFloat && norm_post.is_contiguous() && norm_post.numel() == H,
               "layer: the norms' weights must be float32 [H]");
@@ -86,12 +100,17 @@ at::Tensor dv::layers_region(const at::Tensor& h, const LayerQ8* layers, int64_t
   // this thread's scratch: the activations (normed rows, q/k/v, rotated q, attention, h after attention, normed
   // again, gate | up, SiLU, a product's output), then one product's rounded rows at a time (scales, sums as floats)
   const int64_t Kmax = std::max({H, A, I}), acts = n * (3 * H + width + 2 * A + 3 * I + H);
-  float* const x1 = dv::scratch<float, dv::kLayerFloats>(acts + n * Kmax / 32 + n * Kmax / 16);
+  float* const x1 = dv::scratch<float, dv::kLayerFloats>(acts);
   float *const qkv = x1 + n * H, *const q = qkv + n * width, *const att = q + n * A, *const h2 = att + n * A;
   float *const x2 = h2 + n * H, *const gu = x2 + n * H, *const sl = gu + n * 2 * I, *const y = sl + n * I;
-  float* const dx = x1 + acts;
-  const dv::Q8Rows r8{dv::scratch<int8_t, dv::kLayerCodes>(n * Kmax), dx, dv::scratch<int32_t, dv::kLayerSums>(n * Kmax / 16),
-                      dx + n * Kmax / 32};
+  // a product's runs each round the rows for themselves (their sums depend on the run's sub-blocks and centre)
+  const int64_t codes = n * Kmax, scales = n * Kmax / 32, sums = n * Kmax / 16;
+  float* const dx = dv::scratch<float, dv::kLayerScales>(dv::kMaxRuns * (scales + sums));
+  int8_t* const qx = dv::scratch<int8_t, dv::kLayerCodes>(dv::kMaxRuns * codes);
+  int32_t* const sx = dv::scratch<int32_t, dv::kLayerSums>(dv::kMaxRuns * sums);
+  dv::Q8Rows r8[dv::kMaxRuns];
+  for (int k = 0; k < dv::kMaxRuns; ++k)
+    r8[k] = {qx + k * codes, dx + k * (scales + sums), sx + k * sums, dx + k * (scales + sums) + scales};
   auto out = at::empty({n, H}, h.options());
   const float *const cp = cos.data_ptr<float>(), *const sp = sin.data_ptr<float>();
   float* const op = out.data_ptr<float>();
@@ -105,9 +124,12 @@ at::Tensor dv::layers_region(const at::Tensor& h, const LayerQ8* layers, int64_t
   {
     const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
     const auto [r0, r1] = row_share(n, t, threads);
-    const auto product = [&](const dv::Q8Weight& w, float* result) {
+    const auto round = [&](const dv::Q8Product& p, const float* x) {  // this thread's rows, for every run
+      for (int k = 0; k < p.count; ++k) dv::q8_round(p.runs[k], x, r0, r1, r8[k]);
+    };
+    const auto product = [&](const dv::Q8Product& p, float* result) {  // every run's share of this thread
 #pragma omp barrier
-      dv::q8_share(w, r8, n, result, t, threads);
+      for (int k = 0; k < p.count; ++k) dv::q8_share(p.runs[k], r8[k], n, result + p.col[k], p.N, t, threads);
 #pragma omp barrier
     };
     for (int64_t l = 0; l < L; ++l) {
@@ -115,7 +137,7 @@ at::Tensor dv::layers_region(const at::Tensor& h, const LayerQ8* layers, int64_t
       const at::Tensor *const ks = keys.data() + l * parts, *const vs = values.data() + l * parts;
       const float* const hp = l == 0 ? h.data_ptr<float>() : op;  // later layers: in place, a thread its own rows
       for (int64_t r = r0; r < r1; ++r) dv::norm_row(hp + r * H, w.norm_in, x1 + r * H, H, w.eps);
-      dv::q8_round(w.wq, x1, r0, r1, r8);
+      round(w.wq, x1);
       product(w.wq, qkv);
       if (parts == 1) {
         if (t == 0) {
@@ -142,17 +164,17 @@ at::Tensor dv::layers_region(const at::Tensor& h, const LayerQ8* layers, int64_t
         }
       }
 #pragma omp barrier
-      dv::q8_round(w.wo, att, r0, r1, r8);
+      round(w.wo, att);
       product(w.wo, y);
       for (int64_t r = r0; r < r1; ++r) {  // the residual add, the second norm
         for (int64_t k = 0; k < H; ++k) h2[r * H + k] = hp[r * H + k] + y[r * H + k];
         dv::norm_row(h2 + r * H, w.norm_post, x2 + r * H, H, w.eps);
       }
-      dv::q8_round(w.wg, x2, r0, r1, r8);
+      round(w.wg, x2);
       product(w.wg, gu);
       const int64_t Il = w.wg.N / 2;  // (gate | up and SiLU rows Il wide, at most I)
       dv::silu_rows(gu, sl, Il, r0, r1);
-      dv::q8_round(w.wd, sl, r0, r1, r8);
+      round(w.wd, sl);
       product(w.wd, y);
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t k = 0; k < H; ++k) op[r * H + k] = h2[r * H + k] + y[r * H + k];

@@ -11,7 +11,7 @@ namespace dv {
 enum Scratch {
   kRoundedX, kRowScales, kRowSums, kRowSumsF,                   // q8_linear's rounded rows
   kChunkBounds, kChunkCounts, kTasks, kTops, kTotals, kAccs,  // attention's plan and partials
-  kLayerFloats, kLayerCodes, kLayerSums,                      // a layer's activations and rounded rows (layer.cpp)
+  kLayerFloats, kLayerCodes, kLayerSums, kLayerScales,        // a layer's activations and rounded rows (region.cpp)
 };
 
 // A buffer up to this size stays for the next call; a larger one (a long prefill's) is given back when a later
