@@ -83,11 +83,12 @@ def test_q8_sampling_matches_q8_target_distribution(tiny):
 def test_q8_layers_in_one_region_give_the_op_by_op_bits_on_any_number_of_threads(tiny, monkeypatch):
     """A short q8 forward runs every layer in one call and one parallel region (csrc/region.cpp `LayerStack`: rows,
     tiles and attention's tasks shared out between the threads), or a layer a call (`layer`) where the stack cannot
-    be used. On one thread, two or three, alone and stacked, over a context of several attention chunks, both give
-    the logits and cache of the op-by-op layers bit for bit."""
+    be used. On one thread, two or three, alone and stacked, over a context of several attention chunks, with a
+    draft's skipped sub-layers or none, both give the logits and cache of the op-by-op layers bit for bit."""
     from test_backends import assert_stacked_is_alone
 
     from draftverify.backend.linear import Packs
+    from draftverify.drafters.skipsets import SkipSet
     from draftverify.models import Runner, Shared
 
     target = q4_1(tiny("llama", seed=0))
@@ -112,6 +113,11 @@ def test_q8_layers_in_one_region_give_the_op_by_op_bits_on_any_number_of_threads
                 for runner in (stacked, layered):
                     assert torch.equal(runner.forward(**feed).logits, want), (t, feed)
             assert len(calls) == len(feeds)  # each short forward: one call for all the layers
+            for skip in (SkipSet(attention=(1,)), SkipSet(mlp=(0, 2)), SkipSet((0, 3), (0,))):  # a draft's skips
+                want = plain.forward([31, 32], skip=skip).logits
+                assert torch.equal(stacked.forward([31, 32], skip=skip).logits, want), (t, skip)
+                for runner in (stacked, plain):
+                    runner.crop(runner.length - 2)
             for runner in (stacked, layered):
                 for (ka, va), (kb, vb) in zip(runner.cached_kv(), plain.cached_kv()):
                     assert torch.equal(ka, kb) and torch.equal(va, vb)

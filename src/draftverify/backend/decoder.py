@@ -102,9 +102,9 @@ class StaticDecoder:
         recipe, packs = RECIPES[cfg.model_type], packs if packs is not None else Packs()
         eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         if getattr(model, "weight_source", None) is not None:
-            self._from_source(
-                model, recipe, eps, packs.arithmetic if not draft else "fp32"
-            )  # a GGUF file's blocks (loading.gguf_model)
+            # a GGUF file's blocks (loading.gguf_model), a draft's too in the engine's arithmetic: a draft's arithmetic
+            # changes what it proposes, never what verification accepts, and in q8 it shares the target's tiles
+            self._from_source(model, recipe, eps, packs.arithmetic)
         else:
             self._from_module(model, recipe, eps, draft, packs)
         self.final_cap = getattr(cfg, "final_logit_softcapping", None) if recipe.final_softcap else None
@@ -195,9 +195,10 @@ class StaticDecoder:
         # (`layer` / `layer_many`: the same kernels, on the same rows, as below)
         short = self.layer_kernel is not None and all(p.n <= QUANT_ROWS for p in parts)
         flat = {key: (cos[:, 0], sin[:, 0]) for key, (cos, sin) in ropes.items()} if short else None  # once a forward
-        stacked = short and self.stack is not None and not skip_attn and not skip_mlp  # every layer in one call
+        stacked = short and self.stack is not None  # every layer in one call (a draft's skipped sub-layers left out)
         if stacked:
-            h = self._stacked_layers(h, *flat[self.rope_keys[0]], parts)
+            skips = [(i in skip_attn) | 2 * (i in skip_mlp) for i in range(len(self.layers))] if skip else []
+            h = self._stacked_layers(h, *flat[self.rope_keys[0]], parts, skips)
         for i, layer in enumerate(() if stacked else self.layers):
             cos, sin = ropes[self.rope_keys[i]]
             if short and layer.fused is not None and i not in skip_attn and i not in skip_mlp:
@@ -275,16 +276,16 @@ class StaticDecoder:
         products = ([f[k] for f in fused] for k in range(4))  # qkv, o, gate_up, down: each layer's
         return kernels.LayerStack(norms_in, norms_post, eps, scales, *products, self.n_heads, self.head_dim)
 
-    def _stacked_layers(self, h, cos, sin, parts: list[Part]) -> torch.Tensor:
-        """Every layer of short sequences in one call (`LayerStack.forward`): what `_fused_layer` does a layer at a
-        time, in the same order, so the same bits."""
+    def _stacked_layers(self, h, cos, sin, parts: list[Part], skips: list[int]) -> torch.Tensor:
+        """Every layer of short sequences in one call (`LayerStack.forward`): what `_fused_layer` and the op-by-op
+        layers do a layer at a time, in the same order, so the same bits; `skips` per layer: 1 attention, 2 the MLP
+        left out (a layer-skipping draft's), or empty."""
         keys = [p.cache.keys[i] for i in range(len(self.layers)) for p in parts]
         values = [p.cache.values[i] for i in range(len(self.layers)) for p in parts]
         masks = [p.masks[self.windows[0]] for p in parts]
         masks = [self.no_mask if mask is None else mask for mask in masks]
-        return self.stack.forward(
-            h, cos, sin, keys, values, [p.first for p in parts], [p.n for p in parts], [p.past for p in parts], masks
-        )
+        firsts, ns, pasts = [p.first for p in parts], [p.n for p in parts], [p.past for p in parts]
+        return self.stack.forward(h, cos, sin, keys, values, firsts, ns, pasts, masks, skips)
 
     def _fused_layer(self, i: int, layer: _Layer, h, cos, sin, parts: list[Part]) -> torch.Tensor:
         """Layer i of short sequences in one kernel call; cos, sin [rows, head_dim] (the kernels' layout)."""

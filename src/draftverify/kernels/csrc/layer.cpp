@@ -103,7 +103,7 @@ at::Tensor layer_many(at::Tensor h, at::Tensor norm_in, at::Tensor norm_post, do
     TORCH_CHECK(keys[0].dim() == 3, "layer_many: the caches must be [kv, capacity, d]");
     const dv::LayerQ8 layer =
         dv::q8_layer(norm_in, norm_post, eps, scale, qkv, o, gate_up, down, h.size(-1), heads * keys[0].size(2));
-    return dv::layers_region(h, &layer, 1, cos, sin, keys, values, firsts, ns, pasts, heads, masks);
+    return dv::layers_region(h, &layer, 1, cos, sin, keys, values, firsts, ns, pasts, heads, masks, {});
   }
   const auto projected = dv::quant_product(rms_norm(h, norm_in, eps), qkv);
   std::vector<at::Tensor> outs(parts);

@@ -97,7 +97,10 @@ LayerQ8 q8_layer(const at::Tensor& norm_in, const at::Tensor& norm_post, double 
 at::Tensor layers_region(const at::Tensor& h, const LayerQ8* layers, int64_t L, const at::Tensor& cos, const at::Tensor& sin,
                          const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                          const std::vector<int64_t>& firsts, const std::vector<int64_t>& ns,
-                         const std::vector<int64_t>& pasts, int64_t heads, const std::vector<at::Tensor>& masks);
+                         const std::vector<int64_t>& pasts, int64_t heads, const std::vector<at::Tensor>& masks,
+                         const std::vector<int64_t>& skips);
+// a layer's skips (`layers_region`, `LayerStack::forward`: none, or one a layer): the sub-layers a draft leaves out
+constexpr int64_t kSkipAttention = 1, kSkipMlp = 2;
 class LayerStack {
  public:
   LayerStack(std::vector<at::Tensor> norms_in, std::vector<at::Tensor> norms_post, std::vector<double> eps,
@@ -107,7 +110,7 @@ class LayerStack {
   // keys, values: layer-major, a cache a layer and sequence (keys[l * sequences + j]); the rest as `layer_many`'s
   at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys,
                      std::vector<at::Tensor> values, std::vector<int64_t> firsts, std::vector<int64_t> ns,
-                     std::vector<int64_t> pasts, std::vector<at::Tensor> masks);
+                     std::vector<int64_t> pasts, std::vector<at::Tensor> masks, std::vector<int64_t> skips);
 
  private:
   std::vector<LayerQ8> layers_;

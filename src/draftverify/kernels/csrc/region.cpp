@@ -72,17 +72,19 @@ dv::LayerQ8 dv::q8_layer(const at::Tensor& norm_in, const at::Tensor& norm_post,
 }
 
 // h [n, H] through layers[0..L) (each `q8_layer`), sequence j owning rows [firsts[j], firsts[j] + ns[j]) of h, cos
-// and sin, its mask (empty: none) and in layer l the cache keys[l * parts + j], values[...] with pasts[j] tokens.
+// and sin, its mask (empty: none) and in layer l the cache keys[l * parts + j], values[...] with pasts[j] tokens;
+// skips: none, or a layer's sub-layers left out (kSkipAttention | kSkipMlp: a layer-skipping draft's).
 at::Tensor dv::layers_region(const at::Tensor& h, const LayerQ8* layers, int64_t L, const at::Tensor& cos,
                              const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                              const std::vector<at::Tensor>& values, const std::vector<int64_t>& firsts,
                              const std::vector<int64_t>& ns, const std::vector<int64_t>& pasts, int64_t heads,
-                             const std::vector<at::Tensor>& masks) {
+                             const std::vector<at::Tensor>& masks, const std::vector<int64_t>& skips) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat, "layer: h must be [n, H] float32, contiguous");
   const int64_t n = h.size(0), H = h.size(1), parts = static_cast<int64_t>(firsts.size());
   TORCH_CHECK(L > 0 && parts > 0 && ns.size() == firsts.size() && pasts.size() == firsts.size() &&
                   masks.size() == firsts.size() && static_cast<int64_t>(keys.size()) == L * parts &&
-                  values.size() == keys.size(), "layer: one first, n, past and mask a sequence, a cache a layer and sequence");
+                  values.size() == keys.size() && (skips.empty() || static_cast<int64_t>(skips.size()) == L),
+              "layer: one first, n, past and mask a sequence, a cache a layer and sequence, none or one skip a layer");
   const int64_t d = keys[0].size(2), width = (heads + 2 * keys[0].size(0)) * d, A = heads * d;
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == n, "layer: one rotary row per row of h");
   int64_t I = 0;
@@ -136,40 +138,48 @@ at::Tensor dv::layers_region(const at::Tensor& h, const LayerQ8* layers, int64_t
       const LayerQ8& w = layers[l];
       const at::Tensor *const ks = keys.data() + l * parts, *const vs = values.data() + l * parts;
       const float* const hp = l == 0 ? h.data_ptr<float>() : op;  // later layers: in place, a thread its own rows
-      for (int64_t r = r0; r < r1; ++r) dv::norm_row(hp + r * H, w.norm_in, x1 + r * H, H, w.eps);
-      round(w.wq, x1);
-      product(w.wq, qkv);
-      if (parts == 1) {
-        if (t == 0) {
-          dv::rope_store(qkv, width, cp, sp, cos.stride(0), n, heads, ks[0], vs[0], pasts[0], q);
-          plan = dv::attention_plan(q, A, ks[0], vs[0], n, heads, pasts[0] + n, mask[0], w.scale, att, threads);
-        }
-#pragma omp barrier
-        if (t < plan.threads) dv::attention_run(plan, t, t + 1);
-        if (plan.chunks > 1) {
-#pragma omp barrier
-          const auto [m0, m1] = row_share(n * heads, t, threads);
-          dv::attention_merge(plan, m0, m1);
-        }
+      const int64_t skip = skips.empty() ? 0 : skips[l];
+      if (skip & kSkipAttention) {  // the sub-layer adds nothing and stores no key (as the op-by-op layer skips it)
+        std::copy(hp + r0 * H, hp + r1 * H, h2 + r0 * H);
       } else {
-        for (int64_t j = 0; j < parts; ++j) {
-          if (owner[j] != t) continue;
-          const int64_t f = firsts[j];
-          dv::rope_store(qkv + f * width, width, cp + f * cos.stride(0), sp + f * sin.stride(0), cos.stride(0), ns[j],
-                         heads, ks[j], vs[j], pasts[j], q + f * A);
-          const dv::AttentionPlan p = dv::attention_plan(q + f * A, A, ks[j], vs[j], ns[j], heads, pasts[j] + ns[j],
-                                                         mask[j], w.scale, att + f * A, 1);
-          dv::attention_run(p, 0, 1);
-          if (p.chunks > 1) dv::attention_merge(p, 0, ns[j] * heads);
-        }
-      }
+        for (int64_t r = r0; r < r1; ++r) dv::norm_row(hp + r * H, w.norm_in, x1 + r * H, H, w.eps);
+        round(w.wq, x1);
+        product(w.wq, qkv);
+        if (parts == 1) {
+          if (t == 0) {
+            dv::rope_store(qkv, width, cp, sp, cos.stride(0), n, heads, ks[0], vs[0], pasts[0], q);
+            plan = dv::attention_plan(q, A, ks[0], vs[0], n, heads, pasts[0] + n, mask[0], w.scale, att, threads);
+          }
 #pragma omp barrier
-      round(w.wo, att);
-      product(w.wo, y);
-      for (int64_t r = r0; r < r1; ++r) {  // the residual add, the second norm
-        for (int64_t k = 0; k < H; ++k) h2[r * H + k] = hp[r * H + k] + y[r * H + k];
-        dv::norm_row(h2 + r * H, w.norm_post, x2 + r * H, H, w.eps);
+          if (t < plan.threads) dv::attention_run(plan, t, t + 1);
+          if (plan.chunks > 1) {
+#pragma omp barrier
+            const auto [m0, m1] = row_share(n * heads, t, threads);
+            dv::attention_merge(plan, m0, m1);
+          }
+        } else {
+          for (int64_t j = 0; j < parts; ++j) {
+            if (owner[j] != t) continue;
+            const int64_t f = firsts[j];
+            dv::rope_store(qkv + f * width, width, cp + f * cos.stride(0), sp + f * sin.stride(0), cos.stride(0), ns[j],
+                           heads, ks[j], vs[j], pasts[j], q + f * A);
+            const dv::AttentionPlan p = dv::attention_plan(q + f * A, A, ks[j], vs[j], ns[j], heads, pasts[j] + ns[j],
+                                                           mask[j], w.scale, att + f * A, 1);
+            dv::attention_run(p, 0, 1);
+            if (p.chunks > 1) dv::attention_merge(p, 0, ns[j] * heads);
+          }
+        }
+#pragma omp barrier
+        round(w.wo, att);
+        product(w.wo, y);
+        for (int64_t r = r0; r < r1; ++r)  // the residual add
+          for (int64_t k = 0; k < H; ++k) h2[r * H + k] = hp[r * H + k] + y[r * H + k];
       }
+      if (skip & kSkipMlp) {
+        std::copy(h2 + r0 * H, h2 + r1 * H, op + r0 * H);
+        continue;
+      }
+      for (int64_t r = r0; r < r1; ++r) dv::norm_row(h2 + r * H, w.norm_post, x2 + r * H, H, w.eps);
       round(w.wg, x2);
       product(w.wg, gu);
       const int64_t Il = w.wg.N / 2;  // (gate | up and SiLU rows Il wide, at most I)
@@ -203,7 +213,7 @@ dv::LayerStack::LayerStack(std::vector<at::Tensor> norms_in, std::vector<at::Ten
 
 at::Tensor dv::LayerStack::forward(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys,
                                    std::vector<at::Tensor> values, std::vector<int64_t> firsts, std::vector<int64_t> ns,
-                                   std::vector<int64_t> pasts, std::vector<at::Tensor> masks) {
+                                   std::vector<int64_t> pasts, std::vector<at::Tensor> masks, std::vector<int64_t> skips) {
   return layers_region(h, layers_.data(), static_cast<int64_t>(layers_.size()), cos, sin, keys, values, firsts, ns, pasts,
-                       heads_, masks);
+                       heads_, masks, skips);
 }
