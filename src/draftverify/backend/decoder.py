@@ -282,15 +282,17 @@ class StaticDecoder:
         left out (a layer-skipping draft's), or empty."""
         keys = [p.cache.keys[i] for i in range(len(self.layers)) for p in parts]
         values = [p.cache.values[i] for i in range(len(self.layers)) for p in parts]
-        masks = [p.masks[self.windows[0]] for p in parts]
-        masks = [self.no_mask if mask is None else mask for mask in masks]
+        masks = self._part_masks(parts, self.windows[0])
         firsts, ns, pasts = [p.first for p in parts], [p.n for p in parts], [p.past for p in parts]
         return self.stack.forward(h, cos, sin, keys, values, firsts, ns, pasts, masks, skips)
 
+    def _part_masks(self, parts: list[Part], window: int | None) -> list[torch.Tensor]:
+        """Each sequence's mask for a layer of this window, as the kernels take it (empty: attend everything)."""
+        return [self.no_mask if p.masks[window] is None else p.masks[window] for p in parts]
+
     def _fused_layer(self, i: int, layer: _Layer, h, cos, sin, parts: list[Part]) -> torch.Tensor:
         """Layer i of short sequences in one kernel call; cos, sin [rows, head_dim] (the kernels' layout)."""
-        masks = [p.masks[self.windows[i]] for p in parts]
-        masks = [self.no_mask if mask is None else mask for mask in masks]
+        masks = self._part_masks(parts, self.windows[i])
         if len(parts) == 1:
             part = parts[0]
             return self.layer_kernel(

@@ -283,7 +283,7 @@ bool vnni() {
 
 // A weight as q8_linear takes it, checked: layout 0 (u4), 1 (u8) or 2 (u5); sub 16 or 32; codes uint8 in tiles (top of
 // this file) for N outputs of K inputs; d, m [tiles, K / sub, 16], both float32 or both float16 (m empty when
-// centre >= 0: M = -centre D); bias [N] or empty.
+// centre >= 0: M = -centre D); bias [N], or empty or undefined (none).
 dv::Q8Weight dv::q8_weight(int64_t layout, int64_t sub, int64_t N, const at::Tensor& codes, const at::Tensor& d,
                            const at::Tensor& m, int64_t centre, const at::Tensor& bias, int64_t K) {
   TORCH_CHECK((layout == U4 || layout == U8 || layout == U5) && (sub == 16 || sub == 32),
@@ -292,13 +292,13 @@ dv::Q8Weight dv::q8_weight(int64_t layout, int64_t sub, int64_t N, const at::Ten
   TORCH_CHECK(K % 32 == 0 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.numel() == tiles * (K / 32) * block_bytes(static_cast<int>(layout)),
               "q8_linear: codes must be uint8 tiles of 16 outputs (kernels/q8.py prepare) and K a multiple of 32");
-  const bool centred = centre >= 0, half = d.scalar_type() == at::kHalf;
+  const bool centred = centre >= 0, half = d.scalar_type() == at::kHalf, biased = bias.defined() && bias.numel();
   TORCH_CHECK((d.scalar_type() == at::kFloat || half) && d.is_contiguous() && d.numel() == tiles * (K / sub) * 16 &&
                   (centred || (m.scalar_type() == d.scalar_type() && m.is_contiguous() && m.numel() == d.numel())),
               "q8_linear: d (and m unless centred) must be float32 or float16 [tiles, K / sub, 16], one dtype");
-  TORCH_CHECK(!bias.numel() || (bias.scalar_type() == at::kFloat && bias.numel() == N && bias.is_contiguous()), "q8_linear: bias");
+  TORCH_CHECK(!biased || (bias.scalar_type() == at::kFloat && bias.numel() == N && bias.is_contiguous()), "q8_linear: bias");
   return {layout, sub, N, K, centre, codes.data_ptr<uint8_t>(), d.data_ptr(), centred ? nullptr : m.data_ptr(), half,
-          bias.numel() ? bias.data_ptr<float>() : nullptr};
+          biased ? bias.data_ptr<float>() : nullptr};
 }
 
 // Rows [r0, r1) of x [M, K] rounded for w's product into `rows` (each row alone).

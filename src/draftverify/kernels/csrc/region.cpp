@@ -25,11 +25,10 @@ namespace {
 dv::Q8Product q8_of(const std::vector<at::Tensor>& w, int64_t K) {
   dv::Q8Product p{};
   p.count = static_cast<int>(w.size() / 4), p.K = K;
-  const at::Tensor none = at::empty({0}, w[1].options().dtype(at::kFloat));
   TORCH_CHECK(p.count <= dv::kMaxRuns, "layer: at most ", dv::kMaxRuns, " runs of blocks a weight");
   for (int r = 0; r < p.count; ++r) {
     const int64_t* spec = w[4 * r].data_ptr<int64_t>();
-    p.runs[r] = dv::q8_weight(spec[1], spec[2], spec[3], w[4 * r + 1], w[4 * r + 2], w[4 * r + 3], spec[4], none, K);
+    p.runs[r] = dv::q8_weight(spec[1], spec[2], spec[3], w[4 * r + 1], w[4 * r + 2], w[4 * r + 3], spec[4], at::Tensor(), K);  // bias: below
     p.col[r] = p.N, p.N += spec[3];
   }
   const at::Tensor& bias = w.back();  // added to each run's columns as it stores them: the same fp32 add
