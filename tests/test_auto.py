@@ -142,14 +142,17 @@ def fixed_costs(context: int) -> Curve:
 def decode_with(tiny, n: int, make_candidates, records: dict) -> tuple[Session, AutoDrafter, list[int]]:
     """Decode n tokens of a tiny Llama with `AutoDrafter` over `make_candidates(truth, prompt length)` (probe=8);
     the session, the drafter and autoregressive decoding's tokens. The forward costs are a fixed curve (a row
-    adds half a step), not one measured on a busy machine, so who pays does not depend on the load."""
+    adds half a step), not one measured on a busy machine, and the rounds' times do not scale it, so who pays
+    does not depend on the load."""
     target = tiny("llama", layers=2)
     runner = Runner(target.model)
     engine = Engine(target)
     prompt = engine.encode("abc", chat=True)
     truth = engine.generate(prompt, method="autoregressive", max_new_tokens=n, eos_token_id=[]).tokens
     s = Session(prompt, Sampling(), Stopping(n, ()))
-    auto = AutoDrafter(make_candidates(truth, len(prompt)), fixed_costs(len(prompt)), Figures(records), probe=8)
+    auto = AutoDrafter(
+        make_candidates(truth, len(prompt)), fixed_costs(len(prompt)), Figures(records), probe=8, measure=False
+    )
     decode(s, runner, auto)
     return s, auto, truth
 
@@ -181,6 +184,41 @@ def test_auto_probes_a_drafter_that_keeps_missing_less_and_less_often(tiny):
     assert s.output == truth
     assert [i for i, (who, _) in enumerate(s.stats.extra["auto_chunks"]) if who == "wrong"] == [8, 25]
     assert records["wrong"].accepted < 0.1  # warm: what the first request learnt
+
+
+class Slow(Fixed):
+    """Always right, but every round it drafted takes `slow_s` more after the verification (its bookkeeping)."""
+
+    def __init__(self, truth, offset, slow_s: float):
+        super().__init__(truth, offset, right=True)
+        self.slow_s = slow_s
+
+    def observe(self, s, seq, proposal, step):
+        if proposal.paths:
+            time.sleep(self.slow_s)
+
+
+def test_auto_prices_each_choice_by_what_its_rounds_measure(tiny):
+    """A drafter that is always right but whose rounds take 20 ms more than the curve says: priced on the curve
+    alone it drafts nearly every round; priced by its measured rounds (and plain rounds by theirs, probed), plain
+    decoding takes over after its first round, and it drafts only its probes."""
+    rounds = {}
+    for measure in (False, True):
+        target = tiny("llama", layers=2)
+        engine = Engine(target)
+        prompt = engine.encode("abc", chat=True)
+        truth = engine.generate(prompt, method="autoregressive", max_new_tokens=60, eos_token_id=[]).tokens
+        s = Session(prompt, Sampling(), Stopping(60, ()))
+        figures = Figures({"slow": CandidateRecord(accepted=3.0, nodes=3.0)})  # a warm start: always right
+        auto = AutoDrafter(
+            {"slow": Slow(truth, len(prompt), 0.02)}, fixed_costs(len(prompt)), figures, probe=8, measure=measure
+        )
+        decode(s, Runner(target.model), auto)
+        assert s.output == truth
+        rounds[measure] = [who for who, _ in s.stats.extra["auto_chunks"]]
+    assert rounds[False].count(AR) == 0, rounds[False]
+    assert rounds[True][0] == "slow" and rounds[True].count("slow") <= 4, rounds[True]
+    assert figures.scales["slow"] > 3 * figures.scales[AR], figures.scales
 
 
 class Sure(Fixed):

@@ -4,15 +4,26 @@ Every round costs the chosen drafter's drafting time plus one target forward ove
 candidates, and yields 1 + (accepted candidates) tokens. For each candidate the drafter keeps
 running means, over the rounds that candidate drafted, of what it cost and earned:
 
-    rate(c) = (1 + accepted(c)) / (draft_s(c) + scale * t(1 + nodes(c)))
+    rate(c) = (1 + accepted(c)) / (draft_s(c) + scale(c) * t(1 + nodes(c)))
 
 with t the target's measured cost curve at the request's context (`costs.curve`, `costs.at_context`:
-long prompts make wide forwards dearer) and `scale` the running ratio of the
-measured verification time to it (so load on the machine moves every candidate alike). Plain
-autoregressive decoding scores (1 - margin) / (scale * t(1)): it wins only where every candidate
-is slower by more than `margin` (`AutoConfig.margin`), because a drafted round tells auto what
-its drafter is worth now and a plain round tells it nothing, and because a drafter that sat out
-pays a catch-up when it comes back (docs/benchmarks/smollm2-auto: auto's runs). In a batch (`batch`), t is the time the
+long prompts make wide forwards dearer) and `scale(c)` the running ratio, over the rounds c drafted,
+of what the rest of such a round measured (from the proposal to the next round: the forward, the
+verification, the drafters' bookkeeping, the emitting) to the curve's t. Plain autoregressive
+decoding scores (1 - margin) / (scale(plain) * t(1)), its scale taken from plain rounds alike: it
+wins only where every candidate is slower by more than `margin` (`AutoConfig.margin`), because a
+drafted round tells auto what its drafter is worth now, and because a drafter that sat out pays a
+catch-up when it comes back (docs/benchmarks/smollm2-auto: auto's runs).
+
+Each choice has a scale of its own because a round's forward does not cost the curve's t alike for
+every choice. The curve times forwards back to back; a drafted round's forward follows the drafting,
+and on a CPU whose cache other work shares it finds less of the weights still cached the longer it
+waited: measured on the default model (Intel Xeon, dev prompts), plain rounds ran at 0.84 of the
+curve's t(1) and drafted rounds' forwards at 1.03-1.18 of its t(w), so one scale for all priced a
+drafted round about a third too cheap against a plain one. A choice not yet measured takes the
+running ratio of every round (`Figures.scale`, so load on the machine moves them alike), and plain
+decoding is probed like a candidate (a plain round after `probe` drafted ones, waits doubling while
+it does not win on price), so its scale is measured too. In a batch (`batch`), t is the time the
 request's rows *add* to the shared forward (`costs.marginal_time` after the other requests'
 rows): drafts pay while the curve is flat and stop paying where it turns linear. A *free* drafter (`Drafter.free`: a
 pool or
@@ -92,7 +103,8 @@ class Figures:
     the slots of a batch, never by two instances (so two engines in one process do not steer each other)."""
 
     records: dict[str, CandidateRecord] = field(default_factory=dict)  # per candidate (merged ones included)
-    scale: float = 1.0  # running ratio of the measured verification time to the cost curve's (load on the machine)
+    scale: float = 1.0  # running ratio of every measured round's time past drafting to the cost curve's t
+    scales: dict[str, float] = field(default_factory=dict)  # the same per choice (AR included): its own rounds'
 
 
 class AutoDrafter(Drafter):
@@ -105,10 +117,13 @@ class AutoDrafter(Drafter):
         decay: float = 0.7,
         merge: bool = True,
         margin: float = 0.0,
+        measure: bool = True,
     ):
         """`figures` are the caller's, updated in place round by round.
-        `merge`: also offer each model-run drafter's candidates merged with each free drafter's offer."""
-        self.candidates, self.costs, self.figures = candidates, costs, figures
+        `merge`: also offer each model-run drafter's candidates merged with each free drafter's offer.
+        `measure`: scale each choice's price by what its own rounds measure (False: every choice by the running
+        scale of all rounds, which cancels out of the choice)."""
+        self.candidates, self.costs, self.figures, self.measuring = candidates, costs, figures, measure
         self.records = figures.records
         self.needs_hidden = any(d.needs_hidden for d in candidates.values())
         self.probe, self.decay, self.margin = probe, decay, margin
@@ -123,11 +138,12 @@ class AutoDrafter(Drafter):
             name: [CALIBRATION_PRIOR, CALIBRATION_PRIOR] for name in candidates
         }  # this request's accepted, expected
         self.idle = dict.fromkeys(
-            [*candidates, *self.merged], 0
-        )  # this request's rounds since each last drafted (when it could have)
+            [*candidates, *self.merged, AR], 0
+        )  # this request's rounds since each last drafted (when it could have); plain decoding is probed too
         self.backoff = dict.fromkeys(
-            [*candidates, *self.merged], 1
+            [*candidates, *self.merged, AR], 1
         )  # the wait for each one's next probe, in `probe`s of rounds
+        self.timing: tuple[str, float] | None = None  # the last round's choice and curve time, scored next round
         self.chosen: str = AR
         self.model_run: str | None = None  # the model-run drafter in this round's choice, if any
         self.previous: set[str] = set()  # the candidates that proposed last round (caught up, if they run a model)
@@ -142,18 +158,34 @@ class AutoDrafter(Drafter):
         for d in self.candidates.values():
             d.start(s, seq, hidden if d.needs_hidden else None)
 
-    def verify_time(self, costs: dict, nodes: float, others: int) -> float:
-        return self.figures.scale * marginal_time(costs, round(1 + nodes), others)
+    def verify_time(self, name: str, costs: dict, nodes: float, others: int) -> float:
+        """The rest of a round `name` chooses, past its drafting: its scale times the curve's time."""
+        scale = self.figures.scales.get(name, self.figures.scale) if self.measuring else self.figures.scale
+        return scale * marginal_time(costs, round(1 + nodes), others)
 
     def plain_rate(self, costs: dict, others: int) -> float:
-        return (1 - self.margin) / self.verify_time(costs, 0, others)
+        return (1 - self.margin) / self.verify_time(AR, costs, 0, others)
 
     def rate(self, name: str, costs: dict, others: int, nodes: float | None = None) -> float:
         r = self.records[name]
-        return (1 + r.accepted) / (r.draft_s + self.verify_time(costs, r.nodes if nodes is None else nodes, others))
+        nodes = r.nodes if nodes is None else nodes
+        return (1 + r.accepted) / (r.draft_s + self.verify_time(name, costs, nodes, others))
+
+    def measure(self, now: float) -> None:
+        """Score the round before this one (its time past drafting against the curve's), alone only: in a batch
+        a round's time holds the other requests' rows and work."""
+        if self.timing is not None:
+            name, curve_s = self.timing
+            measured = (now - self.sent_at) / curve_s
+            self.figures.scale = self.decay * self.figures.scale + (1 - self.decay) * measured
+            if self.measuring:
+                old = self.figures.scales.get(name, measured)
+                self.figures.scales[name] = self.decay * old + (1 - self.decay) * measured
+        self.timing = None
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
         t0 = time.perf_counter()
+        self.measure(t0)
         self.chosen, self.parts, self.model_run = AR, {}, None
         self.costs_now = costs = at_context(self.costs, len(seq))
         if room > 0:
@@ -169,12 +201,16 @@ class AutoDrafter(Drafter):
                 if free in size:
                     rates[name] = self.rate(name, costs, s.others, self.records[model_run].nodes + size[free])
             able = [name for name in rates if name != AR]
-            for name in able:
+            for name in (*able, AR) if able else ():
                 self.idle[name] += 1
             every = self.probe * (1 + s.others)  # in a batch a probe slows every request: probe that much less often
-            stale = [name for name in able if self.idle[name] > every * self.backoff[name]]
+            probed = (*able, AR) if able and self.measuring else able  # plain rounds are probed for their scale
+            stale = [name for name in probed if self.idle[name] > every * self.backoff[name]]
             self.chosen = max(stale, key=self.idle.__getitem__) if stale else max(rates, key=rates.__getitem__)
             self.probing = bool(stale)
+            if self.chosen == AR:  # a plain round: chosen on price it resets the wait for the next, a probe doubles it
+                self.idle[AR] = 0
+                self.backoff[AR] = min(MAX_BACKOFF, 2 * self.backoff[AR]) if self.probing else 1
             model_run, free = self.merged.get(
                 self.chosen, (AR, self.chosen) if self.chosen in offers else (self.chosen, None)
             )
@@ -194,10 +230,8 @@ class AutoDrafter(Drafter):
         return proposal
 
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
-        verify_s = time.perf_counter() - self.sent_at
-        if not s.others:  # alone: the measured verification against the curve (in a batch it holds the others' rows)
-            measured = verify_s / forward_time(self.costs_now, step.tree.size)
-            self.figures.scale = self.decay * self.figures.scale + (1 - self.decay) * measured
+        if not s.others:  # scored at the next round's start (`measure`), against the curve's t for this forward
+            self.timing = (self.chosen, forward_time(self.costs_now, step.tree.size))
         for name, d in self.candidates.items():
             d.observe(s, seq, self.parts.get(name, Proposal()), step)
         if self.chosen != AR:
@@ -216,9 +250,8 @@ class AutoDrafter(Drafter):
             self.idle[self.chosen] = 0
             if self.probing:  # judged by the prices every choice uses: did this round beat plain decoding's rate?
                 costs, draft_s = self.costs_now, self.draft_s if steady else record.draft_s
-                paid = (1 + accepted) / (draft_s + self.verify_time(costs, step.drafted, s.others)) >= self.plain_rate(
-                    costs, s.others
-                )
+                verify_s = self.verify_time(self.chosen, costs, step.drafted, s.others)
+                paid = (1 + accepted) / (draft_s + verify_s) >= self.plain_rate(costs, s.others)
                 self.backoff[self.chosen] = 1 if paid else min(MAX_BACKOFF, 2 * self.backoff[self.chosen])
             elif step.accepted:
                 self.backoff[self.chosen] = 1

@@ -61,8 +61,12 @@ class AutoConfig:
        a tree's wider expansions cost drafting time that its extra candidates must repay, which on a CPU's steep
        cost curve they rarely do (the runs in docs/benchmarks/smollm2-auto).
     margin: plain decoding drafts nothing only where it is faster than every candidate by more than this
-       fraction of its rate: a drafted round tells auto what its drafter is worth now, a plain round tells it
-       nothing, and a drafter that sat out pays a catch-up when it comes back.
+       fraction of its rate (a bias toward drafting). 0 by default: the probes keep every candidate's figures
+       current, plain decoding's included, and a bias of 0.1 drafted on where plain rounds were measured faster
+       (docs/architecture.md#auto).
+    measure: price each choice (plain decoding included) by the time its own rounds measured against the cost
+       curve (`drafters.auto`); false: every choice by one running scale, as before that (compare the two in one
+       bench run: `--methods 'autoregressive,auto,auto[measure=false]'`; its choices depend less on the clock).
     Each request starts from the figures the earlier requests of the same method instance left (the engine keeps
     one instance per spec; the bench's `warm=false` makes a fresh one per generation).
     """
@@ -73,7 +77,8 @@ class AutoConfig:
     merge: bool = True
     depth: int = 6
     width: int = 1
-    margin: float = 0.1
+    margin: float = 0.0
+    measure: bool = True
 
     def __post_init__(self):
         unknown = next((c for c in self.names() if c not in CANDIDATES), None)
@@ -118,6 +123,7 @@ class Auto(Method):
 
     def restore_warm_state(self, state: Figures) -> None:
         self.figures.records, self.figures.scale = copy.deepcopy(state.records), state.scale
+        self.figures.scales = dict(state.scales)
 
     def candidates(self, s: Session) -> dict[str, Drafter]:
         has_draft = isinstance(self.draft, Runner)
@@ -146,4 +152,5 @@ class Auto(Method):
             self.config.decay,
             self.config.merge,
             self.config.margin,
+            self.config.measure,
         )
