@@ -18,9 +18,8 @@ catch-up when it comes back (docs/benchmarks/smollm2-auto: auto's runs).
 Each choice has a scale of its own because a round's forward does not cost the curve's t alike for
 every choice. The curve times forwards back to back; a drafted round's forward follows the drafting,
 and on a CPU whose cache other work shares it finds less of the weights still cached the longer it
-waited: measured on the default model (Intel Xeon, dev prompts), plain rounds ran at 0.84 of the
-curve's t(1) and drafted rounds' forwards at 1.03-1.18 of its t(w), so one scale for all priced a
-drafted round about a third too cheap against a plain one. A choice not yet measured takes the
+waited, so one scale for all priced a drafted round too cheap against a plain one (the ratios measured
+are in docs/architecture.md#auto; `auto[measure=false]` prices the old way). A choice not yet measured takes the
 running ratio of every round (`Figures.scale`, so load on the machine moves them alike), and plain
 decoding is probed like a candidate (a plain round after `probe` drafted ones, waits doubling while
 it does not win on price), so its scale is measured too. In a batch (`batch`), t is the time the
