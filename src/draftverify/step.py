@@ -135,7 +135,7 @@ def finish_step(
         node_logits = out.logits[rows_of_nodes]  # [n, V]
     if process and s.processor is not None:
         node_logits = s.processor.tree(s.output, tree.tokens, tree.parents, node_logits)  # [n, V]
-    tokens = torch.tensor(tree.tokens, device=node_logits.device)
+    tokens = tree.tokens  # a list: the verifier reads them as ints, so no tensor is made of them
     if s.sampling.greedy:
         probs = None
         verdict = verify_tree(tokens, tree.parents, node_logits, greedy=True)

@@ -36,13 +36,16 @@ class Tree:
 
     def mask(self) -> torch.Tensor:
         """[n, n] bool: True where node i may attend node j (j is i or one of its ancestors)."""
-        n = self.size
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            mask[i, i] = True
-            if i:
-                mask[i] |= mask[self.parents[i]]  # parents come first, so their rows are complete
-        return mask
+        return torch.tensor(self.mask_rows(), dtype=torch.bool)
+
+    def mask_rows(self) -> list[list[bool]]:
+        """`mask` as lists (a few nodes: lists cost less than a tensor op a row)."""
+        rows: list[list[bool]] = []
+        for i, parent in enumerate(self.parents):
+            row = list(rows[parent]) if i else [False] * self.size  # parents come first: their rows are complete
+            row[i] = True
+            rows.append(row)
+        return rows
 
 
 def build_tree(root: int, candidates: Sequence[Sequence[int]]) -> Tree:
@@ -112,18 +115,20 @@ def layout(tree: Tree, rows: Sequence[Sequence[int]] = (), lead: Sequence[int] =
                 window[levels - 1][i] = put(rows[levels - 1][i], i + levels - 1)
     keep = len(tokens) - tree_index[0]
 
-    m = len(tokens)
-    mask = torch.zeros(m, m, dtype=torch.bool)
-    body = len(lead_index)
-    mask[:, :body] = True  # everything attends the whole lead ...
-    mask[:body, :body] = torch.tril(torch.ones(body, body, dtype=torch.bool))  # ... which is causal itself
-    index = torch.tensor(tree_index)
-    mask[index.unsqueeze(1), index.unsqueeze(0)] = tree.mask()
+    # the mask as bytes, row after row, made one tensor at the end: cheaper than a tensor op a row or a cell
+    m, body = len(tokens), len(lead_index)
+    flat = bytearray(m * m)
+    for r in range(m):  # everything attends the whole lead, which is causal itself
+        flat[r * m : r * m + min(r + 1, body)] = b"\1" * min(r + 1, body)
+    for a, node_row in zip(tree_index, tree.mask_rows()):
+        for b, seen in zip(tree_index, node_row):
+            flat[a * m + b] = seen
     for level in range(levels):
         for i in range(width):
             cell = window[level][i]
             if level == 0 and i == 0:
                 continue  # the root: a tree node already
-            seen = [window[0][j] for j in range(i + 1)] + [window[r][i] for r in range(1, level + 1)]
-            mask[cell, seen] = True
+            for seen in [window[0][j] for j in range(i + 1)] + [window[r][i] for r in range(1, level + 1)]:
+                flat[cell * m + seen] = 1
+    mask = torch.frombuffer(flat, dtype=torch.uint8).view(m, m).bool()  # a copy: `flat` may go
     return Layout(tokens, offsets, mask, lead_index, tree_index, window, keep)

@@ -45,7 +45,7 @@ def children_of(parents: list[int], sampled: list[bool] | None = None) -> list[l
 
 
 def verify_tree(
-    tokens: torch.Tensor,  # [n] node tokens; tokens[0] (the root) is not judged
+    tokens: torch.Tensor | list[int],  # [n] node tokens; tokens[0] (the root) is not judged
     parents: list[int],  # [n] parent node of each node, parents[0] = -1, parents[i] < i
     p: torch.Tensor,  # [n, V] target distribution after each node (greedy: logits will do)
     q: torch.Tensor | None = None,  # [n, V] draft distribution node i was sampled from (row 0 unused)
@@ -53,7 +53,7 @@ def verify_tree(
     generator: torch.Generator | None = None,
     greedy: bool = True,
 ) -> Verdict:
-    toks = tokens.tolist()
+    toks = tokens if isinstance(tokens, list) else tokens.tolist()
     if greedy:
         best = argmax_rows(p)  # one host sync for the whole tree
         kids = children_of(parents)
