@@ -132,7 +132,11 @@ def finish_step(
         rows_of_nodes = list(range(tree.size))
     else:
         rows_of_nodes = [lay.row(i) for i in lay.tree]
-        node_logits = out.logits[rows_of_nodes]  # [n, V]
+        first = rows_of_nodes[0]
+        if rows_of_nodes == list(range(first, first + tree.size)):  # a tree laid out alone: its rows, not a copy
+            node_logits = out.logits[first : first + tree.size]  # [n, V]
+        else:
+            node_logits = out.logits[rows_of_nodes]  # [n, V]
     if process and s.processor is not None:
         node_logits = s.processor.tree(s.output, tree.tokens, tree.parents, node_logits)  # [n, V]
     tokens = tree.tokens  # a list: the verifier reads them as ints, so no tensor is made of them
