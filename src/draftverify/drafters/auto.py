@@ -200,8 +200,9 @@ class AutoDrafter(Drafter):
                 if free in size:
                     rates[name] = self.rate(name, costs, s.others, self.records[model_run].nodes + size[free])
             able = [name for name in rates if name != AR]
-            for name in (*able, AR) if able else ():
-                self.idle[name] += 1
+            if able:  # a round something could draft in: every wait grows by one (the chosen one is reset below)
+                for name in (*able, AR):
+                    self.idle[name] += 1
             every = self.probe * (1 + s.others)  # in a batch a probe slows every request: probe that much less often
             probed = (*able, AR) if able and self.measuring else able  # plain rounds are probed for their scale
             stale = [name for name in probed if self.idle[name] > every * self.backoff[name]]
