@@ -204,7 +204,8 @@ class AutoDrafter(Drafter):
                 for name in (*able, AR):
                     self.idle[name] += 1
             every = self.probe * (1 + s.others)  # in a batch a probe slows every request: probe that much less often
-            probed = (*able, AR) if able and self.measuring else able  # plain rounds are probed for their scale
+            # plain rounds are probed for their scale, alone only (in a batch no round is scored)
+            probed = (*able, AR) if able and self.measuring and not s.others else able
             stale = [name for name in probed if self.idle[name] > every * self.backoff[name]]
             self.chosen = max(stale, key=self.idle.__getitem__) if stale else max(rates, key=rates.__getitem__)
             self.probing = bool(stale)
