@@ -22,8 +22,8 @@ waited, so one scale for all priced a drafted round too cheap against a plain on
 are in docs/architecture.md#auto; `auto[measure=false]` prices the old way). A choice not yet measured takes the
 running ratio of every round (`Figures.scale`, so load on the machine moves them alike), and plain
 decoding is probed like a candidate when the request decodes alone (a plain round after `probe` drafted
-ones, waits doubling while it does not win on price), so its scale is measured too. In a batch (`batch`), t is the time the
-request's rows *add* to the shared forward (`costs.marginal_time` after the other requests'
+ones, waits doubling while it does not win on price), so its scale is measured too. In a batch
+(`batch`), t is the time the request's rows *add* to the shared forward (`costs.marginal_time` after the other requests'
 rows): drafts pay while the curve is flat and stop paying where it turns linear. A *free* drafter (`Drafter.free`: a
 pool or
 prompt lookup, no model run) is asked every round, and is a candidate only when it has
