@@ -127,16 +127,9 @@ def finish_step(
     `process`: the runner is the request's target and the root ends `s.output`, so the session's
     `logits.Processor` processes each node's logits for its prefix before verification."""
     tree, base, lay = prepared.tree, prepared.base, prepared.lay
-    if prepared.chain:
-        node_logits = out.logits  # [n, V]
-        rows_of_nodes = list(range(tree.size))
-    else:
-        rows_of_nodes = [lay.row(i) for i in lay.tree]
-        first = rows_of_nodes[0]
-        if rows_of_nodes == list(range(first, first + tree.size)):  # a tree laid out alone: its rows, not a copy
-            node_logits = out.logits[first : first + tree.size]  # [n, V]
-        else:
-            node_logits = out.logits[rows_of_nodes]  # [n, V]
+    # node i's logits and state are row i of the output: a chain is fed alone, and `layout` lays the tree's nodes out
+    # together, in node order, as the first of the rows it keeps (the window's last row follows them)
+    node_logits = out.logits[: tree.size]  # [n, V]
     if process and s.processor is not None:
         node_logits = s.processor.tree(s.output, tree.tokens, tree.parents, node_logits)  # [n, V]
     tokens = tree.tokens  # a list: the verifier reads them as ints, so no tensor is made of them
@@ -165,6 +158,6 @@ def finish_step(
         verdict=verdict,
         node_logits=node_logits,
         probs=None if probs is None else probs[producers],
-        hidden=None if out.hidden is None else out.hidden[[rows_of_nodes[node] for node in producers]],
+        hidden=None if out.hidden is None else out.hidden[producers],
         window_out=window_out,
     )

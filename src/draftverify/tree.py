@@ -74,7 +74,7 @@ class Layout:
     offsets: list[int]  # [m] position of each relative to the root (the lead is negative)
     mask: torch.Tensor  # [m, m] bool, True = may attend
     lead: list[int]  # [len(lead)] flat index of each lead token
-    tree: list[int]  # [n] flat index of each tree node
+    tree: list[int]  # [n] flat index of each tree node: consecutive, the first of the kept rows (`row` 0..n-1)
     window: list[list[int]]  # [L][W] flat index of each window cell; window[0][0] is the root's
     keep: int  # the tree and the window's last row are the last `keep` tokens
 
