@@ -29,7 +29,10 @@ constexpr int64_t kSerialWork = 1024, kSerialMerge = 16384;
 
 // Asks for one key or value row (`bytes` long) into L2. A long context's keys and values come from memory (a step
 // reads every layer's, far more than L2 holds), and the hardware's prefetch does not run ahead of the chunk-by-chunk
-// reads: asked for one chunk ahead as the current chunk is read, the next chunk's rows are in L2 when it comes.
+// reads: asked for as a thread reads its chunk before, the chunk it reads next is in L2 when it comes. That is the
+// thread's next task, not the next chunk: the tasks are dealt out by cost, so the next chunk is often another
+// thread's, and a one-thread call goes on to the next kv group's first chunk (asking for the next chunk instead left
+// many of a thread's chunks cold, and a step over a long context measurably slower: timings in issue 41's note).
 inline void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(row) + o, _MM_HINT_T1);
 }
@@ -41,7 +44,7 @@ inline void prefetch_row(const void* row, int64_t bytes) {
 // of 16 horizontal ones); a key's score, like every sum here, is formed the same way wherever the key sits in its 16
 // and for any G and R, so each (row, head) gets the bits it gets alone. A key is loaded (and, from an fp16 cache,
 // upcast) once for every row and head, a value once for every head of two rows. As the first ahead_n keys and
-// values are read, the ones `ahead` elements further on (the next chunk's) are asked for (`prefetch_row`).
+// values are read, the ones `ahead` elements further on (the thread's next chunk's) are asked for (`prefetch_row`).
 template <int C, int G, int R, typename T>
 void attend_rows(const float* const* q, const T* keys, const T* values, const int64_t* idx, int64_t count, float scale,
                  float* const* top, float* const* total, float* const* out, int64_t ahead, int64_t ahead_n) {
@@ -224,8 +227,12 @@ void dv::attention_run(const AttentionPlan& p, int64_t m0, int64_t m1) {
   const float sc = p.scale;
   int64_t idx[kRowsAtOnce][kChunk];
   int64_t counts[kRowsAtOnce];
-  for (int64_t t = 0; t < p.tasks; ++t) {
-    if (p.owner[t] < m0 || p.owner[t] >= m1) continue;
+  const auto own = [&](int64_t t) { return p.owner[t] >= m0 && p.owner[t] < m1; };
+  int64_t next = 0;  // this thread's next task
+  while (next < p.tasks && !own(next)) ++next;
+  while (next < p.tasks) {
+    const int64_t t = next;
+    for (++next; next < p.tasks && !own(next);) ++next;
     const int64_t g = t / (chunks * row_blocks), c = (t / row_blocks) % chunks, i0 = (t % row_blocks) * kRowsAtOnce;
     const int rows = static_cast<int>(std::min<int64_t>(kRowsAtOnce, n - i0));
     const float* qh[kRowsAtOnce];
@@ -260,14 +267,21 @@ void dv::attention_run(const AttentionPlan& p, int64_t m0, int64_t m1) {
     for (int r = 1; together && r < rows; ++r)
       together = counts[r] == counts[0] && std::equal(idx[r], idx[r] + counts[0], idx[0]);
     const int64_t offset = g * cap * d * item;
+    // The keys and values this thread reads next (its next task's chunk, unless that is this chunk for other rows),
+    // asked for as this chunk is read: `ahead` elements past each of this chunk's first `ahead_n` keys and values.
+    int64_t ahead = 0, ahead_n = 0;
+    if (next < p.tasks) {
+      const int64_t g2 = next / (chunks * row_blocks), c2 = (next / row_blocks) % chunks;
+      const int64_t i2 = (next % row_blocks) * kRowsAtOnce, *const b2 = bounds + i2 * stride;
+      if ((g2 != g || c2 != c) && c2 < ends[i2] - 1 && c < ends[i0] - 1) {
+        ahead = ((g2 - g) * cap + b2[c2] - bounds[i0 * stride + c]) * d;
+        ahead_n = std::min(kChunk, b2[c2 + 1] - b2[c2]);
+      }
+    }
     const auto run = [&](const auto* kg, const auto* vg) {
-      // rows of this task that read the same keys go together (a prefill's, rows with no mask), else one at a time;
-      // each row's next chunk (if it has one) is asked for as this one is read, by the first block of rows only
+      // rows of this task that read the same keys go together (a prefill's, rows with no mask), else one at a time
       const auto rows_of = [&](auto r_count, const float* const* qr, const int64_t* ir, int64_t cr, float* const* tr,
-                               float* const* sr, float* const* ar, int64_t i) {
-        const int64_t* const b = bounds + i * stride;
-        const int64_t ahead = kChunk * d;
-        const int64_t ahead_n = i0 == 0 && c + 1 < ends[i] - 1 ? std::min(kChunk, b[c + 2] - b[c + 1]) : 0;
+                               float* const* sr, float* const* ar, int64_t ahead_n) {
         constexpr int R = decltype(r_count)::value;
         switch (d) {
           case 16: attend_group<1, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
@@ -278,12 +292,13 @@ void dv::attention_run(const AttentionPlan& p, int64_t m0, int64_t m1) {
         }
       };
       if (together) {
-        rows_of(std::integral_constant<int, kRowsAtOnce>{}, qh, idx[0], counts[0], top, total, acc, i0);
+        rows_of(std::integral_constant<int, kRowsAtOnce>{}, qh, idx[0], counts[0], top, total, acc, ahead_n);
         return;
       }
-      for (int r = 0; r < rows; ++r)
+      for (int r = 0; r < rows; ++r)  // the first row's call asks for the next task's keys and values
         if (counts[r] > 0)
-          rows_of(std::integral_constant<int, 1>{}, &qh[r], idx[r], counts[r], &top[r], &total[r], &acc[r], i0 + r);
+          rows_of(std::integral_constant<int, 1>{}, &qh[r], idx[r], counts[r], &top[r], &total[r], &acc[r],
+                  r == 0 ? ahead_n : 0);
     };
     if (p.half) {
       run(reinterpret_cast<const uint16_t*>(p.keys + offset), reinterpret_cast<const uint16_t*>(p.values + offset));
