@@ -346,9 +346,10 @@ def test_attention_kernel_matches_fp64_and_gives_each_row_the_same_bits_at_any_r
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_attention_kernel_gives_rows_that_share_keys_the_bits_they_get_alone(dtype):
-    """Rows that attend the same keys of a chunk (a prefill's causal rows, rows with no mask) are computed together,
-    four at a time (attention.cpp's attend_rows): each must still get the bits of its own one-row call, for whole and
-    partial chunks, every head grouping and head size, and an fp32 or fp16 cache. (Built without -ffp-contract=off,
+    """Rows whose keys of a chunk begin the same way (a prefill's causal rows, the diagonal's one more key a row
+    included; rows with no mask) are computed together, four at a time (attention.cpp's attend_rows, each row's keys
+    past its own count left out): each must still get the bits of its own one-row call, for whole and partial chunks,
+    every head grouping and head size, and an fp32 or fp16 cache. (Built without -ffp-contract=off,
     the AVX2 kernels gave rows of 16-wide heads in pairs other bits together than alone.)"""
     from draftverify.kernels import cpu, unavailable
 

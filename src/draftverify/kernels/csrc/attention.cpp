@@ -38,16 +38,18 @@ inline void prefetch_row(const void* row, int64_t bytes) {
 }
 
 // R query rows x G query heads (d = 16 * C floats each, a row's heads consecutive from q[r]) that read the same
-// keys/values [S, d], over one chunk: the slots idx[0..count) (count <= kChunk; idx padded to a multiple of 16 with
-// repeats of its last slot). Writes each (row, head)'s partial: top[r][g] (the chunk's largest score), total[r][g]
+// keys/values [S, d], over one chunk: row r the slots idx[0..counts[r]) (count, the largest, <= kChunk; idx padded to
+// a multiple of 16 with repeats of its last slot; a row's keys past its own count are left out of its scores, sums
+// and values exactly as if it went alone: a causal prefill's or a chain's rows share a chunk's first keys). Writes each (row, head)'s partial: top[r][g] (the chunk's largest score), total[r][g]
 // and out[r] (G * d floats, unnormalised). The scores go 16 keys at a time (`sums16`: one transposing sum instead
 // of 16 horizontal ones); a key's score, like every sum here, is formed the same way wherever the key sits in its 16
 // and for any G and R, so each (row, head) gets the bits it gets alone. A key is loaded (and, from an fp16 cache,
 // upcast) once for every row and head, a value once for every head of two rows. As the first ahead_n keys and
 // values are read, the ones `ahead` elements further on (the thread's next chunk's) are asked for (`prefetch_row`).
 template <int C, int G, int R, typename T>
-void attend_rows(const float* const* q, const T* keys, const T* values, const int64_t* idx, int64_t count, float scale,
-                 float* const* top, float* const* total, float* const* out, int64_t ahead, int64_t ahead_n) {
+void attend_rows(const float* const* q, const T* keys, const T* values, const int64_t* idx, const int64_t* counts,
+                 int64_t count, float scale, float* const* top, float* const* total, float* const* out, int64_t ahead,
+                 int64_t ahead_n) {
   constexpr int P = G * R;  // (row, head) pairs, row-major: pair r * G + g
   alignas(64) float scores[P][kChunk];
   const int64_t blocks = (count + 15) / 16;
@@ -67,8 +69,8 @@ void attend_rows(const float* const* q, const T* keys, const T* values, const in
         dots[p][k] = acc;
       }
     }
-    const int valid = static_cast<int>(std::min<int64_t>(16, count - 16 * b));
     for (int p = 0; p < P; ++p) {
+      const int valid = static_cast<int>(std::clamp<int64_t>(counts[p / G] - 16 * b, 0, 16));
       const V16 s = V16::first(V16::mul(V16::sums16(dots[p]), V16::set1(scale)), valid, -INFINITY);
       s.store(scores[p] + 16 * b);
       best[p] = V16::max(best[p], s);
@@ -79,8 +81,8 @@ void attend_rows(const float* const* q, const T* keys, const T* values, const in
     top[p / G][p % G] = m;
     const V16 shift = V16::set1(m);
     V16 sum = V16::zero();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int valid = static_cast<int>(std::min<int64_t>(16, count - 16 * b));
+    for (int64_t b = 0; b < (counts[p / G] + 15) / 16; ++b) {
+      const int valid = static_cast<int>(std::min<int64_t>(16, counts[p / G] - 16 * b));
       const V16 e = V16::first(exp_nonpositive(V16::sub(V16::load(scores[p] + 16 * b), shift)), valid, 0.0f);
       e.store(scores[p] + 16 * b);
       sum = V16::add(sum, e);
@@ -99,11 +101,13 @@ void attend_rows(const float* const* q, const T* keys, const T* values, const in
       if (a < ahead_n && r0 == 0) prefetch_row(v + ahead, 16 * C * sizeof(T));
       V16 vv[C];
       for (int c = 0; c < C; ++c) vv[c] = V16::load(v + 16 * c);
-      for (int r = 0; r < rows; ++r)
+      for (int r = 0; r < rows; ++r) {
+        if (a >= counts[r0 + r]) continue;  // past this row's keys
         for (int g = 0; g < G; ++g) {
           const V16 pj = V16::set1(scores[(r0 + r) * G + g][a]);
           for (int c = 0; c < C; ++c) acc[r][g][c] = V16::fma(pj, vv[c], acc[r][g][c]);
         }
+      }
     }
     for (int r = 0; r < rows; ++r)
       for (int g = 0; g < G; ++g)
@@ -117,8 +121,8 @@ constexpr int kHeadsAtOnce = 3;
 constexpr int kRowsAtOnce = 4;  // rows that share a chunk's keys, computed together
 
 template <int C, int R, typename T>
-void attend_group(const float* const* q, const T* keys, const T* values, const int64_t* idx, int64_t count,
-                  float scale, float* const* top, float* const* total, float* const* out, int64_t group, int64_t ahead,
+void attend_group(const float* const* q, const T* keys, const T* values, const int64_t* idx, const int64_t* counts,
+                  int64_t count, float scale, float* const* top, float* const* total, float* const* out, int64_t group, int64_t ahead,
                   int64_t ahead_n) {
   const int64_t d = 16 * C;
   const auto heads = [&](int64_t h, auto width) {
@@ -126,7 +130,7 @@ void attend_group(const float* const* q, const T* keys, const T* values, const i
     const float* qh[R];
     float *th[R], *sh[R], *oh[R];
     for (int r = 0; r < R; ++r) qh[r] = q[r] + h * d, th[r] = top[r] + h, sh[r] = total[r] + h, oh[r] = out[r] + h * d;
-    attend_rows<C, W, R, T>(qh, keys, values, idx, count, scale, th, sh, oh, ahead, h == 0 ? ahead_n : 0);
+    attend_rows<C, W, R, T>(qh, keys, values, idx, counts, count, scale, th, sh, oh, ahead, h == 0 ? ahead_n : 0);
   };
   int64_t h = 0;
   for (; h + kHeadsAtOnce <= group; h += kHeadsAtOnce) heads(h, std::integral_constant<int, kHeadsAtOnce>{});
@@ -263,9 +267,12 @@ void dv::attention_run(const AttentionPlan& p, int64_t m0, int64_t m1) {
       acc[r] = mine[r] == 1 ? p.out + i * H * d + g * group * d : p.accs + slot * d;
       top[r] = p.tops + slot, total[r] = p.totals + slot;
     }
-    bool together = rows == kRowsAtOnce && counts[0] > 0;
-    for (int r = 1; together && r < rows; ++r)
-      together = counts[r] == counts[0] && std::equal(idx[r], idx[r] + counts[0], idx[0]);
+    // the rows go together where each one's keys of the chunk begin the longest one's (rows of a causal prefill or of
+    // a chain: the same keys, or the diagonal's one key more a row)
+    const int longest = static_cast<int>(std::max_element(counts, counts + rows) - counts);
+    bool together = rows == kRowsAtOnce;
+    for (int r = 0; together && r < rows; ++r)
+      together = counts[r] > 0 && std::equal(idx[r], idx[r] + counts[r], idx[longest]);
     const int64_t offset = g * cap * d * item;
     // The keys and values this thread reads next (its next task's chunk, unless that is this chunk for other rows),
     // asked for as this chunk is read: `ahead` elements past each of this chunk's first `ahead_n` keys and values.
@@ -279,25 +286,26 @@ void dv::attention_run(const AttentionPlan& p, int64_t m0, int64_t m1) {
       }
     }
     const auto run = [&](const auto* kg, const auto* vg) {
-      // rows of this task that read the same keys go together (a prefill's, rows with no mask), else one at a time
-      const auto rows_of = [&](auto r_count, const float* const* qr, const int64_t* ir, int64_t cr, float* const* tr,
-                               float* const* sr, float* const* ar, int64_t ahead_n) {
+      // rows of this task that share the chunk's keys go together (above), else one at a time
+      const auto rows_of = [&](auto r_count, const float* const* qr, const int64_t* ir, const int64_t* cs, int64_t cr,
+                               float* const* tr, float* const* sr, float* const* ar, int64_t ahead_n) {
         constexpr int R = decltype(r_count)::value;
         switch (d) {
-          case 16: attend_group<1, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
-          case 32: attend_group<2, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
-          case 64: attend_group<4, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
-          case 128: attend_group<8, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
-          default: attend_group<16, R>(qr, kg, vg, ir, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;  // Gemma's 256
+          case 16: attend_group<1, R>(qr, kg, vg, ir, cs, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
+          case 32: attend_group<2, R>(qr, kg, vg, ir, cs, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
+          case 64: attend_group<4, R>(qr, kg, vg, ir, cs, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
+          case 128: attend_group<8, R>(qr, kg, vg, ir, cs, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
+          default: attend_group<16, R>(qr, kg, vg, ir, cs, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;  // Gemma's 256
         }
       };
       if (together) {
-        rows_of(std::integral_constant<int, kRowsAtOnce>{}, qh, idx[0], counts[0], top, total, acc, ahead_n);
+        rows_of(std::integral_constant<int, kRowsAtOnce>{}, qh, idx[longest], counts, counts[longest], top, total, acc,
+                ahead_n);
         return;
       }
       for (int r = 0; r < rows; ++r)  // the first row's call asks for the next task's keys and values
         if (counts[r] > 0)
-          rows_of(std::integral_constant<int, 1>{}, &qh[r], idx[r], counts[r], &top[r], &total[r], &acc[r],
+          rows_of(std::integral_constant<int, 1>{}, &qh[r], idx[r], &counts[r], counts[r], &top[r], &total[r], &acc[r],
                   r == 0 ? ahead_n : 0);
     };
     if (p.half) {
