@@ -139,19 +139,22 @@ def fixed_costs(context: int) -> Curve:
     return Curve({w: 1e-3 * (1 + 0.5 * (w - 1)) for w in (1, 2, 4, 8, 16)}, context=context)
 
 
-def decode_with(tiny, n: int, make_candidates, records: dict) -> tuple[Session, AutoDrafter, list[int]]:
-    """Decode n tokens of a tiny Llama with `AutoDrafter` over `make_candidates(truth, prompt length)` (probe=8);
-    the session, the drafter and autoregressive decoding's tokens. The forward costs are a fixed curve (a row
-    adds half a step), not one measured on a busy machine, and the rounds' times do not scale it, so who pays
-    does not depend on the load."""
+def decode_with(
+    tiny, n: int, make_candidates, records: dict, costs=fixed_costs, others: int = 0, probe: int = 8
+) -> tuple[Session, AutoDrafter, list[int]]:
+    """Decode n tokens of a tiny Llama with `AutoDrafter` over `make_candidates(truth, prompt length)`; the
+    session, the drafter and autoregressive decoding's tokens. The forward costs are a fixed curve (by default a
+    row adds half a step), not one measured on a busy machine, and the rounds' times do not scale it, so who pays
+    does not depend on the load. `others`: priced as if a batch's other requests fed that many rows a forward."""
     target = tiny("llama", layers=2)
     runner = Runner(target.model)
     engine = Engine(target)
     prompt = engine.encode("abc", chat=True)
     truth = engine.generate(prompt, method="autoregressive", max_new_tokens=n, eos_token_id=[]).tokens
     s = Session(prompt, Sampling(), Stopping(n, ()))
+    s.others = others
     auto = AutoDrafter(
-        make_candidates(truth, len(prompt)), fixed_costs(len(prompt)), Figures(records), probe=8, measure=False
+        make_candidates(truth, len(prompt)), costs(len(prompt)), Figures(records), probe=probe, measure=False
     )
     decode(s, runner, auto)
     return s, auto, truth
@@ -184,6 +187,26 @@ def test_auto_probes_a_drafter_that_keeps_missing_less_and_less_often(tiny):
     assert s.output == truth
     assert [i for i, (who, _) in enumerate(s.stats.extra["auto_chunks"]) if who == "wrong"] == [8, 25]
     assert records["wrong"].accepted < 0.1  # warm: what the first request learnt
+
+
+def test_auto_does_not_probe_a_drafter_that_could_not_pay_even_if_always_right(tiny):
+    """In a busy batch a row added to the shared forward can cost more than a step (here from the 8th row on: a
+    row of the flat part costs half a step, one past 8 rows a step and a half): a drafter that sits out is then
+    not probed, since even a round with every token accepted would be slower than plain decoding, while decoding
+    alone, where its rows are cheap, it is probed as before. The output is the target's either way."""
+
+    def steep(context: int) -> Curve:
+        return Curve({1: 1e-3, 2: 1.5e-3, 4: 2.5e-3, 8: 4.5e-3, 16: 16.5e-3}, context=context)
+
+    def probes(others: int) -> int:
+        records = {"wrong": CandidateRecord(accepted=0.0)}
+        make = lambda truth, at: {"wrong": Fixed(truth, at, False)}  # noqa: E731
+        s, _, truth = decode_with(tiny, 120, make, records, costs=steep, others=others, probe=2)
+        assert s.output == truth
+        return sum(who == "wrong" for who, _ in s.stats.extra["auto_chunks"])
+
+    assert probes(others=7) == 0
+    assert probes(others=0) >= 3
 
 
 class Slow(Fixed):

@@ -34,7 +34,9 @@ rides almost for nothing, and wins where the text repeats itself while the model
 the rest). The highest rate drafts; a candidate that has
 not drafted for `probe` rounds it could have drafted in drafts once, so a draft that started
 badly (or a request that turned into a copy of its prompt) is noticed (in a batch, where a
-probe slows every request, every `probe` times one plus the other requests' rows); a free
+probe slows every request, every `probe` times one plus the other requests' rows; and none for a
+candidate that would not beat plain decoding even with every token it verifies accepted, as where
+each row a busy batch adds costs its shared forward more than a step's share); a free
 drafter's probe verifies only the first `PROBE_TOKENS` tokens of its first path. A probe that
 did not pay (its tokens per second, priced as above, below plain decoding's) doubles that
 candidate's wait for its next probe (up to `MAX_BACKOFF` times), and a probe that paid, or a
@@ -165,10 +167,15 @@ class AutoDrafter(Drafter):
     def plain_rate(self, costs: dict, others: int) -> float:
         return (1 - self.margin) / self.verify_time(AR, costs, 0, others)
 
-    def rate(self, name: str, costs: dict, others: int, nodes: float | None = None) -> float:
+    def rate(self, name: str, costs: dict, others: int, nodes: float) -> float:
         r = self.records[name]
-        nodes = r.nodes if nodes is None else nodes
         return (1 + r.accepted) / (r.draft_s + self.verify_time(name, costs, nodes, others))
+
+    def could_pay(self, name: str, costs: dict, others: int, nodes: float) -> bool:
+        """Whether a round of `name` verifying `nodes` candidates would beat plain decoding with every one of them
+        accepted: where not (in a busy batch each row adds much to the shared forward), a probe can only cost."""
+        best = (1 + nodes) / (self.records[name].draft_s + self.verify_time(name, costs, nodes, others))
+        return best >= self.plain_rate(costs, others)
 
     def measure(self, now: float) -> None:
         """Score the round before this one (its time past drafting against the curve's), alone only: in a batch
@@ -189,23 +196,28 @@ class AutoDrafter(Drafter):
         self.costs_now = costs = at_context(self.costs, len(seq))
         if room > 0:
             offers = {name: d.propose(s, seq, room) for name, d in self.candidates.items() if d.free}
-            rates = {AR: self.plain_rate(costs, s.others)}
             size = {name: build_tree(seq[-1], offer.paths).size - 1 for name, offer in offers.items() if offer.paths}
+            nodes, free_part = {}, {}  # what each candidate would verify, and the free offer's share of it
             for name, d in self.candidates.items():
                 if not d.free:
-                    rates[name] = self.rate(name, costs, s.others)
+                    nodes[name] = self.records[name].nodes
                 elif name in size:
-                    rates[name] = self.rate(name, costs, s.others, size[name])
+                    nodes[name], free_part[name] = size[name], size[name]
             for name, (model_run, free) in self.merged.items():
                 if free in size:
-                    rates[name] = self.rate(name, costs, s.others, self.records[model_run].nodes + size[free])
+                    nodes[name], free_part[name] = self.records[model_run].nodes + size[free], size[free]
+            rates = {AR: self.plain_rate(costs, s.others)}
+            rates.update({name: self.rate(name, costs, s.others, n) for name, n in nodes.items()})
             able = [name for name in rates if name != AR]
             if able:  # a round something could draft in: every wait grows by one (the chosen one is reset below)
                 for name in (*able, AR):
                     self.idle[name] += 1
             every = self.probe * (1 + s.others)  # in a batch a probe slows every request: probe that much less often
-            # plain rounds are probed for their scale, alone only (in a batch no round is scored)
-            probed = (*able, AR) if able and self.measuring and not s.others else able
+            # a probe's free offer is its first guesses only (below)
+            probe_nodes = {n: nodes[n] - free_part.get(n, 0) + min(free_part.get(n, 0), PROBE_TOKENS) for n in able}
+            probed = [name for name in able if self.could_pay(name, costs, s.others, probe_nodes[name])]
+            if able and self.measuring and not s.others:  # plain rounds are probed for their scale, alone only
+                probed.append(AR)
             stale = [name for name in probed if self.idle[name] > every * self.backoff[name]]
             self.chosen = max(stale, key=self.idle.__getitem__) if stale else max(rates, key=rates.__getitem__)
             self.probing = bool(stale)

@@ -52,7 +52,8 @@ CANDIDATES = ("head", "draft", "context", "lookup")
 class AutoConfig:
     """use: the candidates, joined by '+' (head, draft, context, lookup); "" = the head if the engine has one, else
        the draft model, and context. A named candidate the engine lacks is skipped.
-    probe: a candidate that sat out this many rounds it could have drafted drafts once (its figures stay current).
+    probe: a candidate that sat out this many rounds it could have drafted drafts once (its figures stay current),
+       unless even a round with all it verifies accepted would be slower than plain decoding (a busy batch).
     decay: the weight of the older rounds in each candidate's running means (lower: quicker to switch).
     merge: also weigh each model-run candidate's tree merged with a free candidate's offer (`head+context`),
        verified in one forward and priced by figures of its own.
