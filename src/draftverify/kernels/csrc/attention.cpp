@@ -40,8 +40,9 @@ inline void prefetch_row(const void* row, int64_t bytes) {
 // R query rows x G query heads (d = 16 * C floats each, a row's heads consecutive from q[r]) that read the same
 // keys/values [S, d], over one chunk: row r the slots idx[0..counts[r]) (count, the largest, <= kChunk; idx padded to
 // a multiple of 16 with repeats of its last slot; a row's keys past its own count are left out of its scores, sums
-// and values exactly as if it went alone: a causal prefill's or a chain's rows share a chunk's first keys). Writes each (row, head)'s partial: top[r][g] (the chunk's largest score), total[r][g]
-// and out[r] (G * d floats, unnormalised). The scores go 16 keys at a time (`sums16`: one transposing sum instead
+// and values exactly as if it went alone: a causal prefill's or a chain's rows share a chunk's first keys). Writes
+// each (row, head)'s partial: top[r][g] (the chunk's largest score), total[r][g] and out[r] (G * d floats,
+// unnormalised). The scores go 16 keys at a time (`sums16`: one transposing sum instead
 // of 16 horizontal ones); a key's score, like every sum here, is formed the same way wherever the key sits in its 16
 // and for any G and R, so each (row, head) gets the bits it gets alone. A key is loaded (and, from an fp16 cache,
 // upcast) once for every row and head, a value once for every head of two rows. As the first ahead_n keys and
@@ -122,8 +123,8 @@ constexpr int kRowsAtOnce = 4;  // rows that share a chunk's keys, computed toge
 
 template <int C, int R, typename T>
 void attend_group(const float* const* q, const T* keys, const T* values, const int64_t* idx, const int64_t* counts,
-                  int64_t count, float scale, float* const* top, float* const* total, float* const* out, int64_t group, int64_t ahead,
-                  int64_t ahead_n) {
+                  int64_t count, float scale, float* const* top, float* const* total, float* const* out, int64_t group,
+                  int64_t ahead, int64_t ahead_n) {
   const int64_t d = 16 * C;
   const auto heads = [&](int64_t h, auto width) {
     constexpr int W = decltype(width)::value;
@@ -305,8 +306,8 @@ void dv::attention_run(const AttentionPlan& p, int64_t m0, int64_t m1) {
       }
       for (int r = 0; r < rows; ++r)  // the first row's call asks for the next task's keys and values
         if (counts[r] > 0)
-          rows_of(std::integral_constant<int, 1>{}, &qh[r], idx[r], &counts[r], counts[r], &top[r], &total[r], &acc[r],
-                  r == 0 ? ahead_n : 0);
+          rows_of(std::integral_constant<int, 1>{}, &qh[r], idx[r], &counts[r], counts[r], &top[r], &total[r],
+                  &acc[r], r == 0 ? ahead_n : 0);
     };
     if (p.half) {
       run(reinterpret_cast<const uint16_t*>(p.keys + offset), reinterpret_cast<const uint16_t*>(p.values + offset));
