@@ -167,15 +167,18 @@ class AutoDrafter(Drafter):
     def plain_rate(self, costs: dict, others: int) -> float:
         return (1 - self.margin) / self.verify_time(AR, costs, 0, others)
 
-    def rate(self, name: str, costs: dict, others: int, nodes: float) -> float:
+    def rate(self, name: str, costs: dict, others: int, nodes: float, accepted: float | None = None) -> float:
+        """Tokens per second of a round of `name` verifying `nodes` candidates, `accepted` of them (None: its
+        running mean)."""
         r = self.records[name]
-        return (1 + r.accepted) / (r.draft_s + self.verify_time(name, costs, nodes, others))
+        return (1 + (r.accepted if accepted is None else accepted)) / (
+            r.draft_s + self.verify_time(name, costs, nodes, others)
+        )
 
     def could_pay(self, name: str, costs: dict, others: int, nodes: float) -> bool:
         """Whether a round of `name` verifying `nodes` candidates would beat plain decoding with every one of them
         accepted: where not (in a busy batch each row adds much to the shared forward), a probe can only cost."""
-        best = (1 + nodes) / (self.records[name].draft_s + self.verify_time(name, costs, nodes, others))
-        return best >= self.plain_rate(costs, others)
+        return self.rate(name, costs, others, nodes, accepted=nodes) >= self.plain_rate(costs, others)
 
     def measure(self, now: float) -> None:
         """Score the round before this one (its time past drafting against the curve's), alone only: in a batch
@@ -213,12 +216,13 @@ class AutoDrafter(Drafter):
                 for name in (*able, AR):
                     self.idle[name] += 1
             every = self.probe * (1 + s.others)  # in a batch a probe slows every request: probe that much less often
+            due = [name for name in able if self.idle[name] > every * self.backoff[name]]
             # a probe's free offer is its first guesses only (below)
-            probe_nodes = {n: nodes[n] - free_part.get(n, 0) + min(free_part.get(n, 0), PROBE_TOKENS) for n in able}
-            probed = [name for name in able if self.could_pay(name, costs, s.others, probe_nodes[name])]
-            if able and self.measuring and not s.others:  # plain rounds are probed for their scale, alone only
-                probed.append(AR)
-            stale = [name for name in probed if self.idle[name] > every * self.backoff[name]]
+            probe_nodes = {n: nodes[n] - free_part.get(n, 0) + min(free_part.get(n, 0), PROBE_TOKENS) for n in due}
+            stale = [name for name in due if self.could_pay(name, costs, s.others, probe_nodes[name])]
+            # plain rounds are probed for their scale, alone only
+            if able and self.measuring and not s.others and self.idle[AR] > every * self.backoff[AR]:
+                stale.append(AR)
             self.chosen = max(stale, key=self.idle.__getitem__) if stale else max(rates, key=rates.__getitem__)
             self.probing = bool(stale)
             if self.chosen == AR:  # a plain round: chosen on price it resets the wait for the next, a probe doubles it

@@ -38,8 +38,8 @@ inline void prefetch_row(const void* row, int64_t bytes) {
 }
 
 // R query rows x G query heads (d = 16 * C floats each, a row's heads consecutive from q[r]) that read the same
-// keys/values [S, d], over one chunk: row r the slots idx[0..counts[r]) (count, the largest, <= kChunk; idx padded to
-// a multiple of 16 with repeats of its last slot; a row's keys past its own count are left out of its scores, sums
+// keys/values [S, d], over one chunk: row r the slots idx[0..counts[r]) (each <= kChunk; idx padded to a multiple of
+// 16 with repeats of its last slot; a row's keys past its own count are left out of its scores, sums
 // and values exactly as if it went alone: a causal prefill's or a chain's rows share a chunk's first keys). Writes
 // each (row, head)'s partial: top[r][g] (the chunk's largest score), total[r][g] and out[r] (G * d floats,
 // unnormalised). The scores go 16 keys at a time (`sums16`: one transposing sum instead
@@ -49,9 +49,10 @@ inline void prefetch_row(const void* row, int64_t bytes) {
 // values are read, the ones `ahead` elements further on (the thread's next chunk's) are asked for (`prefetch_row`).
 template <int C, int G, int R, typename T>
 void attend_rows(const float* const* q, const T* keys, const T* values, const int64_t* idx, const int64_t* counts,
-                 int64_t count, float scale, float* const* top, float* const* total, float* const* out, int64_t ahead,
+                 float scale, float* const* top, float* const* total, float* const* out, int64_t ahead,
                  int64_t ahead_n) {
   constexpr int P = G * R;  // (row, head) pairs, row-major: pair r * G + g
+  const int64_t count = *std::max_element(counts, counts + R);  // the keys any row reads
   alignas(64) float scores[P][kChunk];
   const int64_t blocks = (count + 15) / 16;
   V16 best[P];
@@ -123,15 +124,15 @@ constexpr int kRowsAtOnce = 4;  // rows that share a chunk's keys, computed toge
 
 template <int C, int R, typename T>
 void attend_group(const float* const* q, const T* keys, const T* values, const int64_t* idx, const int64_t* counts,
-                  int64_t count, float scale, float* const* top, float* const* total, float* const* out, int64_t group,
-                  int64_t ahead, int64_t ahead_n) {
+                  float scale, float* const* top, float* const* total, float* const* out, int64_t group, int64_t ahead,
+                  int64_t ahead_n) {
   const int64_t d = 16 * C;
   const auto heads = [&](int64_t h, auto width) {
     constexpr int W = decltype(width)::value;
     const float* qh[R];
     float *th[R], *sh[R], *oh[R];
     for (int r = 0; r < R; ++r) qh[r] = q[r] + h * d, th[r] = top[r] + h, sh[r] = total[r] + h, oh[r] = out[r] + h * d;
-    attend_rows<C, W, R, T>(qh, keys, values, idx, counts, count, scale, th, sh, oh, ahead, h == 0 ? ahead_n : 0);
+    attend_rows<C, W, R, T>(qh, keys, values, idx, counts, scale, th, sh, oh, ahead, h == 0 ? ahead_n : 0);
   };
   int64_t h = 0;
   for (; h + kHeadsAtOnce <= group; h += kHeadsAtOnce) heads(h, std::integral_constant<int, kHeadsAtOnce>{});
@@ -288,26 +289,25 @@ void dv::attention_run(const AttentionPlan& p, int64_t m0, int64_t m1) {
     }
     const auto run = [&](const auto* kg, const auto* vg) {
       // rows of this task that share the chunk's keys go together (above), else one at a time
-      const auto rows_of = [&](auto r_count, const float* const* qr, const int64_t* ir, const int64_t* cs, int64_t cr,
+      const auto rows_of = [&](auto r_count, const float* const* qr, const int64_t* ir, const int64_t* cs,
                                float* const* tr, float* const* sr, float* const* ar, int64_t ahead_n) {
         constexpr int R = decltype(r_count)::value;
         switch (d) {
-          case 16: attend_group<1, R>(qr, kg, vg, ir, cs, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
-          case 32: attend_group<2, R>(qr, kg, vg, ir, cs, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
-          case 64: attend_group<4, R>(qr, kg, vg, ir, cs, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
-          case 128: attend_group<8, R>(qr, kg, vg, ir, cs, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;
-          default: attend_group<16, R>(qr, kg, vg, ir, cs, cr, sc, tr, sr, ar, group, ahead, ahead_n); break;  // Gemma's 256
+          case 16: attend_group<1, R>(qr, kg, vg, ir, cs, sc, tr, sr, ar, group, ahead, ahead_n); break;
+          case 32: attend_group<2, R>(qr, kg, vg, ir, cs, sc, tr, sr, ar, group, ahead, ahead_n); break;
+          case 64: attend_group<4, R>(qr, kg, vg, ir, cs, sc, tr, sr, ar, group, ahead, ahead_n); break;
+          case 128: attend_group<8, R>(qr, kg, vg, ir, cs, sc, tr, sr, ar, group, ahead, ahead_n); break;
+          default: attend_group<16, R>(qr, kg, vg, ir, cs, sc, tr, sr, ar, group, ahead, ahead_n); break;  // Gemma's 256
         }
       };
       if (together) {
-        rows_of(std::integral_constant<int, kRowsAtOnce>{}, qh, idx[longest], counts, counts[longest], top, total, acc,
-                ahead_n);
+        rows_of(std::integral_constant<int, kRowsAtOnce>{}, qh, idx[longest], counts, top, total, acc, ahead_n);
         return;
       }
       for (int r = 0; r < rows; ++r)  // the first row's call asks for the next task's keys and values
         if (counts[r] > 0)
-          rows_of(std::integral_constant<int, 1>{}, &qh[r], idx[r], &counts[r], counts[r], &top[r], &total[r],
-                  &acc[r], r == 0 ? ahead_n : 0);
+          rows_of(std::integral_constant<int, 1>{}, &qh[r], idx[r], &counts[r], &top[r], &total[r], &acc[r],
+                  r == 0 ? ahead_n : 0);
     };
     if (p.half) {
       run(reinterpret_cast<const uint16_t*>(p.keys + offset), reinterpret_cast<const uint16_t*>(p.values + offset));
