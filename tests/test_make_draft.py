@@ -188,3 +188,51 @@ def test_cli_builds_a_draft(built, tmp_path):
     )
     assert result.exit_code == 0, result.output + "".join(traceback.format_exception(*result.exc_info))
     assert "draftverify.json" in {p.name for p in (tmp_path / "d").iterdir()}
+
+
+def shard_records(folder) -> list[list]:
+    """The records of each data shard of a build's work folder, in shard order."""
+    from draftverify.tools.make_draft.data import TrainingRecord
+
+    shards = sorted((folder / "data").glob("shard-*.pt"))
+    return [[TrainingRecord(**r) for r in torch.load(path, weights_only=True)["records"]] for path in shards]
+
+
+def test_prompts_replies_are_the_engines_and_later_passes_are_sampled(tiny, tmp_path):
+    """With --prompts the chat data is the target's replies to the file's prompts, decoded by the engine: each
+    record is prompt + the engine's greedy reply, one target row per reply token; once every training prompt was
+    answered, further shards sample."""
+    target = tiny("llama", layers=4)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS + ["Name three colours.", "What is 2 + 2?"]))
+    config = DraftConfig(**{**TINY, "heldout_prompts": 2, "max_shards": 3, "data": "chat", "gen_batch": 2}, steps=1)
+    facts = build_draft(target, tmp_path / "out", config, prompts=prompts, log=quiet, progress=False)
+    assert facts["data"]["replies-greedy"]["sequences"] == 3  # 3 training prompts, 2 a shard: 2 greedy shards
+    assert set(facts["data"]) == {"replies-greedy", "replies-sampled"} and facts["prompts"] == str(prompts)
+
+    engine = Engine(target)
+    shards = shard_records(tmp_path / "out" / ".make-draft")
+    for r in shards[0] + shards[1]:
+        prompt = r.ids[: r.start + 1].tolist()
+        reply = engine.generate(prompt, method="autoregressive", max_new_tokens=TINY["max_new_tokens"]).tokens
+        assert r.ids[r.start + 1 :].tolist() == reply and r.logp.shape[0] == len(reply)
+    answered = {tuple(r.ids[: r.start + 1].tolist()) for r in shards[0] + shards[1]}
+    assert {tuple(r.ids[: r.start + 1].tolist()) for r in shards[2]} <= answered  # the second pass: same prompts
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "`replies-greedy` / `replies-sampled`" in card and "`chat-greedy`" not in card
+
+
+def test_init_starts_from_a_draft_and_refuses_another_shape(built, tmp_path):
+    """--init: training starts from that draft's layers and weights (no steps: the same weights come out); a
+    layer count that differs from the draft's is refused."""
+    from safetensors.torch import load_file
+
+    target, out, _ = built
+    config = DraftConfig(**{**TINY, "max_shards": 1}, steps=0)
+    facts = build_draft(target, tmp_path / "again", config, init=out, log=quiet, progress=False)
+    assert facts["layers"] == json.loads((out / "draftverify.json").read_text())["facts"]["layers"]
+    assert facts["init"] == str(out)
+    a, b = load_file(out / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(DraftVerifyError, match="pass --layers 2"):
+        build_draft(target, tmp_path / "other", DraftConfig(**{**TINY, "layers": 3}, steps=0), init=out, log=quiet)

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-from draftverify.errors import require
+from draftverify.errors import DraftVerifyError, require
 from draftverify.loading import DRAFT_META_FILE, Loaded, tokenizer_fingerprint
 from draftverify.models import Runner
-from draftverify.tools.make_draft.data import DataCache, DataPlan, load_checked
+from draftverify.tools.make_draft.data import DataCache, DataPlan, Prompts, load_checked
 from draftverify.tools.make_draft.draft_card import model_card
+from draftverify.tools.make_draft.feature_settings import native_bf16
 from draftverify.tools.make_draft.train import (
     batches,
     choose_layers,
@@ -61,6 +62,7 @@ class DraftConfig:
     eval_every: int = 25
     eval_sequences: int = 8  # held-out sequences scored during training and for the layer choice (all at the end)
     checkpoint_minutes: float = 4.0
+    train_dtype: str = "auto"  # the training forward's matmuls on a CPU: fp32, bf16 (autocast) or auto (bf16 if native)
 
     def __post_init__(self):
         require(self.layers >= 1, f"--layers {self.layers} must be at least 1")
@@ -79,6 +81,14 @@ class DraftConfig:
         require(self.heldout_prompts >= 1, "heldout_prompts must be >= 1")
         require(self.batch_tokens >= 16 and self.max_len >= 16, "batch_tokens and max_len must be >= 16")
         require(self.lr > 0, f"--lr {self.lr} must be positive")
+        require(
+            self.train_dtype in ("auto", "fp32", "bf16"),
+            f"--train-dtype {self.train_dtype!r} is unknown: use auto, fp32 or bf16",
+        )
+
+    def bf16(self) -> bool:
+        """Whether the training forward (and the scoring of --prompts replies) runs its matmuls in bf16 on a CPU."""
+        return self.train_dtype == "bf16" or (self.train_dtype == "auto" and native_bf16())
 
 
 def build_draft(
@@ -92,8 +102,15 @@ def build_draft(
     command: str = "",
     log=print,
     progress: bool = True,
+    prompts: Path | None = None,
+    engine=None,
+    init: Path | None = None,
 ) -> dict:
-    """Build a draft for `target` into the folder `out`; returns the facts written into its model card."""
+    """Build a draft for `target` into the folder `out`; returns the facts written into its model card.
+
+    `prompts`: a prompt file whose replies are the chat data instead of the template prompts', answered by
+    `engine` (an `Engine` on the target; default: one on `target` itself). `init`: a draft folder (made by this tool
+    for this target) whose layers and weights training starts from instead of the target's layers."""
     start = time.monotonic()
     deadline = start + config.budget_minutes * 60
     out, work = Path(out), Path(work) if work is not None else Path(out) / ".make-draft"
@@ -103,18 +120,44 @@ def build_draft(
         f"{checkpoint_path} exists from an earlier build: pass --resume to continue it, or delete {work}",
     )
     torch.manual_seed(config.seed)
-    plan = DataPlan(target.identity, config.seed, config.topk)
-    records, data_summary, heldout = _training_data(target, DataCache(work, plan), config, start, log)
+    asked = None
+    if prompts is not None:
+        from draftverify.engine import Engine
+
+        engine = engine if engine is not None else Engine(target)
+        asked = Prompts.read(prompts, engine, config.heldout_prompts, config.seed)
+    plan = DataPlan(target.identity, config.seed, config.topk, asked.label if asked else "")
+    records, data_summary, heldout = _training_data(target, DataCache(work, plan), config, start, log, asked)
     state = load_checked(checkpoint_path, "checkpoint") if checkpoint_path.exists() else None
     if state is not None:
         require(
             state.get("plan") == asdict(plan) and state.get("layers") == config.layers,
             f"checkpoint {checkpoint_path} belongs to another target or settings: delete {work} or use another --work",
         )
-    layer_ids, layer_scores = _layers(target, config, state, heldout, log)
+    started_from = _init_weights(init, target, config) if init is not None and state is None else None
+    layer_ids, layer_scores = (
+        (started_from["layers"], started_from["layer_choice"])
+        if started_from
+        else _layers(target, config, state, heldout, log)
+    )
     model = init_draft(target, layer_ids)
+    if started_from:
+        model.load_state_dict(started_from["weights"], strict=False)
+    origin = str(init) if init is not None else None
     state = train(
-        model, records, heldout, config, layer_ids, layer_scores, plan, checkpoint_path, state, deadline, log, progress
+        model,
+        records,
+        heldout,
+        config,
+        layer_ids,
+        layer_scores,
+        plan,
+        checkpoint_path,
+        state,
+        deadline,
+        log,
+        progress,
+        origin,
     )
 
     final = evaluate(model, heldout, config.batch_tokens, config.max_len)
@@ -134,6 +177,9 @@ def build_draft(
         "relative_forward_cost": cost,
         "config": asdict(config),
         "command": command,
+        "prompts": str(prompts) if prompts is not None else None,
+        "init": state.get("init"),
+        "bf16": config.bf16() and target.device.type == "cpu",
     }
     write_folder(model, target, out, facts, share_embeddings, save_dtype)
     log(
@@ -150,7 +196,34 @@ def _device_name(target: Loaded) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def _training_data(target: Loaded, cache: DataCache, config: DraftConfig, start: float, log):
+def _init_weights(init: Path, target: Loaded, config: DraftConfig) -> dict:
+    """A draft folder's layer ids, layer-choice scores and trainable weights, to start training from."""
+    from safetensors.torch import load_file
+
+    from draftverify.util import same_weights
+
+    meta_path, weights_path = Path(init) / DRAFT_META_FILE, Path(init) / "model.safetensors"
+    require(
+        meta_path.is_file() and weights_path.is_file(),
+        f"--init {init} is not a draft folder made by make-draft (no {DRAFT_META_FILE} or model.safetensors)",
+    )
+    try:
+        meta = json.loads(meta_path.read_text())
+        built_for, layers = dict(meta["target"]), tuple(int(i) for i in meta["facts"]["layers"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DraftVerifyError(f"{meta_path} is corrupt: rebuild that draft or start without --init") from exc
+    require(same_weights(built_for, target.identity), f"--init {init} was built for another target: drop --init")
+    require(
+        len(layers) == config.layers and config.layer_ids in (None, layers),
+        f"--init {init} copies the target's layers {list(layers)}: pass --layers {len(layers)} and no --layer-ids",
+    )
+    weights = {k: v.float() for k, v in load_file(weights_path).items()}
+    return {"layers": layers, "layer_choice": meta["facts"].get("layer_choice", {}), "weights": weights}
+
+
+def _training_data(
+    target: Loaded, cache: DataCache, config: DraftConfig, start: float, log, prompts: Prompts | None = None
+):
     """The training records (made until the data share of the budget, on top of the cached ones), the data's
     summary and the held-out sequences."""
     if config.data_share > 0 or not cache.shards():
@@ -163,6 +236,8 @@ def _training_data(target: Loaded, cache: DataCache, config: DraftConfig, start:
             DATA_SOURCES[config.data],
             config.max_shards,
             log,
+            prompts,
+            config.bf16() and target.device.type == "cpu",
         )
     records, summary = cache.records()
     require(
@@ -195,9 +270,22 @@ def learning_rate(config: DraftConfig, step: int, progress: float) -> float:
 
 
 def train(
-    model, records, heldout, config, layer_ids, layer_scores, plan, checkpoint_path, state, deadline, log, progress
+    model,
+    records,
+    heldout,
+    config,
+    layer_ids,
+    layer_scores,
+    plan,
+    checkpoint_path,
+    state,
+    deadline,
+    log,
+    progress,
+    origin: str | None = None,
 ) -> dict:
-    """Distil until `config.steps` or `deadline`; checkpoints every few minutes and at the end."""
+    """Distil until `config.steps` or `deadline`; checkpoints every few minutes and at the end. `origin`: the
+    draft folder a new build started from (`--init`), kept in the checkpoint for the card."""
     from tqdm import tqdm
 
     params = trainable(model)
@@ -210,6 +298,7 @@ def train(
         state = {"step": 0, "train_seconds": 0.0}
         state["history"] = [{"step": 0, **evaluate(model, probe, config.batch_tokens, config.max_len)}]
     state.update(plan=asdict(plan), layers=config.layers, layer_ids=list(layer_ids), layer_scores=layer_scores)
+    state.setdefault("init", origin)
 
     def save() -> None:
         _save_checkpoint(checkpoint_path, model, optimizer, state)
@@ -217,7 +306,9 @@ def train(
     # training seconds this build may spend in all
     budget = max(1e-9, deadline - time.monotonic() + state["train_seconds"])
     autocast = (
-        torch.autocast("cuda", torch.bfloat16) if model.device.type == "cuda" else torch.autocast("cpu", enabled=False)
+        torch.autocast("cuda", torch.bfloat16)
+        if model.device.type == "cuda"
+        else torch.autocast("cpu", torch.bfloat16, enabled=config.bf16())
     )
     schedule = _schedule(records, config)
     for _ in range(state["step"]):

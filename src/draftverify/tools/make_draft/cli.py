@@ -24,8 +24,9 @@ KIND = typer.Option(
 )
 PROMPTS = typer.Option(
     None,
-    help="--kind head: instruction prompts (.jsonl with a prompt field, or .txt, one per line) the target "
-    "answers to make the training data, e.g. ../shared/data/train_prompts/prompts.jsonl.",
+    help="Instruction prompts (.jsonl with a prompt field, or .txt, one per line) the target answers to make the "
+    "training data, e.g. ../shared/data/train_prompts/prompts.jsonl (--kind head needs them; --kind model: instead "
+    "of the template prompts, answered by the engine).",
 )
 VOCAB = typer.Option(8192, help="--kind head: the head drafts this many of the most frequent reply tokens (FR-Spec).")
 EPOCHS = typer.Option(2.0, help="--kind head: passes over the training data.")
@@ -42,8 +43,9 @@ TEMPLATES = typer.Option(
 )
 INIT = typer.Option(
     None,
-    help="--kind head: start from this head's weights and vocabulary (e.g. to train on more data) "
-    "instead of the target's last layer.",
+    help="Start from this draft's weights (e.g. to train on more data): --kind head: a head's weights and "
+    "vocabulary instead of the target's last layer; --kind model: a draft folder made by make-draft for this target "
+    "(its layers) instead of the target's layers.",
 )
 LAYERS = typer.Option(4, help="Decoder layers of the draft (copied from the target's, then trained).")
 LAYER_IDS = typer.Option(
@@ -61,8 +63,8 @@ DATA_SHARE = typer.Option(
 )
 DATA = typer.Option(
     "chat+text",
-    help="New training data: chat (the target's replies to template prompts), text (Python stdlib text) or chat+text "
-    "(alternating shards). Cached shards are always used.",
+    help="New training data: chat (the target's replies to template prompts, or to --prompts), text (Python stdlib "
+    "text) or chat+text (alternating shards). Cached shards are always used.",
 )
 STEPS = typer.Option(None, help="Stop training after this many steps (default: when the budget runs out).")
 RESUME = typer.Option(False, help="Continue the build in the work folder from its last checkpoint.")
@@ -75,7 +77,8 @@ SHARE_EMBEDDINGS = typer.Option(
 SAVE_DTYPE = typer.Option("fp32", help="Dtype of the saved weights: fp32, bf16 or fp16.")
 TRAIN_DTYPE = typer.Option(
     "auto",
-    help="--kind head: the training matmuls: auto (bf16 where the CPU has bf16 instructions, else fp32), fp32 or bf16.",
+    help="The training matmuls on a CPU (and, --kind model, the scoring of --prompts replies): auto (bf16 where the "
+    "CPU has bf16 instructions, else fp32), fp32 or bf16.",
 )
 BATCH_TOKENS = typer.Option(None, help="Tokens per training step. Default: 1024 (model), 4096 (head).")
 LR = typer.Option(
@@ -146,20 +149,40 @@ def make_draft(
         config = HeadTraining(**own, steps=steps, **given, **({"heldout": heldout} if heldout is not None else {}))
         build_head(loaded, out, prompts, config, init=init, **build)
     else:
-        config = _draft_config(layers, layer_ids, steps, data, heldout, given)
+        config = _draft_config(layers, layer_ids, steps, data, heldout, train_dtype, given)
         from draftverify.tools.make_draft.build import build_draft
 
-        build_draft(loaded, out, config, share_embeddings=share_embeddings, **build)
+        engine = _engine(target, dtype, device) if prompts is not None else None
+        build_draft(
+            loaded, out, config, share_embeddings=share_embeddings, prompts=prompts, engine=engine, init=init, **build
+        )
 
 
-def _draft_config(layers: int, layer_ids: str | None, steps, data: str, heldout: int | None, given: dict):
+def _engine(target: str | None, dtype: str, device: str):
+    """An engine on the target's fast path (a GGUF file's own kernels) that answers --prompts for a draft model."""
+    from draftverify.engine import Engine, load_target
+
+    direct, arithmetic = load_target(target, dtype, device)
+    return Engine(direct, arithmetic=arithmetic)
+
+
+def _draft_config(
+    layers: int, layer_ids: str | None, steps, data: str, heldout: int | None, train_dtype: str, given: dict
+):
     """`--kind model`'s settings: `layer_ids` (comma-separated) name the copied layers, else `layers` count them."""
     from draftverify.tools.make_draft.build import DraftConfig
 
     ids = tuple(int(x) for x in layer_ids.split(",")) if layer_ids else None
     held = {"heldout_prompts": heldout} if heldout is not None else {}
     return DraftConfig(
-        layers=len(ids) if ids else layers, layer_ids=ids, steps=steps, data=data, max_shards=None, **given, **held
+        layers=len(ids) if ids else layers,
+        layer_ids=ids,
+        steps=steps,
+        data=data,
+        max_shards=None,
+        train_dtype=train_dtype,
+        **given,
+        **held,
     )
 
 

@@ -1,10 +1,14 @@
 """Distillation data: token sequences with the target's top-k next-token log-probabilities.
 
-Two sources, stored alike as `TrainingRecord`s in shards on disk (written atomically, so an interrupted
+Sources, stored alike as `TrainingRecord`s in shards on disk (written atomically, so an interrupted
 build keeps every finished shard and `--resume` never redoes them):
 - "chat": the target's own continuations (greedy, or sampled for one batch in four) of chat
   prompts written from templates (`prompts.py`), made with batched `model.generate`, whose raw
   logits give the targets at every generated position for free;
+- "replies" (with `--prompts`): the target's replies to the prompts of a file, decoded together on the
+  engine (its own arithmetic and kernels, several times faster than `model.generate` on a CPU), each
+  scored by one teacher-forced forward of the target; greedy on the first pass over the file,
+  sampled on later ones;
 - "text": chat conversations whose assistant turn is Python stdlib text, scored by one
   teacher-forced forward of the target.
 """
@@ -25,6 +29,8 @@ from draftverify.tools.replies import SAMPLED, answer
 from draftverify.util import atomic_path, atomic_write
 
 MAX_PROMPT_TOKENS = 256  # longer template prompts are skipped: padding them costs more than they teach
+MAX_FILE_PROMPT_TOKENS = 384  # a --prompts file's prompts up to this long are answered (long inputs are real use)
+SCORED_TOKENS = 2048  # padded tokens per teacher-forced scoring forward (its logits: this many rows of the vocabulary)
 
 
 @dataclass
@@ -48,6 +54,7 @@ class DataPlan:
     target: dict  # Loaded.identity of the target
     seed: int
     topk: int
+    prompts: str = ""  # "<file name>:<count>" when the replies answer --prompts ("": the template prompts)
 
 
 def load_checked(path: Path, what: str) -> dict:
@@ -100,6 +107,51 @@ def forced_records(target: Loaded, sequences: list[list[int]], k: int) -> list[T
     for b, s in enumerate(sequences):
         logp, idx = topk_logprobs(logits[b, : len(s) - 1], k)
         records.append(TrainingRecord(torch.tensor(s, dtype=torch.int32), 0, logp.cpu(), idx.cpu()))
+    return records
+
+
+@dataclass
+class Prompts:
+    """A draft build's --prompts: the file's prompts as token ids, shuffled by the seed, the first `heldout` of them
+    held out (their greedy replies measure the draft), and the engine that answers them."""
+
+    heldout: list[list[int]]
+    train: list[list[int]]
+    engine: object  # draftverify.engine.Engine on the target
+    label: str  # "<file name>:<prompts read>", which the data plan keeps
+
+    @classmethod
+    def read(cls, path: Path, engine, heldout: int, seed: int, longest: int = MAX_FILE_PROMPT_TOKENS) -> "Prompts":
+        """The prompts of `path` (`prompt_files.read_prompts`) no longer than `longest` tokens."""
+        from draftverify.prompt_files import read_prompts
+
+        texts = read_prompts(path, at_least=heldout + 1)
+        order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
+        ids = [engine.encode(texts[i][0], chat=texts[i][1]) for i in order]
+        ids = [p for p in ids if len(p) <= longest]
+        require(len(ids) > heldout, f"{path}: fewer than {heldout + 1} prompts of at most {longest} tokens")
+        return cls(ids[:heldout], ids[heldout:], engine, f"{Path(path).name}:{len(texts)}")
+
+
+def answered_records(
+    prompts: Prompts, target: Loaded, chunk: list[list[int]], max_new_tokens: int, k: int, seed, bf16: bool
+) -> list[TrainingRecord]:
+    """The engine's replies to `chunk` (decoded together; greedy, or sampled at `SAMPLED`'s settings from `seed`),
+    with the targets at every reply position from a teacher-forced forward of `target` (its matmuls in bf16 when
+    `bf16`: the targets of training data, not of decoding)."""
+    sampled = {} if seed is None else {**SAMPLED, "seed": seed}
+    results = prompts.engine.generate_batch(chunk, method="autoregressive", max_new_tokens=max_new_tokens, **sampled)
+    records = []
+    sequences = sorted(((p, p + r.tokens) for p, r in zip(chunk, results)), key=lambda pair: len(pair[1]))
+    group: list = []
+    for n, pair in enumerate(sequences):  # forwards of at most SCORED_TOKENS padded tokens: the logits are [B, T, V]
+        group.append(pair)
+        if n + 1 == len(sequences) or len(sequences[n + 1][1]) * (len(group) + 1) > SCORED_TOKENS:
+            with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+                scored = forced_records(target, [s for _, s in group], k)
+            for (p, _), r in zip(group, scored):
+                records.append(TrainingRecord(r.ids, len(p) - 1, r.logp[len(p) - 1 :], r.idx[len(p) - 1 :]))
+            group = []
     return records
 
 
@@ -185,11 +237,15 @@ class DataCache(ShardFolder):
         text_every: int,
         max_shards: int | None = None,
         log=print,
+        prompts: Prompts | None = None,
+        bf16: bool = False,
     ) -> None:
         """Make the held-out set, then shards until `deadline` (time.monotonic) or `max_shards` exist (at least one).
 
         Shard i is teacher-forced stdlib text when `i % text_every == text_every - 1` (never when
-        `text_every` is 0), else the target's replies to `gen_batch` template prompts.
+        `text_every` is 0), else the target's replies to `gen_batch` prompts: the next of `prompts.train`
+        (greedy on the first pass over them, sampled on later passes; scored with bf16 matmuls when `bf16`),
+        or template prompts.
         """
         plan, tok = self.plan, target.tokenizer
         lib = Stdlib.load()
@@ -203,8 +259,11 @@ class DataCache(ShardFolder):
 
         heldout = self.folder / "heldout.pt"
         if not heldout.is_file():
-            prompts = encode(make_prompts(heldout_prompts, plan.seed + 1_000_003, lib))
-            records = generated_records(target, prompts, max_new_tokens, plan.topk, sample=False)
+            if prompts is not None:  # scored in the target's own arithmetic: the card's agreement is measured on it
+                records = answered_records(prompts, target, prompts.heldout, max_new_tokens, plan.topk, None, False)
+            else:
+                ids = encode(make_prompts(heldout_prompts, plan.seed + 1_000_003, lib))
+                records = generated_records(target, ids, max_new_tokens, plan.topk, sample=False)
             with atomic_path(heldout) as tmp:
                 torch.save({"records": record_dicts(records)}, tmp)
             log(f"held-out set: {len(records)} greedy generations")
@@ -218,12 +277,19 @@ class DataCache(ShardFolder):
                 )
                 seqs = [chat_ids(tok, d, False)[:longest] for d in docs]
                 records, kind = forced_records(target, seqs, plan.topk), "text"
+            elif prompts is not None:
+                c = i - (i + 1) // text_every if text_every else i  # replies shards before this one
+                chunks = -(-len(prompts.train) // gen_batch)
+                chunk = prompts.train[(c % chunks) * gen_batch :][:gen_batch]
+                seed = plan.seed * 7919 + i if c >= chunks else None  # one seed per shard: a resumed build agrees
+                records = answered_records(prompts, target, chunk, max_new_tokens, plan.topk, seed, bf16)
+                kind = "replies-greedy" if seed is None else "replies-sampled"
             else:
                 torch.manual_seed(plan.seed * 7919 + i)  # one seed per shard: a resumed build makes the same data
                 sample = i % 4 == 2
-                prompts = encode(make_prompts(gen_batch, plan.seed * 7919 + i, lib))
+                ids = encode(make_prompts(gen_batch, plan.seed * 7919 + i, lib))
                 # every prompt may be too long for a tokenizer with short tokens: then the shard is empty
-                records = generated_records(target, prompts, max_new_tokens, plan.topk, sample) if prompts else []
+                records = generated_records(target, ids, max_new_tokens, plan.topk, sample) if ids else []
                 kind = "chat-sampled" if sample else "chat-greedy"
             with atomic_path(self.folder / f"shard-{i:05d}.pt") as tmp:
                 torch.save({"records": record_dicts(records), "kind": kind}, tmp)
