@@ -1,9 +1,10 @@
 """The target answers a batch of prompts: one left-padded `model.generate`, each reply cut after its first EOS.
 
-The offline tools' one path for it (the draft model's and the feature head's training data, the acceptance head's
-answers). A batch's step reads the weights once for all its rows, so this is much faster than answering one prompt
-at a time; left padding moves the stock model's arithmetic slightly, which training data does not mind. Decoding
-that must equal plain decoding runs on the engine instead (`batch.run_batch`).
+The offline tools' path for it (the feature head's training data, the acceptance head's answers, a draft model's
+template-prompt data; a draft model's --prompts data is decoded on the engine instead, `make_draft.data`). A
+batch's step reads the weights once for all its rows, so this is much faster than answering one prompt at a time;
+left padding moves the stock model's arithmetic slightly, which training data does not mind. Decoding that must
+equal plain decoding runs on the engine instead (`batch.run_batch`).
 """
 
 from __future__ import annotations
