@@ -12,7 +12,6 @@ stops after its current batch.
 from __future__ import annotations
 
 import json
-import math
 import platform
 import statistics
 import time
@@ -27,15 +26,7 @@ from draftverify.models import Runner
 from draftverify.tools.make_draft.data import DataCache, DataPlan, Prompts, load_checked
 from draftverify.tools.make_draft.draft_card import model_card
 from draftverify.tools.make_draft.feature_settings import native_bf16
-from draftverify.tools.make_draft.train import (
-    batches,
-    choose_layers,
-    collate,
-    distill_loss,
-    evaluate,
-    init_draft,
-    trainable,
-)
+from draftverify.tools.make_draft.train import choose_layers, evaluate, init_draft, train
 from draftverify.util import atomic_path
 
 DATA_SOURCES = {"chat": 0, "text": 1, "chat+text": 2}  # -> text_every: every n-th new shard is stdlib text
@@ -120,44 +111,13 @@ def build_draft(
         f"{checkpoint_path} exists from an earlier build: pass --resume to continue it, or delete {work}",
     )
     torch.manual_seed(config.seed)
-    asked = None
-    if prompts is not None:
-        from draftverify.engine import Engine
-
-        engine = engine if engine is not None else Engine(target)
-        asked = Prompts.read(prompts, engine, config.heldout_prompts, config.seed)
+    asked = Prompts.read(prompts, engine or _engine(target), config.heldout_prompts, config.seed) if prompts else None
     plan = DataPlan(target.identity, config.seed, config.topk, asked.label if asked else "")
     records, data_summary, heldout = _training_data(target, DataCache(work, plan), config, start, log, asked)
-    state = load_checked(checkpoint_path, "checkpoint") if checkpoint_path.exists() else None
-    if state is not None:
-        require(
-            state.get("plan") == asdict(plan) and state.get("layers") == config.layers,
-            f"checkpoint {checkpoint_path} belongs to another target or settings: delete {work} or use another --work",
-        )
-    started_from = _init_weights(init, target, config) if init is not None and state is None else None
-    layer_ids, layer_scores = (
-        (started_from["layers"], started_from["layer_choice"])
-        if started_from
-        else _layers(target, config, state, heldout, log)
-    )
-    model = init_draft(target, layer_ids)
-    if started_from:
-        model.load_state_dict(started_from["weights"], strict=False)
-    origin = str(init) if init is not None else None
+    state = _checkpoint(checkpoint_path, plan, config, work)
+    model, kept = _start(target, config, state, heldout, init, log)
     state = train(
-        model,
-        records,
-        heldout,
-        config,
-        layer_ids,
-        layer_scores,
-        plan,
-        checkpoint_path,
-        state,
-        deadline,
-        log,
-        progress,
-        origin,
+        model, records, heldout, config, {"plan": asdict(plan), **kept}, checkpoint_path, state, deadline, log, progress
     )
 
     final = evaluate(model, heldout, config.batch_tokens, config.max_len)
@@ -166,20 +126,14 @@ def build_draft(
     facts = {
         "target": target.name,
         "target_identity": target.identity,
-        "layers": list(layer_ids),
-        "layer_choice": layer_scores,
-        "steps": state["step"],
-        "train_seconds": round(state["train_seconds"]),
-        "device": _device_name(target),
-        "data": data_summary,
+        "layers": kept["layer_ids"],
+        "layer_choice": kept["layer_scores"],
+        **_training_facts(target, config, state, data_summary),
         "heldout": {"sequences": len(heldout), **final},
-        "history": state["history"],
         "relative_forward_cost": cost,
-        "config": asdict(config),
         "command": command,
         "prompts": str(prompts) if prompts is not None else None,
-        "init": state.get("init"),
-        "bf16": config.bf16() and target.device.type == "cpu",
+        "init": kept["init"],
     }
     write_folder(model, target, out, facts, share_embeddings, save_dtype)
     log(
@@ -187,6 +141,54 @@ def build_draft(
         f"{cost['ratio']:.2f}x the target's"
     )
     return facts
+
+
+def _training_facts(target: Loaded, config: DraftConfig, state: dict, data: dict) -> dict:
+    """The model card's facts of the training: steps, seconds, where and in which arithmetic, data, history."""
+    return {
+        "steps": state["step"],
+        "train_seconds": round(state["train_seconds"]),
+        "device": _device_name(target),
+        "bf16": config.bf16() and target.device.type == "cpu",
+        "data": data,
+        "history": state["history"],
+        "config": asdict(config),
+    }
+
+
+def _checkpoint(path: Path, plan: DataPlan, config: DraftConfig, work: Path) -> dict | None:
+    """The checkpoint a resumed build continues from (None: none yet), refused if made for another plan."""
+    if not path.exists():
+        return None
+    state = load_checked(path, "checkpoint")
+    require(
+        state.get("plan") == asdict(plan) and state.get("layers") == config.layers,
+        f"checkpoint {path} belongs to another target or settings: delete {work} or use another --work",
+    )
+    return state
+
+
+def _engine(target: Loaded):
+    """An engine on `target` that answers --prompts (the CLI passes one on the target's fast path instead)."""
+    from draftverify.engine import Engine
+
+    return Engine(target)
+
+
+def _start(target: Loaded, config: DraftConfig, state: dict | None, heldout, init: Path | None, log):
+    """The draft training starts from (the target's layers, or --init's draft; a resumed build's checkpoint loads in
+    `train`), and what the checkpoint keeps of that choice: layers, layer ids and scores, the --init folder."""
+    started = _init_weights(init, target, config) if init is not None and state is None else None
+    if started is not None:
+        layer_ids, layer_scores = started["layers"], started["layer_choice"]
+    else:
+        layer_ids, layer_scores = _layers(target, config, state, heldout, log)
+    model = init_draft(target, layer_ids)
+    if started is not None:
+        model.load_state_dict(started["weights"], strict=False)
+    origin = state.get("init") if state is not None else (str(init) if init is not None else None)
+    kept = {"layers": config.layers, "layer_ids": list(layer_ids), "layer_scores": layer_scores, "init": origin}
+    return model, kept
 
 
 def _device_name(target: Loaded) -> str:
@@ -260,105 +262,6 @@ def _layers(target: Loaded, config: DraftConfig, state: dict | None, heldout, lo
         + ", ".join(f"{k} {v['layers']} {v['kl']:.3f}" for k, v in layer_scores.items())
     )
     return layer_ids, layer_scores
-
-
-def learning_rate(config: DraftConfig, step: int, progress: float) -> float:
-    """Linear warm-up, then cosine decay to a tenth of `lr` as `progress` goes 0 -> 1."""
-    if step < config.warmup:
-        return config.lr * (step + 1) / config.warmup
-    return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-def train(
-    model,
-    records,
-    heldout,
-    config,
-    layer_ids,
-    layer_scores,
-    plan,
-    checkpoint_path,
-    state,
-    deadline,
-    log,
-    progress,
-    origin: str | None = None,
-) -> dict:
-    """Distil until `config.steps` or `deadline`; checkpoints every few minutes and at the end. `origin`: the
-    draft folder a new build started from (`--init`), kept in the checkpoint for the card."""
-    from tqdm import tqdm
-
-    params = trainable(model)
-    probe = heldout[: config.eval_sequences]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    if state is not None:
-        model.load_state_dict(state["model"], strict=False)
-        optimizer.load_state_dict(state["optimizer"])
-    else:
-        state = {"step": 0, "train_seconds": 0.0}
-        state["history"] = [{"step": 0, **evaluate(model, probe, config.batch_tokens, config.max_len)}]
-    state.update(plan=asdict(plan), layers=config.layers, layer_ids=list(layer_ids), layer_scores=layer_scores)
-    state.setdefault("init", origin)
-
-    def save() -> None:
-        _save_checkpoint(checkpoint_path, model, optimizer, state)
-
-    # training seconds this build may spend in all
-    budget = max(1e-9, deadline - time.monotonic() + state["train_seconds"])
-    autocast = (
-        torch.autocast("cuda", torch.bfloat16)
-        if model.device.type == "cuda"
-        else torch.autocast("cpu", torch.bfloat16, enabled=config.bf16())
-    )
-    schedule = _schedule(records, config)
-    for _ in range(state["step"]):
-        next(schedule)
-    bar = tqdm(total=config.steps, initial=state["step"], desc="make-draft", unit="step", disable=not progress)
-    last_save, began, seconds0 = time.monotonic(), time.monotonic(), state["train_seconds"]
-    latest = state["history"][-1]
-    while (config.steps is None or state["step"] < config.steps) and time.monotonic() < deadline:
-        step = state["step"]
-        done = step / config.steps if config.steps else (seconds0 + time.monotonic() - began) / budget
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, step, done)
-        batch = collate([records[i] for i in next(schedule)], config.max_len, model.device)
-        with autocast:
-            loss, agreed = distill_loss(model, batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        state["step"] = step + 1
-        state["train_seconds"] = seconds0 + time.monotonic() - began
-        if state["step"] % config.eval_every == 0:
-            latest = {"step": state["step"], **evaluate(model, probe, config.batch_tokens, config.max_len)}
-            state["history"].append(latest)
-        bar.update(1)
-        agree, heldout_agree = f"{agreed.float().mean().item():.2f}", f"{latest['agreement']:.3f}"
-        bar.set_postfix(loss=f"{loss.item():.3f}", agree=agree, heldout_agree=heldout_agree)
-        if time.monotonic() - last_save > config.checkpoint_minutes * 60:
-            save()
-            last_save = time.monotonic()
-    bar.close()
-    save()
-    log(f"trained {state['step']} steps in {state['train_seconds']:.0f}s")
-    return state
-
-
-def _save_checkpoint(path: Path, model, optimizer, state: dict) -> None:
-    """The trainable weights, the optimiser and `state`, replaced atomically (a resumed build starts from it)."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    weights = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
-    with atomic_path(path) as tmp:
-        torch.save({**state, "model": weights, "optimizer": optimizer.state_dict(), "names": names}, tmp)
-
-
-def _schedule(records, config):
-    """Endless stream of batches (lists of record indices), epoch after epoch."""
-    epoch = 0
-    while True:
-        yield from batches(records, config.batch_tokens, config.max_len, config.seed, epoch)
-        epoch += 1
 
 
 @torch.no_grad()

@@ -136,26 +136,23 @@ def make_draft(
         kind == "model" or prompts is not None,
         "--kind head needs --prompts FILE (e.g. ../shared/data/train_prompts/prompts.jsonl)",
     )
-    given = dict(budget_minutes=budget_minutes, data_share=data_share, batch_tokens=batch_tokens, lr=lr)
-    given |= dict(gen_batch=gen_batch, max_new_tokens=max_new_tokens, seed=seed)
+    given = dict(budget_minutes=budget_minutes, data_share=data_share, batch_tokens=batch_tokens, lr=lr, seed=seed)
+    given |= dict(gen_batch=gen_batch, max_new_tokens=max_new_tokens, heldout=heldout, train_dtype=train_dtype)
     given = {k: v for k, v in given.items() if v is not None}  # the rest: the kind's own defaults
     loaded = load_model(target, dtype=dtype, device=device, direct=False)
     command = "draftverify make-draft " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "make-draft")
-    build = dict(work=work, resume=resume, command=command, log=_log, save_dtype=save_dtype)
+    build = dict(work=work, resume=resume, command=command, log=_log, save_dtype=save_dtype, init=init)
     if kind == "head":
         from draftverify.tools.make_draft.feature_head import HeadTraining, build_head
 
-        own = dict(vocab=vocab, epochs=epochs, sampled=sampled, templates=templates, train_dtype=train_dtype)
-        config = HeadTraining(**own, steps=steps, **given, **({"heldout": heldout} if heldout is not None else {}))
-        build_head(loaded, out, prompts, config, init=init, **build)
+        own = dict(vocab=vocab, epochs=epochs, sampled=sampled, templates=templates)
+        build_head(loaded, out, prompts, HeadTraining(**own, steps=steps, **given), **build)
     else:
-        config = _draft_config(layers, layer_ids, steps, data, heldout, train_dtype, given)
         from draftverify.tools.make_draft.build import build_draft
 
-        engine = _engine(target, dtype, device) if prompts is not None else None
-        build_draft(
-            loaded, out, config, share_embeddings=share_embeddings, prompts=prompts, engine=engine, init=init, **build
-        )
+        config = _draft_config(layers, layer_ids, steps, data, given)
+        engine = _engine(target, dtype, device) if prompts is not None else None  # answers --prompts
+        build_draft(loaded, out, config, share_embeddings=share_embeddings, prompts=prompts, engine=engine, **build)
 
 
 def _engine(target: str | None, dtype: str, device: str):
@@ -166,23 +163,14 @@ def _engine(target: str | None, dtype: str, device: str):
     return Engine(direct, arithmetic=arithmetic)
 
 
-def _draft_config(
-    layers: int, layer_ids: str | None, steps, data: str, heldout: int | None, train_dtype: str, given: dict
-):
+def _draft_config(layers: int, layer_ids: str | None, steps, data: str, given: dict):
     """`--kind model`'s settings: `layer_ids` (comma-separated) name the copied layers, else `layers` count them."""
     from draftverify.tools.make_draft.build import DraftConfig
 
     ids = tuple(int(x) for x in layer_ids.split(",")) if layer_ids else None
-    held = {"heldout_prompts": heldout} if heldout is not None else {}
+    own = {("heldout_prompts" if k == "heldout" else k): v for k, v in given.items()}
     return DraftConfig(
-        layers=len(ids) if ids else layers,
-        layer_ids=ids,
-        steps=steps,
-        data=data,
-        max_shards=None,
-        train_dtype=train_dtype,
-        **given,
-        **held,
+        layers=len(ids) if ids else layers, layer_ids=ids, steps=steps, data=data, max_shards=None, **own
     )
 
 

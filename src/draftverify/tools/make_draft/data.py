@@ -15,6 +15,7 @@ build keeps every finished shard and `--resume` never redoes them):
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -155,6 +156,25 @@ def answered_records(
     return records
 
 
+def template_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Template prompts as chat token ids, those of at most `MAX_PROMPT_TOKENS`, shortest first."""
+    ids = [chat_ids(tokenizer, [{"role": "user", "content": t}], True) for t in texts]
+    return sorted((i for i in ids if len(i) <= MAX_PROMPT_TOKENS), key=len)
+
+
+def _replies_shard(
+    prompts: Prompts, target: Loaded, n: int, gen_batch: int, max_new_tokens: int, plan: DataPlan, i: int, bf16: bool
+) -> tuple[list[TrainingRecord], str]:
+    """Shard i, the `n`-th of replies to --prompts: the next `gen_batch` training prompts, answered greedily on the
+    first pass over them and sampled (seeded by the shard, so a resumed build makes the same) on later passes,
+    scored with bf16 matmuls when `bf16`; and the shard's kind."""
+    chunks = -(-len(prompts.train) // gen_batch)
+    chunk = prompts.train[(n % chunks) * gen_batch :][:gen_batch]
+    seed = plan.seed * 7919 + i if n >= chunks else None
+    records = answered_records(prompts, target, chunk, max_new_tokens, plan.topk, seed, bf16)
+    return records, "replies-greedy" if seed is None else "replies-sampled"
+
+
 def record_dicts(records: list[TrainingRecord]) -> list[dict]:
     return [asdict(r) for r in records]
 
@@ -242,31 +262,25 @@ class DataCache(ShardFolder):
     ) -> None:
         """Make the held-out set, then shards until `deadline` (time.monotonic) or `max_shards` exist (at least one).
 
-        Shard i is teacher-forced stdlib text when `i % text_every == text_every - 1` (never when
-        `text_every` is 0), else the target's replies to `gen_batch` prompts: the next of `prompts.train`
-        (greedy on the first pass over them, sampled on later passes; scored with bf16 matmuls when `bf16`),
-        or template prompts.
-        """
+        Shard i is teacher-forced stdlib text when `i % text_every == text_every - 1` (never when `text_every`
+        is 0), else the target's replies to `gen_batch` prompts: the next of `prompts` (`_replies_shard`) or
+        template prompts."""
         plan, tok = self.plan, target.tokenizer
         lib = Stdlib.load()
         require(
             lib.functions and lib.topics, "the Python standard library sources are not installed: cannot build prompts"
         )
 
-        def encode(texts: list[str]) -> list[list[int]]:
-            ids = [chat_ids(tok, [{"role": "user", "content": t}], True) for t in texts]
-            return sorted((i for i in ids if len(i) <= MAX_PROMPT_TOKENS), key=len)
-
-        heldout = self.folder / "heldout.pt"
-        if not heldout.is_file():
+        encode = functools.partial(template_ids, tok)
+        if not (self.folder / "heldout.pt").is_file():
             if prompts is not None:  # scored in the target's own arithmetic: the card's agreement is measured on it
                 records = answered_records(prompts, target, prompts.heldout, max_new_tokens, plan.topk, None, False)
             else:
                 ids = encode(make_prompts(heldout_prompts, plan.seed + 1_000_003, lib))
                 records = generated_records(target, ids, max_new_tokens, plan.topk, sample=False)
-            with atomic_path(heldout) as tmp:
-                torch.save({"records": record_dicts(records)}, tmp)
-            log(f"held-out set: {len(records)} greedy generations")
+            self.save(
+                "heldout.pt", records, log, f"held-out set: {len(records)} greedy replies, {{n}} target positions"
+            )
         i = len(self.shards())
         while (i == 0 or time.monotonic() < deadline) and (max_shards is None or i < max_shards):  # at least one shard
             t0 = time.monotonic()
@@ -278,12 +292,8 @@ class DataCache(ShardFolder):
                 seqs = [chat_ids(tok, d, False)[:longest] for d in docs]
                 records, kind = forced_records(target, seqs, plan.topk), "text"
             elif prompts is not None:
-                c = i - (i + 1) // text_every if text_every else i  # replies shards before this one
-                chunks = -(-len(prompts.train) // gen_batch)
-                chunk = prompts.train[(c % chunks) * gen_batch :][:gen_batch]
-                seed = plan.seed * 7919 + i if c >= chunks else None  # one seed per shard: a resumed build agrees
-                records = answered_records(prompts, target, chunk, max_new_tokens, plan.topk, seed, bf16)
-                kind = "replies-greedy" if seed is None else "replies-sampled"
+                replies = i - (i + 1) // text_every if text_every else i  # replies shards before this one
+                records, kind = _replies_shard(prompts, target, replies, gen_batch, max_new_tokens, plan, i, bf16)
             else:
                 torch.manual_seed(plan.seed * 7919 + i)  # one seed per shard: a resumed build makes the same data
                 sample = i % 4 == 2
@@ -291,8 +301,15 @@ class DataCache(ShardFolder):
                 # every prompt may be too long for a tokenizer with short tokens: then the shard is empty
                 records = generated_records(target, ids, max_new_tokens, plan.topk, sample) if ids else []
                 kind = "chat-sampled" if sample else "chat-greedy"
-            with atomic_path(self.folder / f"shard-{i:05d}.pt") as tmp:
-                torch.save({"records": record_dicts(records), "kind": kind}, tmp)
-            tokens = sum(r.logp.shape[0] for r in records)
-            log(f"data shard {i} ({kind}): {tokens} target positions in {time.monotonic() - t0:.0f}s")
+            took = f"in {time.monotonic() - t0:.0f}s"
+            self.save(
+                f"shard-{i:05d}.pt", records, log, f"data shard {i} ({kind}): {{n}} target positions {took}", kind
+            )
             i += 1
+
+    def save(self, name: str, records: list[TrainingRecord], log, message: str, kind: str | None = None) -> None:
+        """Write `records` (of `kind`) as the file `name` of the cache, atomically, and log `message` with its count
+        of target positions as n."""
+        with atomic_path(self.folder / name) as tmp:
+            torch.save({"records": record_dicts(records), **({"kind": kind} if kind else {})}, tmp)
+        log(message.format(n=sum(r.logp.shape[0] for r in records)))

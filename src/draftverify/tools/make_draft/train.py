@@ -9,18 +9,28 @@
 - `distill_loss`: KL(p || q) per target position, p = the target's next-token distribution
   renormalised over its top-k tokens, q = the draft's full softmax, plus the greedy agreement
   (draft argmax == target argmax), the per-token acceptance rate of greedy speculative decoding.
+- `train`: the distillation loop (AdamW, warm-up then cosine decay, bf16 matmuls on a CPU that has them), with
+  checkpoints a resumed build continues from.
 """
 
 from __future__ import annotations
 
 import copy
+import math
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from draftverify.errors import require
 from draftverify.loading import Loaded, layer_prefix
 from draftverify.tools.make_draft.data import TrainingRecord
+from draftverify.util import atomic_path
+
+if TYPE_CHECKING:
+    from draftverify.tools.make_draft.build import DraftConfig
 
 
 def candidate_layer_sets(total: int, n: int) -> dict[str, tuple[int, ...]]:
@@ -185,3 +195,90 @@ def choose_layers(
         del model
     best = min(scores, key=lambda name: scores[name]["kl"])
     return tuple(scores[best]["layers"]), scores
+
+
+def learning_rate(config: DraftConfig, step: int, progress: float) -> float:
+    """Linear warm-up, then cosine decay to a tenth of `lr` as `progress` goes 0 -> 1."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train(model, records, heldout, config, kept: dict, checkpoint_path, state, deadline, log, progress) -> dict:
+    """Distil until `config.steps` or `deadline`; checkpoints every few minutes and at the end. `kept`: what the
+    checkpoint records of the build (its data plan, layers and their choice, the draft it started from)."""
+    from tqdm import tqdm
+
+    params = trainable(model)
+    probe = heldout[: config.eval_sequences]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    if state is not None:
+        model.load_state_dict(state["model"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+    else:
+        state = {"step": 0, "train_seconds": 0.0}
+        state["history"] = [{"step": 0, **evaluate(model, probe, config.batch_tokens, config.max_len)}]
+    state.update(kept)
+
+    def save() -> None:
+        _save_checkpoint(checkpoint_path, model, optimizer, state)
+
+    # training seconds this build may spend in all
+    budget = max(1e-9, deadline - time.monotonic() + state["train_seconds"])
+    schedule = _schedule(records, config)
+    for _ in range(state["step"]):
+        next(schedule)
+    bar = tqdm(total=config.steps, initial=state["step"], desc="make-draft", unit="step", disable=not progress)
+    last_save, began, seconds0 = time.monotonic(), time.monotonic(), state["train_seconds"]
+    latest = state["history"][-1]
+    while (config.steps is None or state["step"] < config.steps) and time.monotonic() < deadline:
+        step = state["step"]
+        done = step / config.steps if config.steps else (seconds0 + time.monotonic() - began) / budget
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step, done)
+        batch = collate([records[i] for i in next(schedule)], config.max_len, model.device)
+        loss, agreed = _step(model, params, optimizer, batch, config)
+        state["step"] = step + 1
+        state["train_seconds"] = seconds0 + time.monotonic() - began
+        if state["step"] % config.eval_every == 0:
+            latest = {"step": state["step"], **evaluate(model, probe, config.batch_tokens, config.max_len)}
+            state["history"].append(latest)
+        bar.update(1)
+        agree, heldout_agree = f"{agreed.float().mean().item():.2f}", f"{latest['agreement']:.3f}"
+        bar.set_postfix(loss=f"{loss.item():.3f}", agree=agree, heldout_agree=heldout_agree)
+        if time.monotonic() - last_save > config.checkpoint_minutes * 60:
+            save()
+            last_save = time.monotonic()
+    bar.close()
+    save()
+    log(f"trained {state['step']} steps in {state['train_seconds']:.0f}s")
+    return state
+
+
+def _step(model, params, optimizer, batch: TrainingBatch, config: DraftConfig):
+    """One optimiser step on `batch` (its matmuls in bf16 on a GPU, and on a CPU where `config.bf16()` says so);
+    returns the loss and the batch's agreements."""
+    device = model.device.type
+    with torch.autocast(device, torch.bfloat16, enabled=device == "cuda" or config.bf16()):
+        loss, agreed = distill_loss(model, batch)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, agreed
+
+
+def _save_checkpoint(path: Path, model, optimizer, state: dict) -> None:
+    """The trainable weights, the optimiser and `state`, replaced atomically (a resumed build starts from it)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    weights = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    with atomic_path(path) as tmp:
+        torch.save({**state, "model": weights, "optimizer": optimizer.state_dict(), "names": names}, tmp)
+
+
+def _schedule(records, config):
+    """Endless stream of batches (lists of record indices), epoch after epoch."""
+    epoch = 0
+    while True:
+        yield from batches(records, config.batch_tokens, config.max_len, config.seed, epoch)
+        epoch += 1
