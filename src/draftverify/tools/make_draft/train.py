@@ -20,7 +20,6 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,9 +27,6 @@ from draftverify.errors import require
 from draftverify.loading import Loaded, layer_prefix
 from draftverify.tools.make_draft.data import TrainingRecord
 from draftverify.util import atomic_path
-
-if TYPE_CHECKING:
-    from draftverify.tools.make_draft.build import DraftConfig
 
 
 def candidate_layer_sets(total: int, n: int) -> dict[str, tuple[int, ...]]:
@@ -197,8 +193,8 @@ def choose_layers(
     return tuple(scores[best]["layers"]), scores
 
 
-def learning_rate(config: DraftConfig, step: int, progress: float) -> float:
-    """Linear warm-up, then cosine decay to a tenth of `lr` as `progress` goes 0 -> 1."""
+def learning_rate(config, step: int, progress: float) -> float:
+    """Linear warm-up, then cosine decay to a tenth of `lr` as `progress` goes 0 -> 1 (`config`: a DraftConfig)."""
     if step < config.warmup:
         return config.lr * (step + 1) / config.warmup
     return config.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
@@ -255,7 +251,7 @@ def train(model, records, heldout, config, kept: dict, checkpoint_path, state, d
     return state
 
 
-def _step(model, params, optimizer, batch: TrainingBatch, config: DraftConfig):
+def _step(model, params, optimizer, batch: TrainingBatch, config):
     """One optimiser step on `batch` (its matmuls in bf16 on a GPU, and on a CPU where `config.bf16()` says so);
     returns the loss and the batch's agreements."""
     device = model.device.type
