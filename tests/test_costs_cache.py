@@ -89,27 +89,3 @@ def test_an_auto_request_in_a_second_engine_measures_nothing(tiny, curves_home, 
     _refuse_to_measure(monkeypatch)
     second = Engine(target, draft, feature_head=head)
     assert second.generate("ab", method="auto", max_new_tokens=12, temperature=0).tokens == want.tokens
-
-
-def test_time_widths_takes_each_widths_median_after_warm_ups_and_never_falls(monkeypatch):
-    """A width is timed in a run of its own (the two first forwards of each run are warm-ups, however slow), its
-    time the median of its runs over both sweeps (one slow or fast run does not move it), and a width timed below a
-    narrower one takes the narrower one's time."""
-    clock = [0.0]
-    seen: dict[int, int] = {}
-    base = {1: 3.0, 2: 2.5, 4: 3.5}  # 2 tokens "cheaper" than 1: noise
-    odd: dict[tuple[int, int], float] = {}
-
-    def forward(tokens):
-        w = len(tokens)
-        seen[w] = seen.get(w, 0) + 1
-        warm_up = (seen[w] - 1) % (reps + 2) < 2
-        clock[0] += 100.0 if warm_up else base[w] + odd.get((w, seen[w]), 0.0)  # noqa: B023 (read in the call)
-
-    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
-    for reps in (5, 1):
-        seen.clear()
-        odd = {(4, 5): 50.0, (4, 6): -3.4} if reps == 5 else {}  # a slow and a fast timed run of width 4
-        times = costs.time_widths(forward, lambda: None, [5, 6, 7], widths=(1, 2, 4), reps=reps, sweeps=2)
-        assert seen == {w: 2 * (reps + 2) for w in (1, 2, 4)}
-        assert times == {1: 3.0, 2: 3.0, 4: 3.5}

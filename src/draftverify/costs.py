@@ -2,9 +2,9 @@
 
 The cost curve t(w) is what every draft-length and tree-size decision trades against: on a GPU, or
 on the static CPU path, verifying several tokens costs little more than one, while on the eager CPU
-path it grows much faster (docs/backends.md has the measured curves). `forward_times` measures it (the
-median of a width's runs after a fixed context); `curve(runner)` measures it once
-per model, path and width set and keeps it in the runner's `Shared` (its engine's, so two engines keep their own);
+path it grows much faster (docs/backends.md has the measured curves). `forward_times` measures it
+(fastest of `reps` runs per width after a fixed context); `curve(runner)` measures it once per model,
+path and width set and keeps it in the runner's `Shared` (its engine's, so two engines keep their own);
 `forward_time` reads a table between the widths.
 
 The curve also grows with the context: every new token's attention reads every cached one, so a
@@ -28,7 +28,6 @@ import functools
 import hashlib
 import json
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -40,9 +39,6 @@ from draftverify.util import atomic_write, cache_root
 WIDTHS = (1, 2, 4, 8, 16, 32)
 POLICY_CONTEXT = 64  # tokens of context before the policy's timed forwards
 FAR_CONTEXT = 1024  # and before the second measurement, for the growth with context
-# How `time_widths` times a curve, part of a curve's key on disk: curves timed another way are measured again
-# (2: each width's runs in a row, swept twice, the median, never below a narrower width; 1: one sweep, the fastest).
-TIMING = 2
 # A curve is read at the context rounded down to a multiple of this: a few tokens of context barely move a forward's
 # time, and one table (with the marginal times drawn from it) then serves several rounds.
 CONTEXT_STEP = 16
@@ -57,8 +53,8 @@ def forward_times(
     runner: Runner, context: list[int], widths=WIDTHS, reps: int = 5, all_logits: bool = True
 ) -> dict[int, float]:
     """Seconds of one forward of w new tokens after `context`, for each w in `widths`, on a fork of `runner` (its
-    model on its path: a drafting runner's forward is timed as it drafts): the median of its runs
-    (`time_widths`).
+    model on its path: a drafting runner's forward is timed as it drafts): the fastest of `reps` runs (the least
+    disturbed by the rest of the machine).
 
     `all_logits`: compute logits for every new token (the target verifying drafts) or only
     the last one (the draft proposing).
@@ -74,32 +70,20 @@ def forward_times(
     return time_widths(forward, lambda: runner.crop(base), context, widths, reps)
 
 
-def time_widths(
-    forward, rollback, context: list[int], widths=WIDTHS, reps: int = 5, sweeps: int = 2
-) -> dict[int, float]:
-    """Seconds of `forward(tokens)` for w tokens (taken from `context`, repeated), per w in `widths`, `rollback()`
-    after each run: the median of its runs, what a run of such forwards typically pays.
-
-    A forward's time depends on what ran just before it: right after a longer forward (or a pause) a short one
-    finds fewer of its weights in the caches, and takes much longer than in a run of its like. So each width is
-    timed in a run of its own (`reps` timed forwards after two untimed ones), and the widths are swept `sweeps`
-    times, so that a slow stretch of the machine falls on one sweep of a width rather than on all its runs. A
-    forward of more tokens does all that one of fewer does, so a width is never timed below a narrower one (noise
-    could say so otherwise, and a curve that falls makes extra rows look free). Any engine's forward."""
+def time_widths(forward, rollback, context: list[int], widths=WIDTHS, reps: int = 5) -> dict[int, float]:
+    """Seconds of `forward(tokens)` for w tokens (taken from `context`, repeated), per w in `widths`:
+    the fastest of `reps` runs after a warm-up, `rollback()` after each. Any engine's forward."""
     tokens = (context * (max(widths) // max(1, len(context)) + 1))[: max(widths)]
-    samples: dict[int, list[float]] = {w: [] for w in widths}
-    for _ in range(sweeps):
-        for w in widths:
-            for rep in range(reps + 2):  # the first two of each width are warm-ups
-                t = time.perf_counter()
-                forward(tokens[:w])
-                if rep >= 2:
-                    samples[w].append(time.perf_counter() - t)
-                rollback()
-    times, floor = {}, 0.0
-    for w in sorted(widths):
-        floor = max(floor, statistics.median(samples[w]))
-        times[w] = floor
+    times = {}
+    for w in widths:
+        samples = []
+        for rep in range(reps + 1):  # the first run of each width is a warm-up
+            t = time.perf_counter()
+            forward(tokens[:w])
+            if rep:
+                samples.append(time.perf_counter() - t)
+            rollback()
+        times[w] = min(samples)
     return times
 
 
@@ -151,7 +135,7 @@ def context_slope(near: dict[int, float], far: dict[int, float], span: int) -> d
 
 
 def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> Curve:
-    """The cost curve of `runner`'s model on its backend, measured once per engine (`runner.shared`; 5 runs a
+    """The cost curve of `runner`'s model on its backend, measured once per engine (`runner.shared`; 3 runs a
     width), after `POLICY_CONTEXT` tokens and again after `FAR_CONTEXT` (or as many as the model's positions
     allow); read from `runner.shared.curve_folder` instead when a file there has this curve's key."""
     key = (runner.backend, runner.draft, all_logits, tuple(widths))
@@ -177,7 +161,7 @@ def measure_curve(runner: Runner, all_logits: bool, widths) -> Curve:
 
     def times(n: int) -> dict[int, float]:
         context = [(7 * i + 3) % vocab for i in range(n)]
-        return forward_times(runner, context, widths, reps=5, all_logits=all_logits)
+        return forward_times(runner, context, widths, reps=3, all_logits=all_logits)
 
     near = times(POLICY_CONTEXT)
     slope = context_slope(near, times(far), far - POLICY_CONTEXT) if far >= 4 * POLICY_CONTEXT else None
@@ -235,7 +219,6 @@ def curve_key(runner: Runner, all_logits: bool, widths) -> dict:
         "draft": runner.draft,
         "all_logits": all_logits,
         "widths": list(widths),
-        "timing": TIMING,
     }
 
 

@@ -188,8 +188,7 @@ class LlamaCpp:
         }
 
     def forward_times(self, context: list[int], widths, reps: int = 5) -> dict[int, float]:
-        """Seconds of one forward of w new tokens after `context` (`costs.time_widths`: the median of `reps`), per
-        width."""
+        """Seconds of one forward of w new tokens after `context` (fastest of `reps`), per width."""
         llm = self.llm
         llm.reset()
         llm.eval(context)

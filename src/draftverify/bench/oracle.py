@@ -13,7 +13,7 @@ library), so position 1 counts as a disagreement, and the last round ends at N:
 
 Cost model, from forward times measured at the start of the run (t_T(w), t_D(w) = one
 target / draft forward of w new tokens after a fixed context; linear between the measured
-widths 1, 2, 4, 8, 16 and beyond; each the median of 5 runs, the widths taking turns):
+widths 1, 2, 4, 8, 16 and beyond; each the fastest of 5 runs):
     T_oracle = T_prefill + T_draft_prefill + sum over rounds [ (b - a) t_D(1) + t_T(b - a + 1) ]
     T_AR     = T_prefill + (N - 1) t_T(1)
     oracle speedup = T_AR / T_oracle
