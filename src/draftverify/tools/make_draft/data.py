@@ -15,7 +15,6 @@ build keeps every finished shard and `--resume` never redoes them):
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -271,16 +270,13 @@ class DataCache(ShardFolder):
             lib.functions and lib.topics, "the Python standard library sources are not installed: cannot build prompts"
         )
 
-        encode = functools.partial(template_ids, tok)
         if not (self.folder / "heldout.pt").is_file():
             if prompts is not None:  # scored in the target's own arithmetic: the card's agreement is measured on it
                 records = answered_records(prompts, target, prompts.heldout, max_new_tokens, plan.topk, None, False)
             else:
-                ids = encode(make_prompts(heldout_prompts, plan.seed + 1_000_003, lib))
+                ids = template_ids(tok, make_prompts(heldout_prompts, plan.seed + 1_000_003, lib))
                 records = generated_records(target, ids, max_new_tokens, plan.topk, sample=False)
-            self.save(
-                "heldout.pt", records, log, f"held-out set: {len(records)} greedy replies, {{n}} target positions"
-            )
+            log(f"held-out set: {len(records)} greedy replies, {self.save('heldout.pt', records)} target positions")
         i = len(self.shards())
         while (i == 0 or time.monotonic() < deadline) and (max_shards is None or i < max_shards):  # at least one shard
             t0 = time.monotonic()
@@ -297,19 +293,16 @@ class DataCache(ShardFolder):
             else:
                 torch.manual_seed(plan.seed * 7919 + i)  # one seed per shard: a resumed build makes the same data
                 sample = i % 4 == 2
-                ids = encode(make_prompts(gen_batch, plan.seed * 7919 + i, lib))
+                ids = template_ids(tok, make_prompts(gen_batch, plan.seed * 7919 + i, lib))
                 # every prompt may be too long for a tokenizer with short tokens: then the shard is empty
                 records = generated_records(target, ids, max_new_tokens, plan.topk, sample) if ids else []
                 kind = "chat-sampled" if sample else "chat-greedy"
-            took = f"in {time.monotonic() - t0:.0f}s"
-            self.save(
-                f"shard-{i:05d}.pt", records, log, f"data shard {i} ({kind}): {{n}} target positions {took}", kind
-            )
+            positions = self.save(f"shard-{i:05d}.pt", records, kind)
+            log(f"data shard {i} ({kind}): {positions} target positions in {time.monotonic() - t0:.0f}s")
             i += 1
 
-    def save(self, name: str, records: list[TrainingRecord], log, message: str, kind: str | None = None) -> None:
-        """Write `records` (of `kind`) as the file `name` of the cache, atomically, and log `message` with its count
-        of target positions as n."""
+    def save(self, name: str, records: list[TrainingRecord], kind: str | None = None) -> int:
+        """Write `records` (of `kind`) as the file `name` of the cache, atomically; returns their target positions."""
         with atomic_path(self.folder / name) as tmp:
             torch.save({"records": record_dicts(records), **({"kind": kind} if kind else {})}, tmp)
-        log(message.format(n=sum(r.logp.shape[0] for r in records)))
+        return sum(r.logp.shape[0] for r in records)
