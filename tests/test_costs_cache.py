@@ -89,3 +89,29 @@ def test_an_auto_request_in_a_second_engine_measures_nothing(tiny, curves_home, 
     _refuse_to_measure(monkeypatch)
     second = Engine(target, draft, feature_head=head)
     assert second.generate("ab", method="auto", max_new_tokens=12, temperature=0).tokens == want.tokens
+
+
+def test_a_curve_measured_on_a_busy_machine_steers_its_process_but_is_not_kept(tiny, curves_home, monkeypatch, capsys):
+    share = {"now": 0.5}
+    monkeypatch.setattr(costs, "BUSY_SHARE", 0.15)  # the shipped bound (the test session lifts it: conftest.py)
+    monkeypatch.setattr(costs, "others_share", lambda before, after: share["now"])
+    runner = Engine(tiny("llama"), backend="static").target_runner
+    measured = costs.curve(runner, widths=(1, 2))
+    assert not list(curves_home.glob("*.json"))
+    assert "other work used 50% of the CPUs" in capsys.readouterr().err
+    assert costs.curve(runner, widths=(1, 2)) is measured  # this engine keeps it
+    share["now"] = costs.BUSY_SHARE  # a quiet enough machine: the next engine measures again, and keeps that one
+    costs.curve(Engine(tiny("llama"), backend="static").target_runner, widths=(1, 2))
+    assert len(list(curves_home.glob("*.json"))) == 1 and not capsys.readouterr().err
+
+
+def test_others_share_is_the_cpu_time_this_process_did_not_use(monkeypatch):
+    monkeypatch.setattr(costs.os, "sysconf", lambda name: 100)  # clock ticks a second
+    # 200 busy ticks of 400 in all (two CPUs, two seconds), 1.5 s of them this process's own
+    assert costs.others_share((1000, 5000, 3.0), (1200, 5400, 4.5)) == pytest.approx(50 / 400)
+    assert costs.others_share((1000, 5000, 3.0), (1200, 5400, 6.0)) == 0.0  # never below nothing
+    assert costs.others_share(None, (1200, 5400, 4.5)) is None  # no /proc/stat: unknown, and the curve is kept
+    assert costs.others_share((1000, 5000, 3.0), (1000, 5000, 3.0)) is None
+    now = costs.cpu_times()
+    if now is not None:  # Linux: the ticks count up, and this process has used some CPU time
+        assert now[0] <= now[1] and now[2] > 0

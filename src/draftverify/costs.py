@@ -18,8 +18,10 @@ curves on disk as well (`Shared.curve_folder`, `cache_folder()` under the cache 
 key, the key naming what a forward's time depends on: the machine (CPU model and flags, the GPU's name,
 torch's thread count), the model's identity, its arithmetic (dtype), the kernel build and torch's version,
 the path (backend, draft rounding) and the widths. A file whose key matches in full is read instead of
-measuring; a change in any part is another file, measured afresh. A curve only steers draft lengths, never
-what is accepted, so a stale or foreign curve could cost speed but never exactness.
+measuring; a change in any part is another file, measured afresh. A curve measured while other work took more
+than `BUSY_SHARE` of the CPUs (other processes, or a hypervisor's steal) steers its own process only and is not
+written: a busy moment does not steer later processes. A curve only steers draft lengths, never what is accepted,
+so a stale or foreign curve could cost speed but never exactness.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -143,11 +147,20 @@ def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> C
     if key not in found:
         folder = getattr(runner.shared, "curve_folder", None)
         disk_key = curve_key(runner, all_logits, widths) if folder is not None else None
-        found[key] = (load_curve(folder, disk_key) if folder is not None else None) or measure_curve(
-            runner, all_logits, widths
-        )
-        if folder is not None:
-            save_curve(folder, disk_key, found[key])
+        found[key] = load_curve(folder, disk_key) if folder is not None else None
+        if found[key] is None:
+            before = cpu_times()
+            found[key] = measure_curve(runner, all_logits, widths)
+            busy = others_share(before, cpu_times())
+            if folder is not None and (busy is None or busy <= BUSY_SHARE):
+                save_curve(folder, disk_key, found[key])
+            elif folder is not None:
+                print(
+                    f"draftverify: other work used {busy:.0%} of the CPUs while the cost curve was measured: it steers "
+                    "this process only, and a later one measures again (see docs/serve.md, the first request)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return found[key]
 
 
@@ -169,6 +182,36 @@ def measure_curve(runner: Runner, all_logits: bool, widths) -> Curve:
 
 
 # -- curves on disk ------------------------------------------------------------------------------
+
+# A curve is kept on disk only if the rest of the machine (other processes, and time the hypervisor gave this
+# machine's CPUs to others: "steal") took at most this share of the CPUs while it was measured: a curve measured
+# beside a build or a test run misreads what the wide forwards cost against a one-token one, and would steer every
+# later process on this machine.
+BUSY_SHARE = 0.15
+
+
+def cpu_times() -> tuple[int, int, float] | None:
+    """(every CPU's busy and stolen time since boot, in clock ticks; all their time, busy or idle; this process's
+    own CPU seconds), or None where the kernel does not say (no /proc/stat)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    own = os.times()
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks), own.user + own.system
+
+
+def others_share(before, after) -> float | None:
+    """The share of the CPUs' time between two `cpu_times` that went to anything but this process (None when
+    either is unknown or no tick passed)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    others = (after[0] - before[0]) - (after[2] - before[2]) * hz
+    return max(0.0, others / (after[1] - before[1]))
 
 
 def cache_folder() -> Path:
