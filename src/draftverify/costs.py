@@ -46,6 +46,7 @@ FAR_CONTEXT = 1024  # and before the second measurement, for the growth with con
 # A curve is read at the context rounded down to a multiple of this: a few tokens of context barely move a forward's
 # time, and one table (with the marginal times drawn from it) then serves several rounds.
 CONTEXT_STEP = 16
+KEPT_TABLES = 256  # a curve's tables at this many contexts at most (then it starts over)
 
 
 def sync_device(device: torch.device) -> None:
@@ -93,12 +94,14 @@ def time_widths(forward, rollback, context: list[int], widths=WIDTHS, reps: int 
 
 class Table(dict):
     """A cost table (width -> seconds) that keeps its points in ascending order for `forward_time`, and the
-    `marginal_times` asked of it: the drafters read one several times a round. Built once, never changed."""
+    `marginal_time`s and `marginal_times` asked of it: the drafters read one several times a round. Built once,
+    never changed."""
 
     def __init__(self, times: dict[int, float]):
         super().__init__(times)
         self.points = _points(times)
         self.marginals: dict[tuple[int, int], list[float]] = {}  # (upto, others) -> marginal_times
+        self.marginal: dict[tuple[int, int], float] = {}  # (width, others) -> marginal_time
 
 
 class Curve(Table):
@@ -108,16 +111,20 @@ class Curve(Table):
     def __init__(self, times: dict[int, float], context: int, slope: dict[int, float] | None = None):
         super().__init__(times)
         self.context, self.slope = context, slope or {}
-        self.last: tuple[int, Table] | None = None  # the latest `at`: a round asks for its context more than once
+        # the tables `at` made, by context: a round asks for its context more than once, and the requests of a batch
+        # (which share the curve) each for its own
+        self.tables: dict[int, Table] = {}
 
     def at(self, context: int) -> Table:
         """The table after `context` tokens, read per `CONTEXT_STEP` tokens (one table serves a few rounds)."""
         context -= context % CONTEXT_STEP
-        last = self.last
-        if last is None or last[0] != context:
+        table = self.tables.get(context)
+        if table is None:
+            if len(self.tables) >= KEPT_TABLES:
+                self.tables.clear()
             more = max(0, context - self.context)
-            last = self.last = (context, Table({w: t + more * self.slope.get(w, 0.0) for w, t in self.items()}))
-        return last[1]
+            table = self.tables[context] = Table({w: t + more * self.slope.get(w, 0.0) for w, t in self.items()})
+        return table
 
 
 def at_context(costs: dict, context: int) -> dict[int, float]:
@@ -314,7 +321,12 @@ def _between(points: list[tuple[int, float]], width: int) -> float:
 def marginal_time(table: dict[int, float], width: int, others: int = 0) -> float:
     """Seconds `width` rows add to a forward that carries `others` rows of other sequences (a batch); alone
     (others = 0) that is t(width). Never below a twentieth of t(1) per row: a measured curve can dip."""
-    return _marginal(_points(table), width, others)
+    if not isinstance(table, Table):
+        return _marginal(_points(table), width, others)
+    found = table.marginal.get((width, others))
+    if found is None:
+        found = table.marginal[width, others] = _marginal(table.points, width, others)
+    return found
 
 
 def marginal_times(table: dict[int, float], upto: int, others: int = 0) -> list[float]:
