@@ -98,20 +98,25 @@ def test_a_curve_measured_on_a_busy_machine_steers_its_process_but_is_not_kept(t
     runner = Engine(tiny("llama"), backend="static").target_runner
     measured = costs.curve(runner, widths=(1, 2))
     assert not list(curves_home.glob("*.json"))
-    assert "other work used 50% of the CPUs" in capsys.readouterr().err
+    assert "other work used 50% of the CPU time" in capsys.readouterr().err
     assert costs.curve(runner, widths=(1, 2)) is measured  # this engine keeps it
     share["now"] = costs.BUSY_SHARE  # a quiet enough machine: the next engine measures again, and keeps that one
     costs.curve(Engine(tiny("llama"), backend="static").target_runner, widths=(1, 2))
     assert len(list(curves_home.glob("*.json"))) == 1 and not capsys.readouterr().err
 
 
-def test_others_share_is_the_cpu_time_this_process_did_not_use(monkeypatch):
+def test_others_share_is_the_cpu_time_other_work_took_from_this_process(monkeypatch):
     monkeypatch.setattr(costs.os, "sysconf", lambda name: 100)  # clock ticks a second
-    # 200 busy ticks of 400 in all (two CPUs, two seconds), 1.5 s of them this process's own
-    assert costs.others_share((1000, 5000, 3.0), (1200, 5400, 4.5)) == pytest.approx(50 / 400)
-    assert costs.others_share((1000, 5000, 3.0), (1200, 5400, 6.0)) == 0.0  # never below nothing
-    assert costs.others_share(None, (1200, 5400, 4.5)) is None  # no /proc/stat: unknown, and the curve is kept
-    assert costs.others_share((1000, 5000, 3.0), (1000, 5000, 3.0)) is None
+    # two CPUs, two seconds (400 ticks), two threads: 200 busy ticks, 150 of them this process's own
+    assert costs.others_share((1000, 5000, 3.0, 2), (1200, 5400, 4.5, 2), threads=2) == pytest.approx(50 / 400)
+    assert costs.others_share((1000, 5000, 3.0, 2), (1200, 5400, 6.0, 2), threads=2) == 0.0  # never below nothing
+    # eight CPUs, two seconds, two threads: other work's 600 ticks fit in the six CPUs the threads leave free...
+    assert costs.others_share((0, 0, 0.0, 8), (1000, 1600, 4.0, 8), threads=2) == 0.0
+    # ...but in one second of eight busy CPUs where the threads got one CPU's worth, 100 of other work's 700 ticks
+    # came out of the 200 the threads could have had
+    assert costs.others_share((0, 0, 0.0, 8), (800, 800, 1.0, 8), threads=2) == pytest.approx(100 / 200)
+    assert costs.others_share(None, (1200, 5400, 4.5, 2)) is None  # no /proc/stat: unknown, and the curve is kept
+    assert costs.others_share((1000, 5000, 3.0, 2), (1000, 5000, 3.0, 2)) is None
     now = costs.cpu_times()
     if now is not None:  # Linux: the ticks count up, and this process has used some CPU time
-        assert now[0] <= now[1] and now[2] > 0
+        assert now[0] <= now[1] and now[2] > 0 and now[3] >= 1

@@ -19,9 +19,9 @@ key, the key naming what a forward's time depends on: the machine (CPU model and
 torch's thread count), the model's identity, its arithmetic (dtype), the kernel build and torch's version,
 the path (backend, draft rounding) and the widths. A file whose key matches in full is read instead of
 measuring; a change in any part is another file, measured afresh. A curve measured while other work took more
-than `BUSY_SHARE` of the CPUs (other processes, or a hypervisor's steal) steers its own process only and is not
-written: a busy moment does not steer later processes. A curve only steers draft lengths, never what is accepted,
-so a stale or foreign curve could cost speed but never exactness.
+than `BUSY_SHARE` of the CPU time its threads could have had (other processes, or a hypervisor's steal) steers its
+own process only and is not written: a busy moment does not steer later processes. A curve only steers draft
+lengths, never what is accepted, so a stale or foreign curve could cost speed but never exactness.
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> C
                 save_curve(folder, disk_key, found[key])
             elif folder is not None:
                 print(
-                    f"draftverify: other work used {busy:.0%} of the CPUs while the cost curve was measured: it steers "
-                    "this process only, and a later one measures again (see docs/serve.md, the first request)",
+                    f"draftverify: other work used {busy:.0%} of the CPU time while the cost curve was measured: it "
+                    "steers this process only, and a later one measures again (see docs/serve.md, the first request)",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -190,35 +190,45 @@ def measure_curve(runner: Runner, all_logits: bool, widths) -> Curve:
 
 # -- curves on disk ------------------------------------------------------------------------------
 
-# A curve is kept on disk only if the rest of the machine (other processes, and time the hypervisor gave this
-# machine's CPUs to others: "steal") took at most this share of the CPUs while it was measured: a curve measured
-# beside a build or a test run misreads what the wide forwards cost against a one-token one, and would steer every
-# later process on this machine.
+# A curve is kept on disk only if other work (other processes, and time the hypervisor gave these CPUs to other
+# machines: "steal") took at most this share of the CPU time the forwards' threads needed while it was measured: a
+# curve measured beside a build or a test run misreads what the wide forwards cost against a one-token one, and
+# would steer every later process on this machine.
 BUSY_SHARE = 0.15
 
 
-def cpu_times() -> tuple[int, int, float] | None:
-    """(every CPU's busy and stolen time since boot, in clock ticks; all their time, busy or idle; this process's
-    own CPU seconds), or None where the kernel does not say (no /proc/stat)."""
+def cpu_times() -> tuple[int, int, float, int] | None:
+    """For the CPUs this process may run on: (their busy and stolen time since boot, in clock ticks; all their time,
+    busy or idle; this process's own CPU seconds; how many CPUs), or None where the kernel does not say (no
+    /proc/stat)."""
     try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-    except OSError:
+        lines = Path("/proc/stat").read_text().splitlines()
+        mine = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+    except (OSError, AttributeError):
         return None
-    if not fields or fields[0] != "cpu":
+    rows = [line.split() for line in lines if line.split(maxsplit=1)[0] in mine]
+    if not rows:
         return None
-    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    busy = total = 0
+    for fields in rows:
+        ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+        busy, total = busy + sum(ticks) - ticks[3] - ticks[4], total + sum(ticks)
     own = os.times()
-    return sum(ticks) - ticks[3] - ticks[4], sum(ticks), own.user + own.system
+    return busy, total, own.user + own.system, len(rows)
 
 
-def others_share(before, after) -> float | None:
-    """The share of the CPUs' time between two `cpu_times` that went to anything but this process (None when
-    either is unknown or no tick passed)."""
+def others_share(before, after, threads: int | None = None) -> float | None:
+    """How much of the CPU time this process's `threads` (torch's) could have had between two `cpu_times` went to
+    other work instead: other work's time beyond what the CPUs those threads leave free could absorb, over the
+    threads' time. None when either reading is unknown or no tick passed."""
     if before is None or after is None or after[1] <= before[1]:
         return None
+    cpus = after[3]
+    threads = min(cpus, threads or torch.get_num_threads())
     hz = os.sysconf("SC_CLK_TCK")
+    elapsed = (after[1] - before[1]) / cpus  # ticks per CPU
     others = (after[0] - before[0]) - (after[2] - before[2]) * hz
-    return max(0.0, others / (after[1] - before[1]))
+    return max(0.0, others - (cpus - threads) * elapsed) / (threads * elapsed)
 
 
 def cache_folder() -> Path:
