@@ -88,6 +88,10 @@ class CandidateRecord:
     draft_s: float = 0.0  # seconds drafting (until a round is timed: nothing; the first timed round sets it)
     nodes: float = 4.0  # candidate tokens verified
     timed: bool = False  # whether a round has set `draft_s`
+    # a model-run candidate's catch-up: the positions a steady round feeds first (`Drafter.backlog`), and the seconds
+    # each further position cost its comebacks (none measured yet: free)
+    backlog: float | None = None
+    catch_s: float = 0.0
 
     def update(self, decay: float, accepted: float, draft_s: float | None, nodes: int) -> None:
         """`draft_s` None: this round's drafting time says nothing of a round's (see the module docstring)."""
@@ -96,6 +100,15 @@ class CandidateRecord:
             self.draft_s = decay * self.draft_s + (1 - decay) * draft_s if self.timed else draft_s
             self.timed = True
         self.nodes = decay * self.nodes + (1 - decay) * nodes
+
+    def catch_up(self, decay: float, backlog: int, draft_s: float, steady: bool) -> None:
+        """A round this model-run candidate drafted in, after `backlog` positions to feed: a steady round's sets the
+        usual backlog, a comeback's (several more) what each further position cost beyond a steady round's time."""
+        if steady:
+            self.backlog = backlog if self.backlog is None else decay * self.backlog + (1 - decay) * backlog
+        elif self.timed and self.backlog is not None and backlog - self.backlog >= 2:
+            each = max(0.0, draft_s - self.draft_s) / (backlog - self.backlog)
+            self.catch_s = decay * self.catch_s + (1 - decay) * each if self.catch_s else each
 
 
 @dataclass
@@ -119,12 +132,15 @@ class AutoDrafter(Drafter):
         merge: bool = True,
         margin: float = 0.0,
         measure: bool = True,
+        comeback: bool = True,
     ):
         """`figures` are the caller's, updated in place round by round.
         `merge`: also offer each model-run drafter's candidates merged with each free drafter's offer.
         `measure`: scale each choice's price by what its own rounds measure (False: every choice by the running
-        scale of all rounds, which cancels out of the choice)."""
+        scale of all rounds, which cancels out of the choice).
+        `comeback`: price a model-run candidate's catch-up after sitting out (False: free)."""
         self.candidates, self.costs, self.figures, self.measuring = candidates, costs, figures, measure
+        self.comeback = comeback
         self.records = figures.records
         self.needs_hidden = any(d.needs_hidden for d in candidates.values())
         self.probe, self.decay, self.margin = probe, decay, margin
@@ -151,6 +167,7 @@ class AutoDrafter(Drafter):
         self.probing = False  # whether the chosen candidate drafts as a probe (it sat out too long), not on its price
         self.parts: dict[str, Proposal] = {}  # what each candidate proposed this round (two for a merged one)
         self.draft_s = 0.0
+        self.backlogs: dict[str, int] = {}  # this round: what each model-run candidate would catch up on first
         self.sent_at = 0.0  # when the proposal went to verification
         self.costs_now: dict = {}  # the cost table at this round's context (`costs.at_context`)
 
@@ -172,8 +189,17 @@ class AutoDrafter(Drafter):
         running mean)."""
         r = self.records[name]
         return (1 + (r.accepted if accepted is None else accepted)) / (
-            r.draft_s + self.verify_time(name, costs, nodes, others)
+            r.draft_s + self.comeback_s(name) + self.verify_time(name, costs, nodes, others)
         )
+
+    def comeback_s(self, name: str) -> float:
+        """The seconds `name`'s model would spend this round catching up beyond a steady round's feed (it sat out):
+        the positions it missed times what each cost its comebacks so far."""
+        model_run = self.merged[name][0] if name in self.merged else name
+        if not self.comeback or model_run not in self.backlogs:
+            return 0.0
+        r = self.records[model_run]
+        return r.catch_s * max(0.0, self.backlogs[model_run] - (r.backlog or 0.0))
 
     def could_pay(self, name: str, costs: dict, others: int, nodes: float) -> bool:
         """Whether a round of `name` verifying `nodes` candidates would beat plain decoding with every one of them
@@ -197,7 +223,9 @@ class AutoDrafter(Drafter):
         self.measure(t0)
         self.chosen, self.parts, self.model_run = AR, {}, None
         self.costs_now = costs = at_context(self.costs, len(seq))
+        self.backlogs = {}
         if room > 0:
+            self.backlogs = {name: d.backlog(seq) for name, d in self.candidates.items() if not d.free}
             offers = {name: d.propose(s, seq, room) for name, d in self.candidates.items() if d.free}
             size = {name: build_tree(seq[-1], offer.paths).size - 1 for name, offer in offers.items() if offer.paths}
             nodes, free_part = {}, {}  # what each candidate would verify, and the free offer's share of it
@@ -264,6 +292,8 @@ class AutoDrafter(Drafter):
                 calibration[1] += own.expected
                 accepted = own.expected * calibration[0] / calibration[1]
             record.update(self.decay, accepted, self.draft_s if steady else None, step.drafted)
+            if self.model_run is not None:
+                self.records[self.model_run].catch_up(self.decay, self.backlogs[self.model_run], self.draft_s, steady)
             self.idle[self.chosen] = 0
             if self.probing:  # judged by the prices every choice uses: did this round beat plain decoding's rate?
                 costs, draft_s = self.costs_now, self.draft_s if steady else record.draft_s

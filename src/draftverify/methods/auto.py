@@ -68,6 +68,9 @@ class AutoConfig:
     measure: price each choice (plain decoding included) by the time its own rounds measured against the cost
        curve (`drafters.auto`); false: every choice by one running scale, as before that (compare the two in one
        bench run: `--methods 'autoregressive,auto,auto[measure=false]'`; its choices depend less on the clock).
+    comeback: price a model-run candidate's catch-up when it drafts after sitting out rounds (the positions it missed,
+       times what each cost its comebacks so far: `drafters.auto`); false: free, as before (compare the two in one
+       bench run: `--methods 'autoregressive,auto,auto[comeback=false]'`).
     Each request starts from the figures the earlier requests of the same method instance left (the engine keeps
     one instance per spec; the bench's `warm=false` makes a fresh one per generation).
     """
@@ -80,6 +83,7 @@ class AutoConfig:
     width: int = 1
     margin: float = 0.0
     measure: bool = True
+    comeback: bool = True
 
     def __post_init__(self):
         unknown = next((c for c in self.names() if c not in CANDIDATES), None)
@@ -154,4 +158,5 @@ class Auto(Method):
             self.config.merge,
             self.config.margin,
             self.config.measure,
+            self.config.comeback,
         )
