@@ -168,6 +168,7 @@ class AutoDrafter(Drafter):
         self.parts: dict[str, Proposal] = {}  # what each candidate proposed this round (two for a merged one)
         self.draft_s = 0.0
         self.backlogs: dict[str, int] = {}  # this round: what each model-run candidate would catch up on first
+        self.probed: set[str] = set()  # the choices probed in this request
         self.sent_at = 0.0  # when the proposal went to verification
         self.costs_now: dict = {}  # the cost table at this round's context (`costs.at_context`)
 
@@ -184,12 +185,15 @@ class AutoDrafter(Drafter):
     def plain_rate(self, costs: dict, others: int) -> float:
         return (1 - self.margin) / self.verify_time(AR, costs, 0, others)
 
-    def rate(self, name: str, costs: dict, others: int, nodes: float, accepted: float | None = None) -> float:
+    def rate(
+        self, name: str, costs: dict, others: int, nodes: float, accepted: float | None = None, steady: bool = False
+    ) -> float:
         """Tokens per second of a round of `name` verifying `nodes` candidates, `accepted` of them (None: its
-        running mean)."""
+        running mean); `steady`: as a round after one it drafted (its catch-up left out)."""
         r = self.records[name]
+        catch_up = 0.0 if steady else self.comeback_s(name)
         return (1 + (r.accepted if accepted is None else accepted)) / (
-            r.draft_s + self.comeback_s(name) + self.verify_time(name, costs, nodes, others)
+            r.draft_s + catch_up + self.verify_time(name, costs, nodes, others)
         )
 
     def comeback_s(self, name: str) -> float:
@@ -203,8 +207,11 @@ class AutoDrafter(Drafter):
 
     def could_pay(self, name: str, costs: dict, others: int, nodes: float) -> bool:
         """Whether a round of `name` verifying `nodes` candidates would beat plain decoding with every one of them
-        accepted: where not (in a busy batch each row adds much to the shared forward), a probe can only cost."""
-        return self.rate(name, costs, others, nodes, accepted=nodes) >= self.plain_rate(costs, others)
+        accepted, its catch-up counted: where not (in a busy batch each row adds much to the shared forward; a model
+        that sat out long enough to cost more than a round can win), a probe can only cost. A candidate's first
+        probe of a request leaves its catch-up out: paid once a request, to learn what its steady rounds are worth."""
+        steady = name not in self.probed
+        return self.rate(name, costs, others, nodes, accepted=nodes, steady=steady) >= self.plain_rate(costs, others)
 
     def measure(self, now: float) -> None:
         """Score the round before this one (its time past drafting against the curve's), alone only: in a batch
@@ -253,6 +260,8 @@ class AutoDrafter(Drafter):
                 stale.append(AR)
             self.chosen = max(stale, key=self.idle.__getitem__) if stale else max(rates, key=rates.__getitem__)
             self.probing = bool(stale)
+            if stale:
+                self.probed.add(self.chosen)
             if self.chosen == AR:  # a plain round: chosen on price it resets the wait for the next, a probe doubles it
                 self.idle[AR] = 0
                 self.backoff[AR] = min(MAX_BACKOFF, 2 * self.backoff[AR]) if self.probing else 1
