@@ -48,7 +48,14 @@ request's own, so a request unlike the earlier ones gets its probes early.
 Two things keep the figures from misleading it. A drafter that sat out catches up on the
 rounds it missed when it drafts again (a feature head feeds their features, a draft model
 their tokens): that round's time says what sitting out cost, not what a round costs, so
-`draft_s` is taken only from rounds that follow one the drafter drafted. And where a drafter
+`draft_s` is taken only from rounds that follow one the drafter drafted. The catch-up is priced
+apart (`comeback`): a model-run candidate's record keeps the positions a steady round feeds first
+and the seconds each further position cost its comebacks, and a round that would catch up on
+`Drafter.backlog` positions pays that many times it on top of `draft_s` (priced free, a head that sat
+out came back on rounds its catch-up made slower than plain ones). A probe counts it too, save a
+candidate's first probe of a request (paid once a request, to learn what its steady rounds are worth):
+a model that sat out long enough that catching up costs more than a round can win is not probed again
+in that request. And where a drafter
 knows its own chances (`Proposal.expected`: the feature head's calibrated acceptance of its
 tree, summed), `accepted` is taken from that rather than from the round's count: one round
 accepts 0 or 2 where the head expected 0.8, and a probe judged by the count alone would shut
