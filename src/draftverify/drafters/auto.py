@@ -95,10 +95,12 @@ class CandidateRecord:
     draft_s: float = 0.0  # seconds drafting (until a round is timed: nothing; the first timed round sets it)
     nodes: float = 4.0  # candidate tokens verified
     timed: bool = False  # whether a round has set `draft_s`
-    # a model-run candidate's catch-up: the positions a steady round feeds first (`Drafter.backlog`), and the seconds
-    # each further position cost its comebacks (none measured yet: free)
+    # a model-run candidate's catch-up: the positions a steady round feeds first (`Drafter.backlog`), the seconds
+    # each further position cost its comebacks (none measured yet: free), and how many rounds in a row it drafts once
+    # back (what a comeback's catch-up is shared by)
     backlog: float | None = None
     catch_s: float = 0.0
+    run: float = 1.0
 
     def update(self, decay: float, accepted: float, draft_s: float | None, nodes: int) -> None:
         """`draft_s` None: this round's drafting time says nothing of a round's (see the module docstring)."""
@@ -176,6 +178,7 @@ class AutoDrafter(Drafter):
         self.draft_s = 0.0
         self.backlogs: dict[str, int] = {}  # this round: what each model-run candidate would catch up on first
         self.probed: set[str] = set()  # the choices probed in this request
+        self.streak: dict[str, int] = {}  # per model-run candidate: the rounds in a row it has drafted, up to now
         self.sent_at = 0.0  # when the proposal went to verification
         self.costs_now: dict = {}  # the cost table at this round's context (`costs.at_context`)
 
@@ -210,7 +213,7 @@ class AutoDrafter(Drafter):
         if not self.comeback or model_run not in self.backlogs:
             return 0.0
         r = self.records[model_run]
-        return r.catch_s * max(0.0, self.backlogs[model_run] - (r.backlog or 0.0))
+        return r.catch_s * max(0.0, self.backlogs[model_run] - (r.backlog or 0.0)) / max(1.0, r.run)
 
     def could_pay(self, name: str, costs: dict, others: int, nodes: float) -> bool:
         """Whether a round of `name` verifying `nodes` candidates would beat plain decoding with every one of them
@@ -319,10 +322,24 @@ class AutoDrafter(Drafter):
             elif step.accepted:
                 self.backoff[self.chosen] = 1
         self.previous = set(self.parts)
+        for name, rounds in self.streak.items():
+            if name != self.model_run and rounds:
+                self.end_streak(name)
+        if self.model_run is not None:
+            self.streak[self.model_run] = self.streak.get(self.model_run, 0) + 1
         add(s.stats.extra, **{f"auto_{self.chosen}_rounds": 1, f"auto_{self.chosen}_tokens": len(step.tokens)})
         s.stats.extra["auto_chunks"].append([self.chosen, len(step.tokens)])  # JSON-shaped: records round-trip
 
+    def end_streak(self, name: str) -> None:
+        """`name` sat out after drafting some rounds in a row: their count joins its running mean."""
+        r = self.records[name]
+        r.run = self.decay * r.run + (1 - self.decay) * self.streak[name]
+        self.streak[name] = 0
+
     def finish(self, s: Session) -> None:
+        for name, rounds in self.streak.items():
+            if rounds:
+                self.end_streak(name)
         for d in self.candidates.values():
             d.finish(s)
 

@@ -70,6 +70,7 @@ WIDTH = 2
 DRAFT_VOCAB = 4096
 # The most positions one catch-up feeds the head: the head attends over what it was fed, and the target's features
 # it reads already carry the whole context, so a long prompt is fed only its last positions (a choice, not tuned).
+# `auto`'s head feeds fewer (`methods.auto.HEAD_CATCH_UP`): it sits out rounds and comes back often.
 CATCH_UP = 128
 BINS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8)  # upper edges of the draft-probability bins (the last runs to 1)
 
@@ -115,8 +116,10 @@ class FeatureHeadDrafter(Drafter):
         max_nodes: int = 48,
         vocab: int = DRAFT_VOCAB,
         policy: AcceptanceHeadPolicy | None = None,
+        catch_up: int | None = None,
     ):
         self.policy = policy  # SpecDec++'s stopping rule: a chain instead of a tree (the module docstring)
+        self.catch_up = catch_up or CATCH_UP  # the most positions one catch-up feeds
         self.head, self.depth, self.width, self.nodes, self.max_nodes = head.pack(), depth, width, nodes, max_nodes
         self.target = target
         # FR-Spec: the head's vocabulary is most frequent first, so a prefix is a smaller head (0: all)
@@ -132,23 +135,23 @@ class FeatureHeadDrafter(Drafter):
         self.calibration: Acceptance | None = None
 
     def start(self, s: Session, seq: list[int], hidden: torch.Tensor | None = None) -> None:
-        self.cache = HeadCache(self.head, capacity=min(len(seq), CATCH_UP) + 64)
+        self.cache = HeadCache(self.head, capacity=min(len(seq), self.catch_up) + 64)
         self.calibration = acceptance(self.head, self.target, s)
         self.pending = [(hidden, seq[1:], 0)]  # prompt position t holds f_t and token t + 1 (the last is the root)
 
     def backlog(self, seq: list[int]) -> int:
         """The positions the next drafting forward feeds first (the rounds since the head last drafted; at most
-        `CATCH_UP`)."""
-        return min(CATCH_UP, sum(len(tokens) for _, tokens, _ in self.pending))
+        `catch_up`)."""
+        return min(self.catch_up, sum(len(tokens) for _, tokens, _ in self.pending))
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
         first = self.pending[0][2]  # the pending rounds follow one another (`observe`)
         features = self.pending[0][0] if len(self.pending) == 1 else torch.cat([f for f, _, _ in self.pending])
         ids = [t for _, tokens, _ in self.pending for t in tokens]
         self.pending = []
-        if len(ids) > CATCH_UP:  # a long prompt, or many rounds sat out: only the latest positions (see CATCH_UP)
-            first += len(ids) - CATCH_UP
-            features, ids = features[-CATCH_UP:], ids[-CATCH_UP:]
+        if len(ids) > self.catch_up:  # a long prompt, or many rounds sat out: only the latest positions (CATCH_UP)
+            first += len(ids) - self.catch_up
+            features, ids = features[-self.catch_up :], ids[-self.catch_up :]
         ids = torch.tensor(ids, device=self.device)
         out = self.cache.forward(features.to(self.dtype), ids, range(first, first + len(ids)))
         s.stats.draft_forwards += 1
