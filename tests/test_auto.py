@@ -274,67 +274,6 @@ def test_auto_prices_a_drafter_by_its_own_expectation_and_its_steady_rounds(tiny
     assert records["sure"].draft_s < 0.05  # the 0.2 s first round is not a round's drafting time
 
 
-class Behind(Drafter):
-    """A model-run drafter `behind` positions behind the sequence (it sat out rounds), as `backlog` says."""
-
-    def __init__(self, behind: int):
-        self.behind = behind
-
-    def backlog(self, seq):
-        return self.behind
-
-    def propose(self, s, seq, room):
-        return Proposal()
-
-
-@pytest.mark.parametrize("comeback", [True, False])
-def test_auto_prices_a_comeback_by_the_positions_it_would_catch_up_on(comeback):
-    """A model-run candidate 22 positions behind, whose steady rounds feed 2 first and whose comebacks cost 0.1 ms a
-    further position: a round of it now costs 2 ms more than a steady one. Always right it would beat plain decoding
-    in a steady round (4 tokens in 1 + 2.5 ms, against 1 in 1 ms) but not after that catch-up, so only the first
-    probe of a request, which pays it once to learn the steady figures, is let through. `comeback=false` prices the
-    catch-up free, as before."""
-    record = CandidateRecord(accepted=3.0, draft_s=1e-3, nodes=3.0, timed=True, backlog=2.0, catch_s=1e-4)
-    auto = AutoDrafter({"m": Behind(22)}, fixed_costs(8), Figures({"m": record}), measure=False, comeback=comeback)
-    auto.backlogs = {"m": 22}
-    costs = auto.costs.at(8)
-    assert auto.comeback_s("m") == pytest.approx(2e-3 if comeback else 0.0)
-    assert auto.rate("m", costs, 0, 3.0) == pytest.approx(4 / ((3e-3 if comeback else 1e-3) + 2.5e-3))
-    assert auto.could_pay("m", costs, 0, 3.0)  # its first probe of the request
-    auto.probed.add("m")
-    assert auto.could_pay("m", costs, 0, 3.0) is not comeback
-
-
-def test_a_comeback_teaches_what_each_missed_position_costs():
-    """Steady rounds set the positions a round feeds first; a comeback with several more sets the cost of each
-    further one (its drafting time past a steady round's), and one with barely more sets nothing."""
-    record = CandidateRecord(draft_s=1e-3, timed=True)
-    record.catch_up(0.7, backlog=2, draft_s=1e-3, steady=True)
-    assert record.backlog == 2 and record.catch_s == 0.0
-    record.catch_up(0.7, backlog=12, draft_s=3e-3, steady=False)
-    assert record.catch_s == pytest.approx(2e-4)
-    record.catch_up(0.7, backlog=3, draft_s=9e-3, steady=False)
-    assert record.catch_s == pytest.approx(2e-4)
-    record.catch_up(0.7, backlog=22, draft_s=3e-3, steady=False)  # 1e-4 a position this time
-    assert record.catch_s == pytest.approx(0.7 * 2e-4 + 0.3 * 1e-4)
-
-
-def test_a_head_and_a_draft_model_say_how_far_behind_they_are(tiny):
-    """The feature head's backlog is the positions queued since it last drafted (at most CATCH_UP); a draft model's,
-    the tokens its cache lacks."""
-    from draftverify.drafters.feature import CATCH_UP
-
-    target = tiny("llama", layers=2)
-    head = FeatureHeadDrafter(random_head(target), Runner(target.model))
-    head.pending = [(None, [1, 2, 3], 0), (None, [4], 3)]
-    assert head.backlog([0] * 5) == 4
-    head.pending = [(None, list(range(CATCH_UP + 5)), 0)]
-    assert head.backlog([]) == CATCH_UP
-    draft = DraftModel(Runner(truncated_copy(target, 1).model), ConstantK(2))
-    draft.draft.forward([5, 6, 7], last=1)
-    assert draft.backlog([5, 6, 7, 8, 9]) == 2
-
-
 def test_auto_stops_buying_rounds_on_a_word_the_request_belies(tiny):
     """Always wrong, expecting 2 of its 3 tokens accepted: its word is discounted by what the request shows, so
     it drafts little more than its probes. Priced on its word alone it drafted most of this request's rounds."""

@@ -48,14 +48,7 @@ request's own, so a request unlike the earlier ones gets its probes early.
 Two things keep the figures from misleading it. A drafter that sat out catches up on the
 rounds it missed when it drafts again (a feature head feeds their features, a draft model
 their tokens): that round's time says what sitting out cost, not what a round costs, so
-`draft_s` is taken only from rounds that follow one the drafter drafted. The catch-up is priced
-apart (`comeback`): a model-run candidate's record keeps the positions a steady round feeds first
-and the seconds each further position cost its comebacks, and a round that would catch up on
-`Drafter.backlog` positions pays that many times it on top of `draft_s` (priced free, a head that sat
-out came back on rounds its catch-up made slower than plain ones). A probe counts it too, save a
-candidate's first probe of a request (paid once a request, to learn what its steady rounds are worth):
-a model that sat out long enough that catching up costs more than a round can win is not probed again
-in that request. And where a drafter
+`draft_s` is taken only from rounds that follow one the drafter drafted. And where a drafter
 knows its own chances (`Proposal.expected`: the feature head's calibrated acceptance of its
 tree, summed), `accepted` is taken from that rather than from the round's count: one round
 accepts 0 or 2 where the head expected 0.8, and a probe judged by the count alone would shut
@@ -95,12 +88,6 @@ class CandidateRecord:
     draft_s: float = 0.0  # seconds drafting (until a round is timed: nothing; the first timed round sets it)
     nodes: float = 4.0  # candidate tokens verified
     timed: bool = False  # whether a round has set `draft_s`
-    # a model-run candidate's catch-up: the positions a steady round feeds first (`Drafter.backlog`), the seconds
-    # each further position cost its comebacks (none measured yet: free), and how many rounds in a row it drafts once
-    # back (what a comeback's catch-up is shared by)
-    backlog: float | None = None
-    catch_s: float = 0.0
-    run: float = 1.0
 
     def update(self, decay: float, accepted: float, draft_s: float | None, nodes: int) -> None:
         """`draft_s` None: this round's drafting time says nothing of a round's (see the module docstring)."""
@@ -109,15 +96,6 @@ class CandidateRecord:
             self.draft_s = decay * self.draft_s + (1 - decay) * draft_s if self.timed else draft_s
             self.timed = True
         self.nodes = decay * self.nodes + (1 - decay) * nodes
-
-    def catch_up(self, decay: float, backlog: int, draft_s: float, steady: bool) -> None:
-        """A round this model-run candidate drafted in, after `backlog` positions to feed: a steady round's sets the
-        usual backlog, a comeback's (several more) what each further position cost beyond a steady round's time."""
-        if steady:
-            self.backlog = backlog if self.backlog is None else decay * self.backlog + (1 - decay) * backlog
-        elif self.timed and self.backlog is not None and backlog - self.backlog >= 2:
-            each = max(0.0, draft_s - self.draft_s) / (backlog - self.backlog)
-            self.catch_s = decay * self.catch_s + (1 - decay) * each if self.catch_s else each
 
 
 @dataclass
@@ -141,15 +119,12 @@ class AutoDrafter(Drafter):
         merge: bool = True,
         margin: float = 0.0,
         measure: bool = True,
-        comeback: bool = True,
     ):
         """`figures` are the caller's, updated in place round by round.
         `merge`: also offer each model-run drafter's candidates merged with each free drafter's offer.
         `measure`: scale each choice's price by what its own rounds measure (False: every choice by the running
-        scale of all rounds, which cancels out of the choice).
-        `comeback`: price a model-run candidate's catch-up after sitting out (False: free)."""
+        scale of all rounds, which cancels out of the choice)."""
         self.candidates, self.costs, self.figures, self.measuring = candidates, costs, figures, measure
-        self.comeback = comeback
         self.records = figures.records
         self.needs_hidden = any(d.needs_hidden for d in candidates.values())
         self.probe, self.decay, self.margin = probe, decay, margin
@@ -176,9 +151,6 @@ class AutoDrafter(Drafter):
         self.probing = False  # whether the chosen candidate drafts as a probe (it sat out too long), not on its price
         self.parts: dict[str, Proposal] = {}  # what each candidate proposed this round (two for a merged one)
         self.draft_s = 0.0
-        self.backlogs: dict[str, int] = {}  # this round: what each model-run candidate would catch up on first
-        self.probed: set[str] = set()  # the choices probed in this request
-        self.streak: dict[str, int] = {}  # per model-run candidate: the rounds in a row it has drafted, up to now
         self.sent_at = 0.0  # when the proposal went to verification
         self.costs_now: dict = {}  # the cost table at this round's context (`costs.at_context`)
 
@@ -195,33 +167,18 @@ class AutoDrafter(Drafter):
     def plain_rate(self, costs: dict, others: int) -> float:
         return (1 - self.margin) / self.verify_time(AR, costs, 0, others)
 
-    def rate(
-        self, name: str, costs: dict, others: int, nodes: float, accepted: float | None = None, steady: bool = False
-    ) -> float:
+    def rate(self, name: str, costs: dict, others: int, nodes: float, accepted: float | None = None) -> float:
         """Tokens per second of a round of `name` verifying `nodes` candidates, `accepted` of them (None: its
-        running mean); `steady`: as a round after one it drafted (its catch-up left out)."""
+        running mean)."""
         r = self.records[name]
-        catch_up = 0.0 if steady else self.comeback_s(name)
         return (1 + (r.accepted if accepted is None else accepted)) / (
-            r.draft_s + catch_up + self.verify_time(name, costs, nodes, others)
+            r.draft_s + self.verify_time(name, costs, nodes, others)
         )
-
-    def comeback_s(self, name: str) -> float:
-        """The seconds `name`'s model would spend this round catching up beyond a steady round's feed (it sat out):
-        the positions it missed times what each cost its comebacks so far."""
-        model_run = self.merged[name][0] if name in self.merged else name
-        if not self.comeback or model_run not in self.backlogs:
-            return 0.0
-        r = self.records[model_run]
-        return r.catch_s * max(0.0, self.backlogs[model_run] - (r.backlog or 0.0)) / max(1.0, r.run)
 
     def could_pay(self, name: str, costs: dict, others: int, nodes: float) -> bool:
         """Whether a round of `name` verifying `nodes` candidates would beat plain decoding with every one of them
-        accepted, its catch-up counted: where not (in a busy batch each row adds much to the shared forward; a model
-        that sat out long enough to cost more than a round can win), a probe can only cost. A candidate's first
-        probe of a request leaves its catch-up out: paid once a request, to learn what its steady rounds are worth."""
-        steady = name not in self.probed
-        return self.rate(name, costs, others, nodes, accepted=nodes, steady=steady) >= self.plain_rate(costs, others)
+        accepted: where not (in a busy batch each row adds much to the shared forward), a probe can only cost."""
+        return self.rate(name, costs, others, nodes, accepted=nodes) >= self.plain_rate(costs, others)
 
     def measure(self, now: float) -> None:
         """Score the round before this one (its time past drafting against the curve's), alone only: in a batch
@@ -240,9 +197,7 @@ class AutoDrafter(Drafter):
         self.measure(t0)
         self.chosen, self.parts, self.model_run = AR, {}, None
         self.costs_now = costs = at_context(self.costs, len(seq))
-        self.backlogs = {}
         if room > 0:
-            self.backlogs = {name: d.backlog(seq) for name, d in self.candidates.items() if not d.free}
             offers = {name: d.propose(s, seq, room) for name, d in self.candidates.items() if d.free}
             size = {name: build_tree(seq[-1], offer.paths).size - 1 for name, offer in offers.items() if offer.paths}
             nodes, free_part = {}, {}  # what each candidate would verify, and the free offer's share of it
@@ -270,8 +225,6 @@ class AutoDrafter(Drafter):
                 stale.append(AR)
             self.chosen = max(stale, key=self.idle.__getitem__) if stale else max(rates, key=rates.__getitem__)
             self.probing = bool(stale)
-            if stale:
-                self.probed.add(self.chosen)
             if self.chosen == AR:  # a plain round: chosen on price it resets the wait for the next, a probe doubles it
                 self.idle[AR] = 0
                 self.backoff[AR] = min(MAX_BACKOFF, 2 * self.backoff[AR]) if self.probing else 1
@@ -311,8 +264,6 @@ class AutoDrafter(Drafter):
                 calibration[1] += own.expected
                 accepted = own.expected * calibration[0] / calibration[1]
             record.update(self.decay, accepted, self.draft_s if steady else None, step.drafted)
-            if self.model_run is not None:
-                self.records[self.model_run].catch_up(self.decay, self.backlogs[self.model_run], self.draft_s, steady)
             self.idle[self.chosen] = 0
             if self.probing:  # judged by the prices every choice uses: did this round beat plain decoding's rate?
                 costs, draft_s = self.costs_now, self.draft_s if steady else record.draft_s
@@ -322,24 +273,10 @@ class AutoDrafter(Drafter):
             elif step.accepted:
                 self.backoff[self.chosen] = 1
         self.previous = set(self.parts)
-        for name, rounds in self.streak.items():
-            if name != self.model_run and rounds:
-                self.end_streak(name)
-        if self.model_run is not None:
-            self.streak[self.model_run] = self.streak.get(self.model_run, 0) + 1
         add(s.stats.extra, **{f"auto_{self.chosen}_rounds": 1, f"auto_{self.chosen}_tokens": len(step.tokens)})
         s.stats.extra["auto_chunks"].append([self.chosen, len(step.tokens)])  # JSON-shaped: records round-trip
 
-    def end_streak(self, name: str) -> None:
-        """`name` sat out after drafting some rounds in a row: their count joins its running mean."""
-        r = self.records[name]
-        r.run = self.decay * r.run + (1 - self.decay) * self.streak[name]
-        self.streak[name] = 0
-
     def finish(self, s: Session) -> None:
-        for name, rounds in self.streak.items():
-            if rounds:
-                self.end_streak(name)
         for d in self.candidates.values():
             d.finish(s)
 

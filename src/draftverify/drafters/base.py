@@ -34,11 +34,6 @@ class Drafter(ABC):
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
         """The target verified `proposal` after `seq`; `step.tokens` follow `seq` now."""
 
-    def backlog(self, seq: list[int]) -> int:
-        """The positions of `seq` that `propose` would feed its model before drafting (a model-run drafter that sat
-        out rounds catches up on them): what `auto` prices a comeback by; 0 for a drafter that runs no model."""
-        return 0
-
     def finish(self, s: Session) -> None:
         """The request ended (also on error or cancellation)."""
 

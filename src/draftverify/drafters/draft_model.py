@@ -28,9 +28,6 @@ class DraftModel(Drafter):
     def start(self, s: Session, seq: list[int], hidden=None) -> None:
         self.draft.reset()
 
-    def backlog(self, seq: list[int]) -> int:
-        return len(seq) - self.draft.length  # the tokens its cache lacks, the root included
-
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
         self.policy.start_round(len(seq))
         drafts, qs = self.chain(s, seq[self.draft.length :], min(self.policy.max_length(), room))

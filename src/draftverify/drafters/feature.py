@@ -139,11 +139,6 @@ class FeatureHeadDrafter(Drafter):
         self.calibration = acceptance(self.head, self.target, s)
         self.pending = [(hidden, seq[1:], 0)]  # prompt position t holds f_t and token t + 1 (the last is the root)
 
-    def backlog(self, seq: list[int]) -> int:
-        """The positions the next drafting forward feeds first (the rounds since the head last drafted; at most
-        `catch_up`)."""
-        return min(self.catch_up, sum(len(tokens) for _, tokens, _ in self.pending))
-
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
         first = self.pending[0][2]  # the pending rounds follow one another (`observe`)
         features = self.pending[0][0] if len(self.pending) == 1 else torch.cat([f for f, _, _ in self.pending])

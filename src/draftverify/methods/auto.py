@@ -49,7 +49,7 @@ CANDIDATES = ("head", "draft", "context", "lookup")
 # The most positions auto's head feeds when it catches up (at a request's start, and each time it comes back after
 # sitting out; `speculative`'s feeds `drafters.feature.CATCH_UP`): a head that sits out and comes back often pays
 # for each catch-up more than its attention over the older positions earns. Chosen on the training prompts against
-# 128 and 32 (issue 41's note: ad hoc, interleaved A/Bs), where it made auto a few percent faster and the head's
+# 128, 32 and 16 (issue 41's note: ad hoc, interleaved A/Bs), where it made auto a few percent faster and the head's
 # acceptance in `speculative` about a point lower.
 HEAD_CATCH_UP = 8
 
@@ -74,9 +74,6 @@ class AutoConfig:
     measure: price each choice (plain decoding included) by the time its own rounds measured against the cost
        curve (`drafters.auto`); false: every choice by one running scale, as before that (compare the two in one
        bench run: `--methods 'autoregressive,auto,auto[measure=false]'`; its choices depend less on the clock).
-    comeback: price a model-run candidate's catch-up when it drafts after sitting out rounds (the positions it missed,
-       times what each cost its comebacks so far: `drafters.auto`); false: free, as before (compare the two in one
-       bench run: `--methods 'autoregressive,auto,auto[comeback=false]'`).
     Each request starts from the figures the earlier requests of the same method instance left (the engine keeps
     one instance per spec; the bench's `warm=false` makes a fresh one per generation).
     """
@@ -89,7 +86,6 @@ class AutoConfig:
     width: int = 1
     margin: float = 0.0
     measure: bool = True
-    comeback: bool = True
 
     def __post_init__(self):
         unknown = next((c for c in self.names() if c not in CANDIDATES), None)
@@ -164,5 +160,4 @@ class Auto(Method):
             self.config.merge,
             self.config.margin,
             self.config.measure,
-            self.config.comeback,
         )
