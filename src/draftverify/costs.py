@@ -154,21 +154,29 @@ def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> C
     if key not in found:
         folder = getattr(runner.shared, "curve_folder", None)
         disk_key = curve_key(runner, all_logits, widths) if folder is not None else None
-        found[key] = load_curve(folder, disk_key) if folder is not None else None
-        if found[key] is None:
-            before = cpu_times()
+        if folder is None:
             found[key] = measure_curve(runner, all_logits, widths)
-            busy = others_share(before, cpu_times())
-            if folder is not None and (busy is None or busy <= BUSY_SHARE):
-                save_curve(folder, disk_key, found[key])
-            elif folder is not None:
-                print(
-                    f"draftverify: other work used {busy:.0%} of the CPU time while the cost curve was measured: it "
-                    "steers this process only, and a later one measures again (see docs/serve.md, the first request)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        else:
+            found[key] = load_curve(folder, disk_key) or measure_and_keep(runner, all_logits, widths, folder, disk_key)
     return found[key]
+
+
+def measure_and_keep(runner: Runner, all_logits: bool, widths, folder: Path, key: dict) -> Curve:
+    """`measure_curve`, written under `key` in `folder` unless other work took more than `BUSY_SHARE` of the CPU
+    time meanwhile (then it steers this process only, and one line on stderr says so)."""
+    before = cpu_times()
+    measured = measure_curve(runner, all_logits, widths)
+    busy = others_share(before, cpu_times())
+    if busy is None or busy <= BUSY_SHARE:
+        save_curve(folder, key, measured)
+    else:
+        print(
+            f"draftverify: other work used {busy:.0%} of the CPU time while the cost curve was measured: it "
+            "steers this process only, and a later one measures again (see docs/serve.md, the first request)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return measured
 
 
 def measure_curve(runner: Runner, all_logits: bool, widths) -> Curve:
@@ -206,7 +214,7 @@ def cpu_times() -> tuple[int, int, float, int] | None:
         mine = {f"cpu{i}" for i in os.sched_getaffinity(0)}
     except (OSError, AttributeError):
         return None
-    rows = [line.split() for line in lines if line.split(maxsplit=1)[0] in mine]
+    rows = [fields for fields in map(str.split, lines) if fields and fields[0] in mine]
     if not rows:
         return None
     busy = total = 0
