@@ -41,7 +41,7 @@ def test_auto_is_lossless_while_it_switches(tiny, backend):
     for prompt in ("abc abc abc abc", "hello world, hello", "x"):
         ids = engine.encode(prompt, chat=True)
         ar = engine.generate(ids, method="autoregressive", max_new_tokens=40, eos_token_id=[])
-        for options in ({}, {"use": ALL, "probe": 1}, {"use": "context"}):
+        for options in ({}, {"use": ALL, "probe": 1, "merge": True}, {"use": "context"}):
             r = engine.generate(ids, method="auto", max_new_tokens=40, eos_token_id=[], **options)
             assert r.tokens == ar.tokens, (backend, prompt, options)
             chunks = r.stats.extra["auto_chunks"]
@@ -102,7 +102,8 @@ def test_auto_sampling_matches_the_target(tiny, monkeypatch):
                     "guess": Guess(p2.topk(3).indices.tolist()[1:]),
                 }
                 auto = AutoDrafter(
-                    merged, fixed_costs(len(prompt)), Figures({"m+guess": CandidateRecord(accepted=4.0)}), probe=100
+                    merged, fixed_costs(len(prompt)), Figures({"m+guess": CandidateRecord(accepted=4.0)}), probe=100,
+                    merge=True,
                 )
             else:
                 auto = AutoDrafter(

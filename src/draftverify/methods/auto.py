@@ -15,8 +15,9 @@ step) when nothing pays. The candidates are those the engine has:
 - `context`: the request's own n-grams (`lookahead:context`), free to look up, so asked every
   round and priced at what it offers;
 - `lookup`: prompt lookup (`prompt-lookup`), off by default (it offers what `context` does);
-- `head+context` (and each such pair): the head's tree and the context's offer merged into one
-  trie, verified in one forward, when `context` has something (`merge=false` leaves it out).
+- `head+context` (and each such pair), with `merge=true`: the head's tree and the context's offer merged into one
+  trie, verified in one forward, when `context` has something. Off by default: in the q8 arithmetic it cost more
+  than it earned (docs/benchmarks/smollm2-auto-merge-xeon-amx).
 
 In a batch (`serve`, `Engine.generate_batch`) a draft is priced by the rows it adds to the shared
 forward, so drafts shrink as the batch grows and stop where the forward's cost turns linear.
@@ -62,7 +63,10 @@ class AutoConfig:
        unless even a round with all it verifies accepted would be slower than plain decoding (a busy batch).
     decay: the weight of the older rounds in each candidate's running means (lower: quicker to switch).
     merge: also weigh each model-run candidate's tree merged with a free candidate's offer (`head+context`),
-       verified in one forward and priced by figures of its own.
+       verified in one forward and priced by figures of its own. Off by default: each merged candidate is one more
+       choice to probe, and its rounds (the head's chain beside an offer the context alone would have sent)
+       cost more than they earned, in the bench (docs/benchmarks/smollm2-auto-merge-xeon-amx) and on the
+       training prompts (issue 41's note).
     depth, width: the head's tree (`speculative`'s k and width): at most `depth` tokens deep, `width` children per
        expanded node (1 = a chain); its size still follows the cost curve. A chain by default: in auto's rounds
        a tree's wider expansions cost drafting time that its extra candidates must repay, which on a CPU's steep
@@ -81,7 +85,7 @@ class AutoConfig:
     use: str = ""
     probe: int = 8
     decay: float = 0.7
-    merge: bool = True
+    merge: bool = False
     depth: int = 6
     width: int = 1
     margin: float = 0.0
