@@ -102,7 +102,10 @@ def test_auto_sampling_matches_the_target(tiny, monkeypatch):
                     "guess": Guess(p2.topk(3).indices.tolist()[1:]),
                 }
                 auto = AutoDrafter(
-                    merged, fixed_costs(len(prompt)), Figures({"m+guess": CandidateRecord(accepted=4.0)}), probe=100,
+                    merged,
+                    fixed_costs(len(prompt)),
+                    Figures({"m+guess": CandidateRecord(accepted=4.0)}),
+                    probe=100,
                     merge=True,
                 )
             else:

@@ -27,11 +27,12 @@ ones, waits doubling while it does not win on price), so its scale is measured t
 rows): drafts pay while the curve is flat and stop paying where it turns linear. A *free* drafter (`Drafter.free`: a
 pool or
 prompt lookup, no model run) is asked every round, and is a candidate only when it has
-something, priced at its actual number of nodes. With `merge`, a model-run drafter and a free one that has something also make a
-*merged* candidate (`head+context`): the model's candidates and the free offer verified as one
-trie in one forward, priced by running means of its own (on a flat cost curve the free offer
-rides almost for nothing, and wins where the text repeats itself while the model still drafts
-the rest; on a CPU's steeper curve it is one more choice to probe and seldom pays, so it is off by default). The highest rate drafts; a candidate that has
+something, priced at its actual number of nodes. With `merge`, a model-run drafter and a free one
+that has something also make a *merged* candidate (`head+context`): the model's candidates and the
+free offer verified as one trie in one forward, priced by running means of its own (on a flat cost
+curve the free offer rides almost for nothing, and wins where the text repeats itself while the
+model still drafts the rest; on a CPU's steeper curve it is one more choice to probe and seldom
+pays, so it is off by default). The highest rate drafts; a candidate that has
 not drafted for `probe` rounds it could have drafted in drafts once, so a draft that started
 badly (or a request that turned into a copy of its prompt) is noticed (in a batch, where a
 probe slows every request, every `probe` times one plus the other requests' rows; and none for a
