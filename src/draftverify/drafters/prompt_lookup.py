@@ -17,9 +17,12 @@ from draftverify.session import Session
 
 @dataclass(frozen=True)
 class PromptLookupConfig:
-    """k: most tokens proposed per round; max_ngram / min_ngram: the suffix lengths matched, longest first."""
+    """k: most tokens proposed per round; max_ngram / min_ngram: the suffix lengths matched, longest first.
+    k is 4 by default: on a CPU a forward's rows past the first few cost nearly a step's share each, and the tokens
+    of a copy further on are accepted less often (docs/benchmarks/smollm2-context-guesses-xeon-amx, against the 8
+    of before; the `hf` preset keeps transformers' 10)."""
 
-    k: int = 8
+    k: int = 4
     max_ngram: int = 3
     min_ngram: int = 1
 
