@@ -12,7 +12,7 @@ from test_feature_head import random_head
 
 from draftverify import Engine
 from draftverify.costs import Curve
-from draftverify.drafters.auto import AR, CALIBRATION_PRIOR, MAX_BACKOFF, AutoDrafter, CandidateRecord, Figures
+from draftverify.drafters.auto import AR, CALIBRATION_PRIOR, MAX_BACKOFF, AutoDrafter, CandidateRecord, Figures, Shadow
 from draftverify.drafters.base import Drafter, Proposal
 from draftverify.drafters.draft_model import DraftModel
 from draftverify.drafters.feature import FeatureHeadDrafter
@@ -49,7 +49,7 @@ def test_auto_is_lossless_while_it_switches(tiny, backend):
             used |= {who for who, _ in chunks}
     merged = {f"{m}+{f}" for m in ("head", "draft") for f in ("context", "lookup")}
     assert (
-        used >= {"head", "draft", "context", "lookup", AR}
+        used >= {"head", "draft", "context", AR}  # (a free candidate drafts only where its scored offers pay)
         and used - {"head", "draft", "context", "lookup", AR} <= merged
     ), used
     assert "head+context" in used  # the head's tree and the context's offer verified as one trie
@@ -176,6 +176,35 @@ def test_auto_follows_the_candidate_that_pays(tiny):
         rounds[who] += 1
     assert rounds["right"] >= 25 and rounds["wrong"] <= rounds["right"] // 8 + 1, rounds
     assert records["right"].accepted > 2 and records["wrong"].accepted < 0.5
+
+
+class FreeFixed(Fixed):
+    free = True  # a lookup: asked every round, no state
+
+
+def test_a_free_candidate_is_scored_in_the_rounds_it_sits_out(tiny):
+    """A free candidate's offers are scored against the text whether it drafts or not: one that starts from figures
+    saying it never pays but offers the right tokens drafts again within a few rounds, without a probe; one whose
+    offers are wrong is never probed. The output is the target's."""
+    records = {"right": CandidateRecord(accepted=0.0), "wrong": CandidateRecord(accepted=0.0)}
+    s, auto, truth = decode_with(
+        tiny, 60, lambda truth, at: {"right": FreeFixed(truth, at, True), "wrong": FreeFixed(truth, at, False)}, records
+    )
+    assert s.output == truth
+    chunks = [who for who, _ in s.stats.extra["auto_chunks"]]
+    assert "right" in chunks[:8] and "wrong" not in chunks, chunks
+    assert records["right"].accepted > 2 and records["wrong"].accepted < 0.1
+
+
+def test_a_shadow_offer_is_scored_once_the_text_decides_it():
+    assert Shadow("x", [[1, 2, 3]], 3, [1, 2]).accepted() is None  # right so far
+    assert Shadow("x", [[1, 2, 3]], 3, [1, 5]).accepted() == 1
+    assert Shadow("x", [[1, 2, 3]], 3, [1, 2, 3, 7]).accepted() == 3
+    assert Shadow("x", [[1, 2, 3], [1, 2, 4, 5]], 4, [1, 2, 4]).accepted() is None  # the second path still open
+    assert (
+        Shadow("x", [[1, 2, 3], [1, 2, 4, 5]], 4, [1, 2, 4, 6]).accepted() == 3
+    )  # the longest path verification keeps
+    assert Shadow("x", [[7]], 1, [1]).accepted() == 0
 
 
 def test_auto_probes_a_drafter_that_keeps_missing_less_and_less_often(tiny):

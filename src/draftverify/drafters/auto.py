@@ -58,6 +58,14 @@ out a head that pays on average. That expectation is scaled by how it fared in t
 expected tokens counted as right to start): the head is calibrated on its training replies, and
 a request's text may be harder or easier than those (docs/benchmarks/smollm2-auto: auto's runs).
 
+A free candidate is asked every round, so it is scored every round too: an offer it made in a
+round it did not draft (`Shadow`) is held until the text that follows says how much of it
+verification would have accepted (its longest path's prefix that the target went on to produce;
+under sampling a guess matches the sampled token with the chance verification would accept it),
+and that goes into its running mean as a drafted round's count would. Its figures so stay current
+without probes, which it never gets: a probe would cost a round to learn what the text tells for
+nothing, and a lookup that sat out behind stale figures would sit out for good.
+
 Every candidate is told every round (`observe` with its own proposal when it drafted, an empty
 one otherwise), so the feature head queues the target's features and the pools take the new
 n-grams whoever drafted. Which candidates draft changes only what is verified, never what is
@@ -97,6 +105,29 @@ class CandidateRecord:
             self.draft_s = decay * self.draft_s + (1 - decay) * draft_s if self.timed else draft_s
             self.timed = True
         self.nodes = decay * self.nodes + (1 - decay) * nodes
+
+
+@dataclass
+class Shadow:
+    """A free candidate's offer in a round it did not draft, scored against the text that came after it."""
+
+    name: str
+    paths: list[list[int]]
+    nodes: int
+    seen: list[int] = field(default_factory=list)  # the tokens emitted after the offer's root so far
+
+    def accepted(self) -> int | None:
+        """The tokens of the offer verification would have accepted (the longest prefix of a path the text went on
+        to repeat), or None while the text so far cannot tell."""
+        best = 0
+        for path in self.paths:
+            n = 0
+            while n < len(path) and n < len(self.seen) and path[n] == self.seen[n]:
+                n += 1
+            if n == len(self.seen) < len(path):  # right so far, the rest still to come
+                return None
+            best = max(best, n)
+        return best
 
 
 @dataclass
@@ -154,6 +185,7 @@ class AutoDrafter(Drafter):
         self.draft_s = 0.0
         self.sent_at = 0.0  # when the proposal went to verification
         self.costs_now: dict = {}  # the cost table at this round's context (`costs.at_context`)
+        self.shadows: list[Shadow] = []  # free offers not drafted, waiting for the text that scores them
 
     def start(self, s: Session, seq: list[int], hidden=None) -> None:
         s.stats.extra["auto_chunks"] = []  # (drafter, tokens emitted) per round: who produced what (`--explain`)
@@ -217,7 +249,8 @@ class AutoDrafter(Drafter):
                 for name in (*able, AR):
                     self.idle[name] += 1
             every = self.probe * (1 + s.others)  # in a batch a probe slows every request: probe that much less often
-            due = [name for name in able if self.idle[name] > every * self.backoff[name]]
+            # a free candidate is never probed: its offers are scored whether it drafts or not (`Shadow`)
+            due = [name for name in able if self.idle[name] > every * self.backoff[name] and name not in offers]
             # a probe's free offer is its first guesses only (below)
             probe_nodes = {n: nodes[n] - free_part.get(n, 0) + min(free_part.get(n, 0), PROBE_TOKENS) for n in due}
             stale = [name for name in due if self.could_pay(name, costs, s.others, probe_nodes[name])]
@@ -240,6 +273,7 @@ class AutoDrafter(Drafter):
                 if self.probing:  # a probe asks whether the offer is right at all: its first guesses, not a wide trie
                     offer = replace(offer, paths=[offer.paths[0][:PROBE_TOKENS]])
                 self.parts[free] = offer
+            self.shadows += [Shadow(n, offer.paths, size[n]) for n, offer in offers.items() if n in size and n != free]
         proposal = merge(*self.parts.values()) if self.parts else Proposal(hidden=self.needs_hidden)
         if self.needs_hidden and not proposal.hidden:
             proposal = replace(proposal, hidden=True)
@@ -247,7 +281,22 @@ class AutoDrafter(Drafter):
         self.draft_s = self.sent_at - t0
         return proposal
 
+    def score_shadows(self, tokens: list[int]) -> None:
+        """Score each free offer that did not draft once the text says how much of it verification would have
+        accepted (under sampling, a guess matches the sampled token with the chance verification accepts it), so
+        a free candidate's figures stay current without probes."""
+        waiting = []
+        for shadow in self.shadows:
+            shadow.seen += tokens
+            accepted = shadow.accepted()
+            if accepted is None:
+                waiting.append(shadow)
+            else:
+                self.records[shadow.name].update(self.decay, accepted, None, shadow.nodes)
+        self.shadows = waiting
+
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
+        self.score_shadows(step.tokens)
         if not s.others:  # scored at the next round's start (`measure`), against the curve's t for this forward
             self.timing = (self.chosen, forward_time(self.costs_now, step.tree.size))
         for name, d in self.candidates.items():
