@@ -4,6 +4,7 @@ shared round's contract, and an import graph without cycles."""
 from __future__ import annotations
 
 import ast
+import random
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,26 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert lookup.propose(s, [5, 6, 7, 8, 5, 6, 9, 5, 6], room=2).paths == [[9, 5]]
     assert lookup.propose(s, [1, 2, 3, 4], room=10).paths == []  # no earlier occurrence of any suffix
     assert lookup.propose(s, [4, 1, 2, 3, 4], room=10).paths == [[1, 2, 3]]  # falls back to a 1-gram
+
+
+def test_prompt_lookup_grows_its_index_as_a_scan_would_find():
+    """Round after round of one growing sequence, the index proposes what a scan for the latest earlier occurrence
+    of the longest suffix (3, 2, then 1 tokens) finds."""
+
+    def scan(seq, k):
+        for n in range(min(3, len(seq) - 1), 0, -1):
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start : start + n] == seq[-n:]:
+                    return [seq[start + n : start + n + k]]
+        return []
+
+    rng = random.Random(0)
+    s = Session([1], Sampling(), Stopping())
+    for trial in range(20):
+        lookup, seq = PromptLookup(PromptLookupConfig(k=4)), [rng.randrange(6) for _ in range(rng.randrange(1, 30))]
+        for _ in range(40):
+            assert lookup.propose(s, seq, room=10).paths == scan(seq, 4), seq
+            seq = seq + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -21,7 +21,9 @@ class Drafter(ABC):
     """Proposes candidates each round; see the module docstring."""
 
     needs_hidden: bool = False  # start() wants the target's hidden states of the prompt
-    free: bool = False  # propose() runs no model and changes no state: `auto` may ask it and not use the answer
+    # propose() runs no model and changes nothing but its own index of the request's text: `auto` may ask it and
+    # not use the answer
+    free: bool = False
 
     def start(self, s: Session, seq: list[int], hidden=None) -> None:
         """A request begins: `seq` is the prompt and the first emitted token. `hidden` [len(prompt), H]: the

@@ -2,8 +2,10 @@
 
 The longest suffix of the sequence (at most `max_ngram` tokens, at least `min_ngram`) that
 occurred earlier in the prompt or the output proposes the `k` tokens that followed its latest
-earlier occurrence. No model, no state: it wins on text that repeats its context (code edits,
-summaries, extraction); elsewhere it proposes nothing and the round is a plain step.
+earlier occurrence. No model: it wins on text that repeats its context (code edits,
+summaries, extraction); elsewhere it proposes nothing and the round is a plain step. Its one state
+is an index of the request's n-grams (each to where it last occurred), grown by the tokens each
+round adds, so a round costs the same whatever the context's length.
 """
 
 from __future__ import annotations
@@ -42,12 +44,25 @@ class PromptLookup(Drafter):
 
     def __init__(self, config: PromptLookupConfig):
         self.k, self.max_ngram, self.min_ngram = config.k, config.max_ngram, config.min_ngram
+        self.follows: dict[tuple[int, ...], int] = {}  # n-gram -> where the tokens after its latest occurrence begin
+        # the index holds the n-grams that positions 1..indexed - 1 follow; `last` is seq[indexed - 1]
+        self.indexed, self.last = 0, None
+
+    def index(self, seq: list[int]) -> None:
+        """Add the n-grams that a token follows, up to `seq`'s last token (which nothing follows yet: the suffix
+        looked up is never its own match). The index is of one request's sequence, which only grows; a sequence
+        that is shorter or ends its indexed part otherwise is indexed afresh."""
+        if self.indexed > len(seq) or (self.indexed and seq[self.indexed - 1] != self.last):
+            self.follows, self.indexed = {}, 0
+        for j in range(max(1, self.indexed), len(seq)):
+            for n in range(self.min_ngram, min(self.max_ngram, j) + 1):
+                self.follows[tuple(seq[j - n : j])] = j
+        self.indexed, self.last = len(seq), seq[-1] if seq else None
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
+        self.index(seq)
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            tail = seq[-n:]
-            for start in range(len(seq) - n - 1, -1, -1):  # latest earlier occurrence first
-                if seq[start : start + n] == tail:
-                    follow = seq[start + n : start + n + min(self.k, room)]
-                    return Proposal([follow])
+            j = self.follows.get(tuple(seq[-n:]))  # latest earlier occurrence
+            if j is not None:
+                return Proposal([seq[j : j + min(self.k, room)]])
         return Proposal()

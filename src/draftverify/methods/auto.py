@@ -5,16 +5,20 @@ a draft that predicts the model), on the hardware's cost curve and on load; no u
 to know that. `auto` drafts, each round, with the candidate that promises the most tokens per
 second (`drafters.auto.AutoDrafter`: the measured cost curve, and each candidate's acceptance and draft
 time so far in this request, starting from the earlier requests'), or with none (a plain target
-step) when nothing pays. The candidates are those the engine has:
+step) when nothing pays. The candidates (`use`) are:
 
-- `head`: the feature head's draft (`speculative:chain` with a head; `width` > 1: its EAGLE-2 tree), when
-  there is a head;
-- `draft`: the draft model's chain under the cost policy (`speculative` with a draft model),
-  by default only when there is no head (on the default model the head drafts better and at a
-  fraction of the cost: docs/benchmarks);
 - `context`: the request's own n-grams (`lookahead:context`), free to look up, so asked every
-  round and priced at what it offers;
-- `lookup`: prompt lookup (`prompt-lookup`), off by default (it offers what `context` does);
+  round, priced at what it offers and scored whether it drafts or not; a default candidate;
+- `lookup`: prompt lookup (`prompt-lookup`: what followed the latest earlier occurrence of the longest
+  suffix), free alike; a default candidate;
+- `head`: the feature head's draft (`speculative:chain` with a head; `width` > 1: its EAGLE-2 tree), when
+  there is a head; not a default candidate. On the 2-core CPUs measured, its rounds cost more than they
+  earned once the two lookups offered one short guess a round: `auto` without it was faster on the benchmark
+  prompts (docs/benchmarks/smollm2-auto-candidates-xeon-amx) and on the training prompts (issue 41's note),
+  where the head agreed with the target on about 0.4 of its tokens. `use=head+context+lookup` (preset `head`)
+  brings it back: a better head, or hardware where a verified row is nearly free, may pay for it;
+- `draft`: the draft model's chain under the cost policy (`speculative` with a draft model), not a default
+  candidate either (it drafts worse than the head at a few times its cost: docs/benchmarks);
 - `head+context` (and each such pair), with `merge=true`: the head's tree and the context's offer merged into one
   trie, verified in one forward, when `context` has something. Off by default: in the q8 arithmetic it cost more
   than it earned (docs/benchmarks/smollm2-auto-merge-xeon-amx).
@@ -47,6 +51,7 @@ from draftverify.policies import make_policy
 from draftverify.session import Session
 
 CANDIDATES = ("head", "draft", "context", "lookup")
+DEFAULT_CANDIDATES = ["context", "lookup"]  # the module docstring says why
 # The most positions auto's head feeds when it catches up (at a request's start, and each time it comes back after
 # sitting out; `speculative`'s feeds `drafters.feature.CATCH_UP`): a head that sits out and comes back often pays
 # for each catch-up more than its attention over the older positions earns. Chosen on the training prompts against
@@ -57,8 +62,8 @@ HEAD_CATCH_UP = 8
 
 @dataclass(frozen=True)
 class AutoConfig:
-    """use: the candidates, joined by '+' (head, draft, context, lookup); "" = the head if the engine has one, else
-       the draft model, and context. A named candidate the engine lacks is skipped.
+    """use: the candidates, joined by '+' (head, draft, context, lookup); "" = context and lookup (the module
+       docstring says why the head and the draft model are not). A named candidate the engine lacks is skipped.
     probe: a candidate that sat out this many rounds it could have drafted drafts once (its figures stay current),
        unless even a round with all it verifies accepted would be slower than plain decoding (a busy batch).
     decay: the weight of the older rounds in each candidate's running means (lower: quicker to switch).
@@ -115,7 +120,11 @@ class Auto(Method):
     name = "auto"
     Config = AutoConfig
     uses_draft = True
-    presets = {"no-context": {"use": "head+draft"}, "context": {"use": "context"}}
+    presets = {
+        "no-context": {"use": "head+draft"},
+        "context": {"use": "context"},
+        "head": {"use": "head+context+lookup"},
+    }
 
     def __init__(self, target: Runner, draft=None, config=None, feature_head=None):
         super().__init__(target, draft, config, feature_head)
@@ -124,7 +133,7 @@ class Auto(Method):
     @classmethod
     def drafts_with_model(cls, config, has_head: bool) -> bool:
         """Only when its candidates name the draft model, as `candidates` reads them."""
-        return "draft" in (config.names() or ["head" if has_head else "draft"])
+        return "draft" in (config.names() or DEFAULT_CANDIDATES)
 
     def share(self, first: "Auto") -> None:
         self.figures = first.figures  # one set of figures for every batch slot
@@ -138,7 +147,7 @@ class Auto(Method):
 
     def candidates(self, s: Session) -> dict[str, Drafter]:
         has_draft = isinstance(self.draft, Runner)
-        use = self.config.names() or ["head" if self.feature_head is not None else "draft", "context"]
+        use = self.config.names() or DEFAULT_CANDIDATES
         out: dict[str, Drafter] = {}
         if "head" in use and self.feature_head is not None:
             out["head"] = FeatureHeadDrafter(
