@@ -14,9 +14,9 @@ step) when nothing pays. The candidates (`use`) are:
 - `head`: the feature head's draft (`speculative:chain` with a head; `width` > 1: its EAGLE-2 tree), when
   there is a head; not a default candidate. On the 2-core CPUs measured, its rounds cost more than they
   earned once the two lookups offered one short guess a round: `auto` without it was faster on the benchmark
-  prompts (docs/benchmarks/smollm2-auto-candidates-xeon-amx) and on the training prompts (issue 41's note),
-  where the head agreed with the target on about 0.4 of its tokens. `use=head+context+lookup` (preset `head`)
-  brings it back: a better head, or hardware where a verified row is nearly free, may pay for it;
+  prompts (docs/benchmarks/smollm2-auto-candidates-xeon-amx) and on the training prompts (issue 41's note).
+  `use=head+context+lookup` (preset `head`) brings it back: a better head, or hardware where a verified row is
+  nearly free, may pay for it;
 - `draft`: the draft model's chain under the cost policy (`speculative` with a draft model), not a default
   candidate either (it drafts worse than the head at a few times its cost: docs/benchmarks);
 - `head+context` (and each such pair), with `merge=true`: the head's tree and the context's offer merged into one
