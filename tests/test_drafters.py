@@ -30,7 +30,9 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     ]  # latest "5 6", then its follow-up
     assert lookup.propose(s, [5, 6, 7, 8, 5, 6, 9, 5, 6], room=2).paths == [[9, 5]]
     assert lookup.propose(s, [1, 2, 3, 4], room=10).paths == []  # no earlier occurrence of any suffix
-    assert lookup.propose(s, [4, 1, 2, 3, 4], room=10).paths == [[1, 2, 3]]  # falls back to a 1-gram
+    # falls back to a 1-gram, a weak match: its follow-up is k1 (2 by default) tokens
+    assert lookup.propose(s, [4, 1, 2, 3, 4], room=10).paths == [[1, 2]]
+    assert PromptLookup(PromptLookupConfig(k=3, k1=3)).propose(s, [4, 1, 2, 3, 4], room=10).paths == [[1, 2, 3]]
 
 
 def test_prompt_lookup_grows_its_index_as_a_scan_would_find():
@@ -47,7 +49,10 @@ def test_prompt_lookup_grows_its_index_as_a_scan_would_find():
     rng = random.Random(0)
     s = Session([1], Sampling(), Stopping())
     for trial in range(20):
-        lookup, seq = PromptLookup(PromptLookupConfig(k=4)), [rng.randrange(6) for _ in range(rng.randrange(1, 30))]
+        lookup, seq = (
+            PromptLookup(PromptLookupConfig(k=4, k1=4)),
+            [rng.randrange(6) for _ in range(rng.randrange(1, 30))],
+        )
         for _ in range(40):
             assert lookup.propose(s, seq, room=10).paths == scan(seq, 4), seq
             seq = seq + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]

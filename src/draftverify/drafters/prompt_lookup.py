@@ -19,17 +19,21 @@ from draftverify.session import Session
 
 @dataclass(frozen=True)
 class PromptLookupConfig:
-    """k: most tokens proposed per round; max_ngram / min_ngram: the suffix lengths matched, longest first.
+    """k: most tokens proposed per round; k1: most after a match of one token only; max_ngram / min_ngram: the suffix
+    lengths matched, longest first.
     k is 4 by default: on a CPU a forward's rows past the first few cost nearly a step's share each, and the tokens
     of a copy further on are accepted less often (docs/benchmarks/smollm2-context-guesses-xeon-amx, against the 8
-    of before; the `hf` preset keeps transformers' 10)."""
+    of before; the `hf` preset keeps transformers' 10). A one-token match is a weak sign that the text repeats
+    itself: fewer of its tokens are accepted than after a longer match's, so it offers k1 = 2
+    (docs/benchmarks/smollm2-lookup-short-xeon-amx)."""
 
     k: int = 4
+    k1: int = 2
     max_ngram: int = 3
     min_ngram: int = 1
 
     def __post_init__(self):
-        require(1 <= self.k <= 64, f"k={self.k} must lie in 1..64")
+        require(1 <= self.k <= 64 and 1 <= self.k1 <= 64, f"k={self.k} and k1={self.k1} must lie in 1..64")
         require(
             1 <= self.min_ngram <= self.max_ngram <= 16,
             f"need 1 <= min_ngram={self.min_ngram} <= max_ngram={self.max_ngram} <= 16",
@@ -37,13 +41,13 @@ class PromptLookupConfig:
 
 
 @standalone(
-    "prompt-lookup", PromptLookupConfig, presets={"k4": {"k": 4}, "hf": {"k": 10, "max_ngram": 2}}
+    "prompt-lookup", PromptLookupConfig, presets={"k4": {"k": 4, "k1": 4}, "hf": {"k": 10, "k1": 10, "max_ngram": 2}}
 )  # hf: transformers' defaults
 class PromptLookup(Drafter):
     free = True
 
     def __init__(self, config: PromptLookupConfig):
-        self.k, self.max_ngram, self.min_ngram = config.k, config.max_ngram, config.min_ngram
+        self.k, self.k1, self.max_ngram, self.min_ngram = config.k, config.k1, config.max_ngram, config.min_ngram
         self.follows: dict[tuple[int, ...], int] = {}  # n-gram -> where the tokens after its latest occurrence begin
         # the index holds the n-grams that positions 1..indexed - 1 follow; `last` is seq[indexed - 1]
         self.indexed, self.last = 0, None
@@ -64,5 +68,5 @@ class PromptLookup(Drafter):
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             j = self.follows.get(tuple(seq[-n:]))  # latest earlier occurrence
             if j is not None:
-                return Proposal([seq[j : j + min(self.k, room)]])
+                return Proposal([seq[j : j + min(self.k if n > 1 else self.k1, room)]])
         return Proposal()
