@@ -270,7 +270,7 @@ def test_one_registry_for_methods_drafters_and_peers():
     # a peer preset plus an override, and None overrides ignored, exactly as Method.make_config does
     config = entry("hf-assisted").make_config("heuristic", num_assistant_tokens=3, assistant_confidence_threshold=None)
     assert config == AssistedConfig(num_assistant_tokens=3, num_assistant_tokens_schedule="heuristic")
-    assert parse_specs("prompt-lookup:k4")[1].config == PromptLookupConfig(k=4)
+    assert parse_specs("prompt-lookup:k4")[1].config == PromptLookupConfig(k=4, k1=4)
     assert HfPromptLookupConfig is not PromptLookupConfig and HfPromptLookupConfig.__name__ != "PromptLookupConfig"
 
 
