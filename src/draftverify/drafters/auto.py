@@ -32,13 +32,13 @@ that has something also make a *merged* candidate (`head+context`): the model's 
 free offer verified as one trie in one forward, priced by running means of its own (on a flat cost
 curve the free offer rides almost for nothing, and wins where the text repeats itself while the
 model still drafts the rest; on a CPU's steeper curve it is one more choice to probe and seldom
-pays, so it is off by default). The highest rate drafts; a candidate that has
-not drafted for `probe` rounds it could have drafted in drafts once, so a draft that started
-badly (or a request that turned into a copy of its prompt) is noticed (in a batch, where a
+pays, so it is off by default). The highest rate drafts; a model-run or merged candidate (a free one is
+scored without drafting, below) that has not drafted for `probe` rounds it could have drafted in
+drafts once, so a draft that started badly is noticed (in a batch, where a
 probe slows every request, every `probe` times one plus the other requests' rows; and none for a
 candidate that would not beat plain decoding even with every token it verifies accepted, as where
-each row a busy batch adds costs its shared forward more than a step's share); a free
-drafter's probe verifies only the first `PROBE_TOKENS` tokens of its first path. A probe that
+each row a busy batch adds costs its shared forward more than a step's share); a merged
+candidate's probe verifies only the first `PROBE_TOKENS` tokens of its free offer's first path. A probe that
 did not pay (its tokens per second, priced as above, below plain decoding's) doubles that
 candidate's wait for its next probe (up to `MAX_BACKOFF` times), and a probe that paid, or a
 round chosen on price that got something accepted, resets it: where a drafter does not pay, its
@@ -85,7 +85,7 @@ from draftverify.tree import build_tree
 
 AR = "autoregressive"  # the name of a round nobody drafted
 MAX_BACKOFF = 8  # a candidate whose probes keep missing waits at most this many times `probe` rounds
-PROBE_TOKENS = 2  # a free drafter's offer in a probe: the first path's first tokens (a wide trie costs a probe dearly)
+PROBE_TOKENS = 2  # a free offer in a merged candidate's probe: its first path's first tokens (a wide trie costs dearly)
 CALIBRATION_PRIOR = 4.0  # tokens: a drafter's own expectation counts as right until this many have been scored
 
 
