@@ -4,6 +4,7 @@ process, reads them instead of measuring; a change of machine, model, arithmetic
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 
@@ -28,7 +29,7 @@ def test_a_second_engine_reads_the_curve_instead_of_measuring(tiny, curves_home,
     target = tiny("llama")
     measured = costs.curve(Engine(target, backend="static").target_runner, widths=(1, 2, 4))
     (saved,) = curves_home.glob("*.json")
-    assert json.loads(saved.read_text())["key"]["arithmetic"] == "torch.float32"
+    assert json.loads(saved.read_text())["key"]["arithmetic"] == "fp32 torch.float32"
     _refuse_to_measure(monkeypatch)
     again = costs.curve(Engine(target, backend="static").target_runner, widths=(1, 2, 4))  # a fresh engine's memory
     assert again is not measured and dict(again) == dict(measured)
@@ -54,7 +55,7 @@ def test_a_changed_key_measures_again(tiny, curves_home, monkeypatch, change):
     elif change == "machine":
         monkeypatch.setattr(costs, "machine", lambda: {"cpu": "another CPU", "cpu_flags": "0"})
     elif change == "arithmetic":
-        engine.target_runner.arithmetic = "q8"
+        engine.shared.packs.arithmetic = "q8"  # (a tiny model has no blocks for a q8 engine)
     with pytest.raises(AssertionError, match="measured a curve again"):
         costs.curve(engine.target_runner, widths=(1, 2))
 
@@ -120,3 +121,19 @@ def test_others_share_is_the_cpu_time_other_work_took_from_this_process(monkeypa
     now = costs.cpu_times()
     if now is not None:  # Linux: the ticks count up, and this process has used some CPU time
         assert now[0] <= now[1] and now[2] > 0 and now[3] >= 1
+
+
+def test_widths_are_timed_in_turns_so_a_drifting_machine_keeps_their_ratios(monkeypatch):
+    """A machine that runs at a third of its speed for the first 16 forwards, then at full speed: timed in turns,
+    every width's fastest run falls in the fast spell and the ratios are the forwards' own (a row adds a tenth of
+    a step); timed one width after another, 1 and 2 rows fell in the slow spell and cost more than 4."""
+    clock, calls = [0.0], []
+
+    def forward(tokens):
+        slow = 3.0 if len(calls) < 16 else 1.0
+        calls.append(len(tokens))
+        clock[0] += slow * (1 + 0.1 * (len(tokens) - 1))
+
+    monkeypatch.setattr(costs, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    times = costs.time_widths(forward, lambda: None, [5, 6, 7], widths=(1, 2, 4), reps=3)
+    assert times == pytest.approx({1: 1.0, 2: 1.1, 4: 1.3})

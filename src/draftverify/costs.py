@@ -3,7 +3,8 @@
 The cost curve t(w) is what every draft-length and tree-size decision trades against: on a GPU, or
 on the static CPU path, verifying several tokens costs little more than one, while on the eager CPU
 path it grows much faster (docs/backends.md has the measured curves). `forward_times` measures it
-(fastest of `reps` runs per width after a fixed context); `curve(runner)` measures it once per model,
+(fastest of `reps` runs per width after a fixed context, the widths timed in turns so a drifting machine moves
+them alike); `curve(runner)` measures it once per model,
 path and width set and keeps it in the runner's `Shared` (its engine's, so two engines keep their own);
 `forward_time` reads a table between the widths.
 
@@ -41,6 +42,7 @@ from draftverify.models import Runner
 from draftverify.util import atomic_write, cache_root
 
 WIDTHS = (1, 2, 4, 8, 16, 32)
+TIMING = 4  # how `time_widths` times (in the curves' key: a file measured the old way, widths in turn, is not read)
 POLICY_CONTEXT = 64  # tokens of context before the policy's timed forwards
 FAR_CONTEXT = 1024  # and before the second measurement, for the growth with context
 # A curve is read at the context rounded down to a multiple of this: a few tokens of context barely move a forward's
@@ -77,18 +79,28 @@ def forward_times(
 
 def time_widths(forward, rollback, context: list[int], widths=WIDTHS, reps: int = 5) -> dict[int, float]:
     """Seconds of `forward(tokens)` for w tokens (taken from `context`, repeated), per w in `widths`:
-    the fastest of `reps` runs after a warm-up, `rollback()` after each. Any engine's forward."""
+    the fastest of `reps` runs after a warm-up, `rollback()` after each. Any engine's forward.
+
+    The widths take turns, two runs of each a pass, the second timed (the first pass is a warm-up), the passes
+    going up and down the widths in turn: a machine whose speed drifts while they are timed (a shared host's) moves
+    every width alike, so their ratios, which the decisions read, hold (timed one width after another, a slow spell
+    during the first width's runs once made 2 and 4 rows look cheaper than 1), while each width still follows
+    itself or a neighbour, as a forward mostly follows one of its size in decoding (a one-row forward right after
+    a 32-row one runs slower even a run later: going up every pass, 1 row timed a fifth dearer and 4 rows hardly
+    dearer than 1). A wider forward is never taken as cheaper than a narrower one: what noise is left goes that way."""
     tokens = (context * (max(widths) // max(1, len(context)) + 1))[: max(widths)]
-    times = {}
-    for w in widths:
-        samples = []
-        for rep in range(reps + 1):  # the first run of each width is a warm-up
-            t = time.perf_counter()
-            forward(tokens[:w])
-            if rep:
-                samples.append(time.perf_counter() - t)
-            rollback()
-        times[w] = min(samples)
+    samples: dict[int, list[float]] = {w: [] for w in widths}
+    for rep in range(reps + 1):
+        for w in sorted(widths, reverse=rep % 2 == 1):
+            for timed in (False, True):
+                t = time.perf_counter()
+                forward(tokens[:w])
+                if rep and timed:
+                    samples[w].append(time.perf_counter() - t)
+                rollback()
+    times, floor = {}, 0.0
+    for w in sorted(widths):
+        times[w] = floor = max(floor, min(samples[w]))
     return times
 
 
@@ -281,7 +293,9 @@ def curve_key(runner: Runner, all_logits: bool, widths) -> dict:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "threads": torch.get_num_threads(),
         "model": model_identity(runner.model),
-        "arithmetic": str(getattr(runner, "arithmetic", None) or runner.dtype),
+        # the engine's arithmetic (q8 or fp32: the same weights' forwards cost differently) and the weights' dtype
+        "arithmetic": f"{runner.shared.packs.arithmetic} {runner.dtype}",
+        "timing": TIMING,
         "kernels": kernel_build(),
         "backend": runner.backend,
         "draft": runner.draft,

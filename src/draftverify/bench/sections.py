@@ -114,9 +114,9 @@ def cost_curve_section(results: dict) -> list[str]:
     out = [
         "## Forward cost curve",
         "",
-        f"One forward of w new tokens after {costs['context_tokens']} tokens of context, fastest of 5 runs "
-        "(target and llama.cpp: logits for every new token, as when verifying a draft; draft: for the last one)."
-        + (f" Forward path: {costs['backend']}." if costs.get("backend") else ""),
+        f"One forward of w new tokens after {costs['context_tokens']} tokens of context, fastest of 5 runs, the "
+        "widths in turn (target and llama.cpp: logits for every new token, as when verifying a draft; draft: for the "
+        "last one)." + (f" Forward path: {costs['backend']}." if costs.get("backend") else ""),
         "",
     ]
     rows = [
