@@ -196,6 +196,70 @@ def test_a_free_candidate_is_scored_in_the_rounds_it_sits_out(tiny):
     assert records["right"].accepted > 2 and records["wrong"].accepted < 0.1
 
 
+class Kinds(FreeFixed):
+    """Wrong after a sequence whose length 3 divides, else right, and says which (`Proposal.kind`)."""
+
+    def propose(self, s, seq, room):
+        self.right = len(seq) % 3 != 0
+        return replace(super().propose(s, seq, room), kind="right" if self.right else "wrong")
+
+
+def test_auto_prices_each_kind_of_offer_by_its_own_figures(tiny):
+    """A free drafter whose offers are right of one kind and wrong of the other: each kind keeps figures of its own,
+    so it drafts where its kind pays and sits out where it does not (one mean for both would draft both). The
+    output is the target's."""
+    records = {}
+    s, _, truth = decode_with(tiny, 80, lambda truth, at: {"k": Kinds(truth, at, True)}, records)
+    assert s.output == truth
+    assert records["k (right)"].accepted > 2 and records["k (wrong)"].accepted < 0.1, records
+    chunks = s.stats.extra["auto_chunks"]
+    assert sum(who == "k" and n == 1 for who, n in chunks) <= 2, chunks  # drafted and all wrong: the prior's try
+    assert sum(who == "k" for who, _ in chunks) >= 10, chunks
+
+
+class TwoRight(FreeFixed):
+    """Offers 8 tokens of which the first 2 are right."""
+
+    def propose(self, s, seq, room):
+        self.right, self.width = True, 8
+        offer = super().propose(s, seq, room)
+        return replace(offer, paths=[path[:2] + [99] * (len(path) - 2) for path in offer.paths])
+
+
+def test_auto_cuts_a_free_offer_where_its_reach_says_it_pays_most(tiny):
+    """An offer of 8 tokens whose first 2 are always right and the rest always wrong: where each row adds half a
+    step, its 2 right tokens pay and the 6 wrong ones cost, so auto verifies the first 2 of it and no more, once
+    the text has scored a few offers (each scored whole, drafted or not). The output is the target's."""
+    records = {}
+    s, _, truth = decode_with(tiny, 80, lambda truth, at: {"k": TwoRight(truth, at, True)}, records)
+    assert s.output == truth
+    rounds = sum(who == "k" for who, _ in s.stats.extra["auto_chunks"])
+    # every token it verified was one of the right two (the last rounds, with less room, verify fewer)
+    assert rounds >= 15 and s.stats.drafted == s.stats.accepted <= 2 * rounds, (rounds, s.stats)
+    assert records["k"].reach[:3] == pytest.approx([1.0, 1.0, 0.0], abs=0.01), records["k"].reach
+
+
+def test_auto_does_not_probe_plain_decoding_where_a_candidate_is_priced_far_above_it(tiny):
+    """Plain rounds are probed for their measured price, but not while a candidate promises more than
+    `PLAIN_PROBE_BELOW` times their rate (here an always-right offer of 3 tokens whose rows add a tenth of a step
+    each): a probe could not change the choice and would forgo a round of 4 tokens."""
+
+    def flat(context: int) -> Curve:
+        return Curve({w: 1e-3 * (1 + 0.1 * (w - 1)) for w in (1, 2, 4, 8, 16)}, context=context)
+
+    target = tiny("llama", layers=2)
+    engine = Engine(target)
+    prompt = engine.encode("abc", chat=True)
+    truth = engine.generate(prompt, method="autoregressive", max_new_tokens=120, eos_token_id=[]).tokens
+    s = Session(prompt, Sampling(), Stopping(120, ()))
+    figures = Figures({"right": CandidateRecord(accepted=3.0, nodes=3.0)})
+    auto = AutoDrafter({"right": FreeFixed(truth, len(prompt), True)}, flat(len(prompt)), figures, probe=2)
+    decode(s, Runner(target.model), auto)
+    assert s.output == truth
+    chunks = [who for who, _ in s.stats.extra["auto_chunks"]]
+    assert chunks.count(AR) <= 1 and chunks.count("right") >= 25, chunks  # (a last round with no room is plain)
+
+
 def test_a_shadow_offer_is_scored_once_the_text_decides_it():
     assert Shadow("x", [[1, 2, 3]], 3, [1, 2]).accepted() is None  # right so far
     assert Shadow("x", [[1, 2, 3]], 3, [1, 5]).accepted() == 1

@@ -33,6 +33,9 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     # falls back to a 1-gram, a weak match: its follow-up is k1 (2 by default) tokens
     assert lookup.propose(s, [4, 1, 2, 3, 4], room=10).paths == [[1, 2]]
     assert PromptLookup(PromptLookupConfig(k=3, k1=3)).propose(s, [4, 1, 2, 3, 4], room=10).paths == [[1, 2, 3]]
+    # each offer says how long its match was: `auto` prices the kinds apart
+    assert lookup.propose(s, [5, 6, 7, 8, 5, 6, 9, 5, 6], room=10).kind == "match 2"
+    assert lookup.propose(s, [4, 1, 2, 3, 4], room=10).kind == "match 1"
 
 
 def test_prompt_lookup_grows_its_index_as_a_scan_would_find():

@@ -34,6 +34,9 @@ class Proposal:
     expected: the drafter's own estimate of how many of its candidates the target will accept (a feature
         head's calibrated chances, summed), when it has one; `auto` prices it by that rather than by one
         round's count.
+    kind: what sort of offer this is, where a drafter's offers differ in worth by something it can tell in
+        advance (a prompt lookup's match length); `auto` keeps a candidate's figures per kind and prices each offer
+        by its own kind's. "" = one kind.
     """
 
     paths: list[list[int]] = field(default_factory=list)
@@ -42,6 +45,7 @@ class Proposal:
     lead: list[int] = field(default_factory=list)
     hidden: bool = False
     expected: float | None = None
+    kind: str = ""
 
     @property
     def chain(self) -> list[int]:

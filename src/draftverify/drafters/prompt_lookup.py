@@ -68,5 +68,5 @@ class PromptLookup(Drafter):
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             j = self.follows.get(tuple(seq[-n:]))  # latest earlier occurrence
             if j is not None:
-                return Proposal([seq[j : j + min(self.k if n > 1 else self.k1, room)]])
+                return Proposal([seq[j : j + min(self.k if n > 1 else self.k1, room)]], kind=f"match {n}")
         return Proposal()
