@@ -212,9 +212,9 @@ class AutoDrafter(Drafter):
     def cut(self, name: str, costs: dict, others: int, most: int) -> tuple[int, float]:
         """The length (1..most) to cut a free candidate's offer to, by the reach of its kind's offers, with the most
         tokens a second, and that rate."""
-        record = self.record(name)
+        record, scale = self.record(name), self.verify_time(name, costs, 0, others) / marginal_time(costs, 1, others)
         rates = [
-            (1 + accepted) / (record.draft_s + self.verify_time(name, costs, n, others))
+            (1 + accepted) / (record.draft_s + scale * marginal_time(costs, n + 1, others))
             for n, accepted in enumerate(record.expected(most), start=1)
         ]
         best = max(range(most), key=rates.__getitem__)
@@ -240,7 +240,7 @@ class AutoDrafter(Drafter):
         if room > 0:
             offers = {name: d.propose(s, seq, room) for name, d in self.candidates.items() if d.free}
             self.keys = {name: f"{name} ({offer.kind})" for name, offer in offers.items() if offer.kind}
-            size = {name: build_tree(seq[-1], offer.paths).size - 1 for name, offer in offers.items() if offer.paths}
+            size = {name: tree_size(seq[-1], offer.paths) for name, offer in offers.items() if offer.paths}
             nodes, free_part, rates = self.price(offers, size, costs, s.others)
             able = [name for name in rates if name != AR]
             if able:  # a round something could draft in: every wait grows by one (the chosen one is reset below)
@@ -337,6 +337,11 @@ class AutoDrafter(Drafter):
     def finish(self, s: Session) -> None:
         for d in self.candidates.values():
             d.finish(s)
+
+
+def tree_size(root: int, paths: list[list[int]]) -> int:
+    """The candidate tokens `paths` verify after `root` (one path: its length, without building its trie)."""
+    return len(paths[0]) if len(paths) == 1 else build_tree(root, paths).size - 1
 
 
 def merge(first: Proposal, *more: Proposal) -> Proposal:
