@@ -217,28 +217,6 @@ def test_auto_prices_each_kind_of_offer_by_its_own_figures(tiny):
     assert sum(who == "k" for who, _ in chunks) >= 10, chunks
 
 
-class TwoRight(FreeFixed):
-    """Offers 8 tokens of which the first 2 are right."""
-
-    def propose(self, s, seq, room):
-        self.right, self.width = True, 8
-        offer = super().propose(s, seq, room)
-        return replace(offer, paths=[path[:2] + [99] * (len(path) - 2) for path in offer.paths])
-
-
-def test_auto_cuts_a_free_offer_where_its_reach_says_it_pays_most(tiny):
-    """An offer of 8 tokens whose first 2 are always right and the rest always wrong: where each row adds half a
-    step, its 2 right tokens pay and the 6 wrong ones cost, so auto verifies the first 2 of it and no more, once
-    the text has scored a few offers (each scored whole, drafted or not). The output is the target's."""
-    records = {}
-    s, _, truth = decode_with(tiny, 80, lambda truth, at: {"k": TwoRight(truth, at, True)}, records)
-    assert s.output == truth
-    rounds = sum(who == "k" for who, _ in s.stats.extra["auto_chunks"])
-    # every token it verified was one of the right two (the last rounds, with less room, verify fewer)
-    assert rounds >= 15 and s.stats.drafted == s.stats.accepted <= 2 * rounds, (rounds, s.stats)
-    assert records["k"].reach[:3] == pytest.approx([1.0, 1.0, 0.0], abs=0.01), records["k"].reach
-
-
 def test_auto_does_not_probe_plain_decoding_where_a_candidate_is_priced_far_above_it(tiny):
     """Plain rounds are probed for their measured price, but not while a candidate promises more than
     `PLAIN_PROBE_BELOW` times their rate (here an always-right offer of 3 tokens whose rows add a tenth of a step

@@ -62,15 +62,13 @@ a request's text may be harder or easier than those (docs/benchmarks/smollm2-aut
 A free drafter's offers may differ in worth in a way it can tell in advance (prompt lookup's after a one-token
 match are accepted far less often than after a three-token one): it names each offer's kind (`Proposal.kind`), and
 auto keeps figures per kind (`name (kind)`) and prices each offer by its own kind's, so a kind that does not pay in
-a request sits out while the others draft. An offer of one path is cut to the length with the most tokens a second
-(`cut`), by its kind's reach: the running share of its offers whose first 1, 2, ... tokens the text bore out (each
-offer scored whole, drafted or not, so a cut offer still says what its tail would have earned).
+a request sits out while the others draft.
 
-A free candidate is asked every round, so it is scored every round too: each offer it made, drafted
-or not (`Shadow`), is held until the text that follows says how much of it verification would have
-accepted (its longest path's prefix that the target went on to produce; under sampling a guess
-matches the sampled token with the chance verification would accept it), and that goes into its
-running means (a drafted round adds only its drafting time). Its figures so stay current
+A free candidate is asked every round, so it is scored every round too: an offer it made in a
+round it did not draft (`Shadow`) is held until the text that follows says how much of it
+verification would have accepted (its longest path's prefix that the target went on to produce;
+under sampling a guess matches the sampled token with the chance verification would accept it),
+and that goes into its running mean as a drafted round's count would. Its figures so stay current
 without probes, which it never gets: a probe would cost a round to learn what the text tells for
 nothing, and a lookup that sat out behind stale figures would sit out for good.
 
@@ -84,10 +82,9 @@ proposal depends only on the tokens so far and its own draws (`verify.verify_tre
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from draftverify.costs import at_context, forward_time, marginal_time
-from draftverify.drafters.auto_figures import CandidateRecord, Figures, Shadow
 from draftverify.drafters.base import Drafter, Proposal, Step, add
 from draftverify.session import Session
 from draftverify.tree import build_tree
@@ -100,6 +97,57 @@ PROBE_TOKENS = 2  # a free offer in a merged candidate's probe: its first path's
 # copies a long repeat.
 PLAIN_PROBE_BELOW = 2.0
 CALIBRATION_PRIOR = 4.0  # tokens: a drafter's own expectation counts as right until this many have been scored
+
+
+@dataclass
+class CandidateRecord:
+    """Running means of what one candidate earned per round it drafted (`decay`: the old rounds' weight)."""
+
+    accepted: float = 1.0  # candidate tokens accepted (the prior is optimistic, so every candidate is tried)
+    draft_s: float = 0.0  # seconds drafting (until a round is timed: nothing; the first timed round sets it)
+    nodes: float = 4.0  # candidate tokens verified
+    timed: bool = False  # whether a round has set `draft_s`
+
+    def update(self, decay: float, accepted: float, draft_s: float | None, nodes: int) -> None:
+        """`draft_s` None: this round's drafting time says nothing of a round's (see the module docstring)."""
+        self.accepted = decay * self.accepted + (1 - decay) * accepted
+        if draft_s is not None:
+            self.draft_s = decay * self.draft_s + (1 - decay) * draft_s if self.timed else draft_s
+            self.timed = True
+        self.nodes = decay * self.nodes + (1 - decay) * nodes
+
+
+@dataclass
+class Shadow:
+    """A free candidate's offer in a round it did not draft, scored against the text that came after it."""
+
+    name: str
+    paths: list[list[int]]
+    nodes: int
+    seen: list[int] = field(default_factory=list)  # the tokens emitted after the offer's root so far
+
+    def accepted(self) -> int | None:
+        """The tokens of the offer verification would have accepted (the longest prefix of a path the text went on
+        to repeat), or None while the text so far cannot tell."""
+        best = 0
+        for path in self.paths:
+            n = 0
+            while n < len(path) and n < len(self.seen) and path[n] == self.seen[n]:
+                n += 1
+            if n == len(self.seen) < len(path):  # right so far, the rest still to come
+                return None
+            best = max(best, n)
+        return best
+
+
+@dataclass
+class Figures:
+    """What auto has learnt, owned by the method instance: kept across its requests (warm start) and shared by
+    the slots of a batch, never by two instances (so two engines in one process do not steer each other)."""
+
+    records: dict[str, CandidateRecord] = field(default_factory=dict)  # per candidate (merged ones included)
+    scale: float = 1.0  # running ratio of every measured round's time past drafting to the cost curve's t
+    scales: dict[str, float] = field(default_factory=dict)  # the same per choice (AR included): its own rounds'
 
 
 class AutoDrafter(Drafter):
@@ -147,9 +195,8 @@ class AutoDrafter(Drafter):
         self.draft_s = 0.0
         self.sent_at = 0.0  # when the proposal went to verification
         self.costs_now: dict = {}  # the cost table at this round's context (`costs.at_context`)
-        self.shadows: list[Shadow] = []  # free offers waiting for the text that scores them
+        self.shadows: list[Shadow] = []  # free offers not drafted, waiting for the text that scores them
         self.keys: dict[str, str] = {}  # this round's free offers' figures, where an offer has a kind
-        self.cuts: dict[str, tuple[int, float]] = {}  # this round's free single-path offers: (length, rate) (`cut`)
 
     def start(self, s: Session, seq: list[int], hidden=None) -> None:
         s.stats.extra["auto_chunks"] = []  # (drafter, tokens emitted) per round: who produced what (`--explain`)
@@ -196,30 +243,6 @@ class AutoDrafter(Drafter):
                 nodes[name], free_part[name] = self.records[model_run].nodes + size[free], size[free]
         return nodes, free_part
 
-    def price(self, offers: dict[str, Proposal], size: dict[str, int], costs: dict, others: int) -> tuple:
-        """What each candidate would verify this round, a free offer's share of it, and each choice's rate (plain
-        decoding's too); a free candidate's single path is cut where its kind's reach says it pays most (`cut`)."""
-        nodes, free_part = self.nodes(size)
-        self.cuts = {
-            n: self.cut(n, costs, others, size[n]) for n, o in offers.items() if n in size and len(o.paths) == 1
-        }
-        nodes.update({name: length for name, (length, _) in self.cuts.items()})
-        rates = {AR: self.plain_rate(costs, others)}
-        rates.update({name: self.rate(name, costs, others, n) for name, n in nodes.items() if name not in self.cuts})
-        rates.update({name: rate for name, (_, rate) in self.cuts.items()})
-        return nodes, free_part, rates
-
-    def cut(self, name: str, costs: dict, others: int, most: int) -> tuple[int, float]:
-        """The length (1..most) to cut a free candidate's offer to, by the reach of its kind's offers, with the most
-        tokens a second, and that rate."""
-        record, scale = self.record(name), self.verify_time(name, costs, 0, others) / marginal_time(costs, 1, others)
-        rates = [
-            (1 + accepted) / (record.draft_s + scale * marginal_time(costs, n + 1, others))
-            for n, accepted in enumerate(record.expected(most), start=1)
-        ]
-        best = max(range(most), key=rates.__getitem__)
-        return best + 1, rates[best]
-
     def measure(self, now: float) -> None:
         """Score the round before this one (its time past drafting against the curve's), alone only: in a batch
         a round's time holds the other requests' rows and work."""
@@ -235,13 +258,15 @@ class AutoDrafter(Drafter):
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
         t0 = time.perf_counter()
         self.measure(t0)
-        self.chosen, self.parts, self.model_run, self.keys, self.cuts = AR, {}, None, {}, {}
+        self.chosen, self.parts, self.model_run, self.keys = AR, {}, None, {}
         self.costs_now = costs = at_context(self.costs, len(seq))
         if room > 0:
             offers = {name: d.propose(s, seq, room) for name, d in self.candidates.items() if d.free}
             self.keys = {name: f"{name} ({offer.kind})" for name, offer in offers.items() if offer.kind}
-            size = {name: tree_size(seq[-1], offer.paths) for name, offer in offers.items() if offer.paths}
-            nodes, free_part, rates = self.price(offers, size, costs, s.others)
+            size = {name: build_tree(seq[-1], offer.paths).size - 1 for name, offer in offers.items() if offer.paths}
+            nodes, free_part = self.nodes(size)
+            rates = {AR: self.plain_rate(costs, s.others)}
+            rates.update({name: self.rate(name, costs, s.others, n) for name, n in nodes.items()})
             able = [name for name in rates if name != AR]
             if able:  # a round something could draft in: every wait grows by one (the chosen one is reset below)
                 for name in (*able, AR):
@@ -271,12 +296,11 @@ class AutoDrafter(Drafter):
                 offer = offers[free]
                 if self.probing:  # a probe asks whether the offer is right at all: its first guesses, not a wide trie
                     offer = replace(offer, paths=[offer.paths[0][:PROBE_TOKENS]])
-                elif model_run == AR and free in self.cuts:
-                    offer = replace(offer, paths=[offer.paths[0][: self.cuts[free][0]]])
                 self.parts[free] = offer
-            # every offer, drafted or not, is scored whole by the text that follows it
             self.shadows += [
-                Shadow(self.keys.get(n, n), offer.paths, size[n]) for n, offer in offers.items() if n in size
+                Shadow(self.keys.get(n, n), offer.paths, size[n])
+                for n, offer in offers.items()
+                if n in size and n != free
             ]
         proposal = merge(*self.parts.values()) if self.parts else Proposal(hidden=self.needs_hidden)
         if self.needs_hidden and not proposal.hidden:
@@ -286,9 +310,9 @@ class AutoDrafter(Drafter):
         return proposal
 
     def score_shadows(self, tokens: list[int]) -> None:
-        """Score each free offer once the text says how much of it verification would have accepted (under
-        sampling, a guess matches the sampled token with the chance verification accepts it), drafted or not and
-        whole however much of it drafted, so a free candidate's figures stay current without probes."""
+        """Score each free offer that did not draft once the text says how much of it verification would have
+        accepted (under sampling, a guess matches the sampled token with the chance verification accepts it), so
+        a free candidate's figures stay current without probes."""
         waiting = []
         for shadow in self.shadows:
             shadow.seen += tokens
@@ -296,8 +320,7 @@ class AutoDrafter(Drafter):
             if accepted is None:
                 waiting.append(shadow)
             else:
-                depth = max(len(path) for path in shadow.paths)
-                self.records[shadow.name].score(self.decay, accepted, depth, shadow.nodes)
+                self.records[shadow.name].update(self.decay, accepted, None, shadow.nodes)
         self.shadows = waiting
 
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
@@ -318,10 +341,7 @@ class AutoDrafter(Drafter):
                 calibration[0] += step.accepted
                 calibration[1] += own.expected
                 accepted = own.expected * calibration[0] / calibration[1]
-            if self.chosen in self.candidates and self.candidates[self.chosen].free:  # scored by its shadows
-                record.time(self.decay, self.draft_s)
-            else:
-                record.update(self.decay, accepted, self.draft_s if steady else None, step.drafted)
+            record.update(self.decay, accepted, self.draft_s if steady else None, step.drafted)
             self.idle[self.chosen] = 0
             if self.probing:  # judged by the prices every choice uses: did this round beat plain decoding's rate?
                 costs, draft_s = self.costs_now, self.draft_s if steady else record.draft_s
@@ -337,11 +357,6 @@ class AutoDrafter(Drafter):
     def finish(self, s: Session) -> None:
         for d in self.candidates.values():
             d.finish(s)
-
-
-def tree_size(root: int, paths: list[list[int]]) -> int:
-    """The candidate tokens `paths` verify after `root` (one path: its length, without building its trie)."""
-    return len(paths[0]) if len(paths) == 1 else build_tree(root, paths).size - 1
 
 
 def merge(first: Proposal, *more: Proposal) -> Proposal:

@@ -10,8 +10,7 @@ step) when nothing pays. The candidates (`use`) are:
 - `context`: the request's own n-grams (`lookahead:context`), free to look up, so asked every
   round, priced at what it offers and scored whether it drafts or not; a default candidate;
 - `lookup`: prompt lookup (`prompt-lookup`: what followed the latest earlier occurrence of the longest
-  suffix), free alike, asked for up to `LOOKUP_TOKENS` and cut by auto to the length its kind of offer (the match's
-  length) has paid for in this request; a default candidate;
+  suffix), free alike; a default candidate;
 - `head`: the feature head's draft (`speculative:chain` with a head; `width` > 1: its EAGLE-2 tree), when
   there is a head; not a default candidate. On the 2-core CPUs measured, its rounds cost more than they
   earned once the two lookups offered one short guess a round: `auto` without it was faster on the benchmark
@@ -53,9 +52,6 @@ from draftverify.session import Session
 
 CANDIDATES = ("head", "draft", "context", "lookup")
 DEFAULT_CANDIDATES = ["context", "lookup"]  # the module docstring says why
-# The longest offer auto asks prompt lookup for: auto cuts each offer itself, where the reach of its kind's offers
-# says it pays most (`drafters.auto.AutoDrafter.cut`).
-LOOKUP_TOKENS = 8
 # The most positions auto's head feeds when it catches up (at a request's start, and each time it comes back after
 # sitting out; `speculative`'s feeds `drafters.feature.CATCH_UP`): a head that sits out and comes back often pays
 # for each catch-up more than its attention over the older positions earns. Chosen on the training prompts against
@@ -164,7 +160,7 @@ class Auto(Method):
         if "context" in use:
             out["context"] = lookahead_drafter(Lookahead.make_config("context"))
         if "lookup" in use:
-            out["lookup"] = PromptLookup(PromptLookupConfig(k=LOOKUP_TOKENS, k1=LOOKUP_TOKENS))
+            out["lookup"] = PromptLookup(PromptLookupConfig())
         return out
 
     def drafter(self, s: Session) -> Drafter:
