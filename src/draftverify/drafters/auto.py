@@ -263,7 +263,7 @@ class AutoDrafter(Drafter):
         if room > 0:
             offers = {name: d.propose(s, seq, room) for name, d in self.candidates.items() if d.free}
             self.keys = {name: f"{name} ({offer.kind})" for name, offer in offers.items() if offer.kind}
-            size = {name: build_tree(seq[-1], offer.paths).size - 1 for name, offer in offers.items() if offer.paths}
+            size = {name: tree_size(seq[-1], offer.paths) for name, offer in offers.items() if offer.paths}
             nodes, free_part = self.nodes(size)
             rates = {AR: self.plain_rate(costs, s.others)}
             rates.update({name: self.rate(name, costs, s.others, n) for name, n in nodes.items()})
@@ -359,9 +359,16 @@ class AutoDrafter(Drafter):
             d.finish(s)
 
 
+def tree_size(root: int, paths: list[list[int]]) -> int:
+    """The candidate tokens `paths` verify after `root` (one path: its length, without building its trie)."""
+    return len(paths[0]) if len(paths) == 1 else build_tree(root, paths).size - 1
+
+
 def merge(first: Proposal, *more: Proposal) -> Proposal:
     """One proposal of several candidates' paths (one trie): `first`'s own (its sampled chain, if any, stays
     the first path) and the others' paths as further deterministic guesses. At most one may carry a window."""
+    if not more:
+        return first
     windows = [p.rows for p in (first, *more) if p.rows]
     assert len(windows) <= 1, "one forward holds one lookahead window"
     return replace(
