@@ -8,7 +8,9 @@ time so far in this request, starting from the earlier requests'), or with none 
 step) when nothing pays. The candidates (`use`) are:
 
 - `context`: the request's own n-grams (`lookahead:context`), free to look up, so asked every
-  round, priced at what it offers and scored whether it drafts or not; a default candidate;
+  round, priced at what it offers and scored whether it drafts or not; a default candidate: beside `lookup` it
+  pays on code, where its longer guess after a one-token match is often right, and costs a little elsewhere
+  (`use=lookup` drops it; docs/benchmarks/smollm2-auto-kinds-xeon-amx);
 - `lookup`: prompt lookup (`prompt-lookup`: what followed the latest earlier occurrence of the longest
   suffix), free alike; a default candidate;
 - `head`: the feature head's draft (`speculative:chain` with a head; `width` > 1: its EAGLE-2 tree), when
