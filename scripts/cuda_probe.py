@@ -1,16 +1,18 @@
 """What draftverify's CUDA path spends a decoding step on, for a model of the default target's shape.
 
     python scripts/cuda_probe.py make-model --config CONFIG.json --tokenizer DIR --out DIR [--layers N]
-    python scripts/cuda_probe.py measure --model DIR --draft DIR --out FILE.json
+    python scripts/cuda_probe.py measure [--model DIR|FILE] [--draft DIR] [--backends eager,static,graph]
+                                         [--dtype auto|bf16|fp32] --out FILE.json
     python scripts/cuda_probe.py report --probe FILE.json --command "..." --out REPORT.md
 
 `make-model` writes a randomly initialised model (seed 0) of the shape `CONFIG.json` gives, in bf16, with the
 tokenizer files of DIR (with `--layers`, that many layers: a draft of the same kind): the forward's cost depends
 on shapes, not on weights, so it stands in for a target that cannot travel to the GPU machine.
-`measure` writes, for that model on CUDA, on the eager and the static backend: wall and CUDA-kernel milliseconds
-per generated token (autoregressive, and speculative with the draft), host synchronisations per target forward
-(counted with `torch.cuda.set_sync_debug_mode("warn")`) and where the host time of autoregressive decoding goes
-(cProfile). `report` renders such a file as markdown. Acceptance is not measured here (random weights accept nothing);
+`measure` writes, for that model (or any target: the default model without `--model`) on CUDA, per backend: wall
+and CUDA-kernel milliseconds per generated token (autoregressive, and speculative with the draft, or the default
+model's feature head), host synchronisations per target forward (counted with `torch.cuda.set_sync_debug_mode("warn")`)
+and where the host time of autoregressive decoding goes (cProfile). `report` renders such a file as markdown. Random
+weights accept nothing, so on a `make-model` model `speculative` is every round's cost with nothing gained;
 docs/backends.md says what the numbers mean.
 """
 
@@ -111,16 +113,28 @@ def backend_figures(engine, prompt: str, tokens: int) -> dict:
     return out
 
 
-def measure(model: str, draft: str, out: Path) -> None:
+RANDOM_MODEL = (
+    "a randomly initialised model of the default target's shape (bf16) and a 4-layer draft of the same kind, "
+    "64 new tokens after a warm-up over the same lengths. Random weights accept no draft: `speculative` here is "
+    "every round's cost with nothing gained."
+)
+
+
+def measure(model: str | None, draft: str | None, out: Path, backends=("eager", "static"), dtype="auto") -> None:
     import transformers
 
     from draftverify import Engine
 
     prompt = "Explain why the sky is blue, in three short paragraphs."
     report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__)
-    for backend in ("eager", "static"):
-        engine = Engine.load(target=model, draft=draft, device="cuda", backend=backend)
+    report["backends"] = list(backends)
+    for backend in backends:
+        engine = Engine.load(target=model, draft=draft, device="cuda", backend=backend, dtype=dtype)
         report[backend] = backend_figures(engine, prompt, tokens=64)
+        report["about"] = (
+            f"target {engine.target.name} ({engine.describe_drafts()}), weights {engine.target_runner.dtype}, "
+            "64 new tokens after a warm-up over the same lengths."
+        )
         del engine
     text = json.dumps(report, indent=1)
     atomic_write(out, text)
@@ -134,16 +148,14 @@ def report(probe: Path, command: str, out: Path) -> None:
         "",
         f"```\n{command}\n```",
         "",
-        f"- {data['gpu']}; torch {data['torch']}, transformers {data['transformers']}; a randomly initialised model "
-        "of the default target's shape (bf16) and a 4-layer draft of the same kind, 64 new tokens after a warm-up "
-        "over the same lengths. Random weights accept no draft: `speculative` here is every round's cost with "
-        "nothing gained.",
+        f"- {data['gpu']}; torch {data['torch']}, transformers {data['transformers']}; {data.get('about', RANDOM_MODEL)}",
         "- GPU busy = CUDA-kernel time / wall time; the rest is the host (Python, launches) with the GPU idle.",
         "",
         "| backend | method | wall ms / token | kernel ms / token | GPU busy | host syncs / target forward |",
         "|---|---|---|---|---|---|",
     ]
-    for backend in ("eager", "static"):
+    backends = data.get("backends", ("eager", "static"))
+    for backend in backends:
         for method in ("autoregressive", "speculative"):
             row = data[backend][method]
             busy = row["kernel_ms_per_token"] / row["wall_ms_per_token"]
@@ -151,7 +163,7 @@ def report(probe: Path, command: str, out: Path) -> None:
                 f"| {backend} | `{method}` | {row['wall_ms_per_token']:.1f} | {row['kernel_ms_per_token']:.2f} "
                 f"| {busy:.0%} | {row['syncs_per_target_forward']:.1f} |"
             )
-    for backend in ("eager", "static"):
+    for backend in backends:
         lines += ["", f"## Host time of autoregressive decoding, {backend} backend (cProfile, own time)", ""]
         lines += ["| function | calls | own s | cumulative s |", "|---|---|---|---|"]
         for row in data[backend]["autoregressive"]["host_profile"][:10]:
@@ -169,8 +181,10 @@ def main() -> None:
     make.add_argument("--out", type=Path, required=True)
     make.add_argument("--layers", type=int)
     run = sub.add_parser("measure")
-    run.add_argument("--model", required=True)
-    run.add_argument("--draft", required=True)
+    run.add_argument("--model", help="a model folder or GGUF file (default: the default model)")
+    run.add_argument("--draft", help="a draft model (default: the default model's feature head, if any)")
+    run.add_argument("--backends", default="eager,static", help="comma-separated backends to measure")
+    run.add_argument("--dtype", default="auto", help="the target's dtype (auto: fp32)")
     run.add_argument("--out", type=Path, required=True)
     render = sub.add_parser("report")
     render.add_argument("--probe", type=Path, required=True)
@@ -180,7 +194,7 @@ def main() -> None:
     if args.command == "make-model":
         make_model(args.config, args.tokenizer, args.out, args.layers)
     elif args.command == "measure":
-        measure(args.model, args.draft, args.out)
+        measure(args.model, args.draft, args.out, args.backends.split(","), args.dtype)
     else:
         report(args.probe, args.command, args.out)
 

@@ -19,6 +19,7 @@ import torch
 from draftverify.backend.cache import KVCache
 from draftverify.backend.decoder import StaticDecoder
 from draftverify.backend.eager import EagerDecoder
+from draftverify.backend.graphed import GraphedDecoder
 from draftverify.backend.feed import Feed, Forward
 from draftverify.backend.linear import Packs
 from draftverify.backend.recipe import unsupported_layer_types, unsupported_reason
@@ -28,22 +29,23 @@ from draftverify.loading.hf import model_device
 __all__ = ["BACKENDS", "Feed", "Forward", "Runner", "Shared", "choose_backend", "forward_many"]
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
-BACKENDS = ("auto", "static", "eager")
+BACKENDS = ("auto", "static", "eager", "graph")
 
 
 def choose_backend(model: torch.nn.Module, backend: str = "auto") -> tuple[str, str | None]:
     """The backend a Runner of `model` uses, and why `auto` fell back to eager (None if it did not).
 
     `static` is the fast path (`backend.decoder`: static KV cache, prepacked fused linears);
-    `eager` calls the stock transformers model with a dynamic cache and works for any causal LM.
+    `eager` calls the stock transformers model with a dynamic cache and works for any causal LM;
+    `graph` (`backend.graphed`) runs every forward at one shape, replayed as a CUDA graph on a GPU.
     """
     require(backend in BACKENDS, f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     if backend == "eager":
         return "eager", None
     reason = unsupported_reason(model)
-    if backend == "static":
-        require(reason is None, f"backend 'static' cannot run this model ({reason}): use --backend eager or auto")
-        return "static", None
+    if backend in ("static", "graph"):
+        require(reason is None, f"backend {backend!r} cannot run this model ({reason}): use --backend eager or auto")
+        return backend, None
     if reason is None and model_device(model).type != "cpu":
         reason = "off a CPU the static path runs plain torch ops, host-bound like the stock model (docs/backends.md)"
     return ("eager", reason) if reason else ("static", None)
@@ -109,14 +111,15 @@ class Runner:
     ):
         check_runnable(model)
         self.backend, self.fallback_reason = choose_backend(model, backend)
-        if self.backend == "eager" and hasattr(model, "stock"):  # a GGUF model read from its file: eager needs
-            model = model.stock()  # the stock module (loading.gguf_model)
+        if self.backend in ("eager", "graph") and hasattr(model, "stock"):  # a GGUF model read from its file: these
+            model = model.stock()  # need the stock module (loading.gguf_model)
         self.model = model
         self.device, self.dtype = _device_dtype(model)
         self.draft = draft
         self.shared = shared if shared is not None else Shared()
+        decoders = {"static": StaticDecoder, "graph": GraphedDecoder}
         self.decoder = (
-            StaticDecoder(model, draft, self.shared.packs) if self.backend == "static" else EagerDecoder(model)
+            decoders[self.backend](model, draft, self.shared.packs) if self.backend in decoders else EagerDecoder(model)
         )
         self.cache: KVCache = self.decoder.new_cache()
         self.max_length = getattr(model.config, "max_position_embeddings", None)
@@ -182,7 +185,8 @@ class Runner:
 
     def on_device(self, feed: Feed) -> Feed:
         """`feed` with its tokens as a [n] long tensor on the model's device."""
-        tokens = torch.as_tensor(feed.tokens, dtype=torch.long, device=self.device).view(-1)
+        device = getattr(self.decoder, "input_device", self.device)  # the graph backend takes host ids
+        tokens = torch.as_tensor(feed.tokens, dtype=torch.long, device=device).view(-1)
         return dataclasses.replace(feed, tokens=tokens)
 
 
