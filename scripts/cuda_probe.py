@@ -148,7 +148,8 @@ def report(probe: Path, command: str, out: Path) -> None:
         "",
         f"```\n{command}\n```",
         "",
-        f"- {data['gpu']}; torch {data['torch']}, transformers {data['transformers']}; {data.get('about', RANDOM_MODEL)}",
+        f"- {data['gpu']}; torch {data['torch']}, transformers {data['transformers']}; "
+        f"{data.get('about', RANDOM_MODEL)}",
         "- GPU busy = CUDA-kernel time / wall time; the rest is the host (Python, launches) with the GPU idle.",
         "",
         "| backend | method | wall ms / token | kernel ms / token | GPU busy | host syncs / target forward |",

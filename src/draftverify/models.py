@@ -19,8 +19,8 @@ import torch
 from draftverify.backend.cache import KVCache
 from draftverify.backend.decoder import StaticDecoder
 from draftverify.backend.eager import EagerDecoder
-from draftverify.backend.graphed import GraphedDecoder
 from draftverify.backend.feed import Feed, Forward
+from draftverify.backend.graphed import GraphedDecoder
 from draftverify.backend.linear import Packs
 from draftverify.backend.recipe import unsupported_layer_types, unsupported_reason
 from draftverify.errors import require
