@@ -88,11 +88,11 @@ def backend_figures(engine, prompt: str, tokens: int) -> dict:
     """Per method: wall and kernel milliseconds per token, host synchronisations per target forward."""
     out = {}
     for method in ("autoregressive", "speculative"):
-        engine.generate(prompt, method=method, max_new_tokens=tokens)  # warm-up at every length it will see
+        engine.generate(prompt, method=method, max_new_tokens=tokens, eos_token_id=[])  # warm-up at every length it will see
         result = {}
 
         def run():
-            result["r"] = engine.generate(prompt, method=method, max_new_tokens=tokens)
+            result["r"] = engine.generate(prompt, method=method, max_new_tokens=tokens, eos_token_id=[])
 
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -108,7 +108,7 @@ def backend_figures(engine, prompt: str, tokens: int) -> dict:
             syncs_per_target_forward=count_syncs(run) / max(1, stats.target_forwards),
         )
     out["autoregressive"]["host_profile"] = profile_top(
-        lambda: engine.generate(prompt, method="autoregressive", max_new_tokens=tokens)
+        lambda: engine.generate(prompt, method="autoregressive", max_new_tokens=tokens, eos_token_id=[])
     )
     return out
 

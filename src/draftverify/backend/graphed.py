@@ -21,7 +21,6 @@ forward are refused at construction.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from draftverify.backend.attention import rotated
 from draftverify.backend.cache import StaticCache
@@ -32,6 +31,7 @@ from draftverify.errors import require
 
 GRAPH_ROWS = 32  # new tokens of every forward (`GraphedDecoder.rows`)
 TREE_FORWARDS = 16  # a tree or window feed holds at most this many forwards' rows (causal feeds: any number)
+TAIL = 64  # B of `keys_by_position`: a tree deeper than this is refused
 
 
 class GraphCache(StaticCache):
@@ -71,10 +71,10 @@ class GraphedDecoder:
         # per rotary key, cos and sin [positions, head dim] of every position the model takes (`rows` more: the
         # padding rows of a forward near the end of the context)
         self.tables = inner._rope_tables(inner.max_length + rows)
-        # the graphs' inputs: token ids | row positions | write slots | cache length before the feed | the feed's
-        # positions by row (`tree_rows`), and which of the feed's rows each row attends
-        self.index = torch.zeros(3 * rows + 1 + self.tree_rows, dtype=torch.long, device=self.device)
-        self.tree = torch.zeros(rows, self.tree_rows, dtype=torch.bool, device=self.device)
+        # the graphs' inputs (`_inputs`): token ids | row positions | write slots | shared bounds | tails' slots
+        # [rows, 2 TAIL], and which tail entries each row reads
+        self.index = torch.zeros(4 * rows + rows * 2 * TAIL, dtype=torch.long, device=self.device)
+        self.seen = torch.zeros(rows, 2 * TAIL, dtype=torch.bool, device=self.device)
         self.graphs_captured = 0
 
     @property
@@ -93,12 +93,13 @@ class GraphedDecoder:
         """Feed `feed.tokens` [n] after `cache`'s tokens, `rows` of them a forward."""
         n, w, base = feed.size, self.rows, cache.length
         causal = feed.positions is None and feed.tree_mask is None
-        require(
-            causal or n <= self.tree_rows,
-            f"a tree or window of {n} tokens is more than backend 'graph' takes ({self.tree_rows}): draft fewer",
-        )
         tokens = feed.tokens.to("cpu")  # the host's ids (the Runner leaves them there): no copy
         positions = torch.arange(base, base + n) if feed.positions is None else feed.positions.to("cpu")
+        require(
+            causal or (n <= self.tree_rows and (feed.tree_mask is None or int(positions.max()) - base < TAIL)),
+            f"a tree of {n} tokens, {int(positions.max()) - base + 1} deep, is more than backend 'graph' takes "
+            f"({self.tree_rows} tokens, {TAIL} deep): draft less",
+        )
         tree = feed.tree_mask.to("cpu") if feed.tree_mask is not None else None
         cache.reserve(base + -(-n // w) * w)  # the last forward's padding rows write slots too
         want = feed.last or n
@@ -123,30 +124,33 @@ class GraphedDecoder:
         return Forward(logits, hidden)
 
     def _inputs(self, tokens, positions, tree, base: int, first: int, m: int, causal: bool) -> None:
-        """Load rows first..first+m-1 of a feed into the graphs' inputs. A causal feed's forwards each start after
-        the one before (`past` moves on); a tree's all start at `base` and read the tree's columns up to its end.
-        A padding row sits at slot past + row, attends that slot alone and writes it (past the rows in use)."""
-        w = self.rows
+        """Load rows first..first+m-1 of a feed into the graphs' inputs (`keys_by_position`). A causal feed's
+        forwards each start after the one before and its rows sit at slot = position; a tree's rows sit at base +
+        their index in the feed. A padding row writes slot `past` + row (past the rows in use) and reads it alone."""
+        w, tail = self.rows, TAIL
         past, offset = (base + first, 0) if causal else (base, first)
-        index = torch.zeros(self.index.shape[0], dtype=torch.long)
-        index[:m] = tokens[first : first + m]
-        index[w : w + m] = positions[first : first + m]
-        index[2 * w : 3 * w] = torch.arange(past + offset, past + offset + w)
-        index[3 * w] = past
-        rows = torch.zeros(w, self.tree_rows, dtype=torch.bool)
+        rowpos = positions[first : first + m]
         if causal:
-            index[3 * w + 1 : 3 * w + 1 + m] = positions[first : first + m]
-            rows[:m, :m] = torch.ones(m, m, dtype=torch.bool).tril()
+            shared, slots, seen = keys_by_position(rowpos, past + torch.arange(m), past, causal=True)
         else:
-            n = positions.shape[0]
-            index[3 * w + 1 : 3 * w + 1 + n] = positions
-            rows[:m, :n] = torch.ones(m, n, dtype=torch.bool).tril(first) if tree is None else tree[first : first + m]
+            attends = torch.ones(m, len(positions), dtype=torch.bool).tril(first) if tree is None else tree[first:]
+            shared, slots, seen = keys_by_position(rowpos, positions, base, attends=attends[:m])
         pad = torch.arange(m, w)
-        rows[pad, offset + pad] = True
+        index = torch.zeros(self.index.shape[0], dtype=torch.long)
+        index[:m], index[w : w + m] = tokens[first : first + m], rowpos
+        index[2 * w : 3 * w] = torch.arange(past + offset, past + offset + w)
+        index[3 * w : 3 * w + m] = shared
+        table = torch.zeros(w, 2 * tail, dtype=torch.long)
+        table[:m] = slots
+        table[pad, 0] = past + offset + pad
+        index[4 * w :] = table.view(-1)
+        ok = torch.zeros(w, 2 * tail, dtype=torch.bool)
+        ok[:m] = seen
+        ok[pad, 0] = True
         if self.capture:  # pinned: the copies run in order on the stream, the host goes on
-            index, rows = index.pin_memory(), rows.pin_memory()
+            index, ok = index.pin_memory(), ok.pin_memory()
         self.index.copy_(index, non_blocking=True)
-        self.tree.copy_(rows, non_blocking=True)
+        self.seen.copy_(ok, non_blocking=True)
 
     def _run(self, cache: GraphCache, skip) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of the loaded inputs: the cache's graph replayed (captured on first use), else run."""
@@ -189,15 +193,7 @@ class GraphedDecoder:
                 keys, values = cache.keys[i], cache.values[i]
                 keys.index_copy_(1, slots, k.transpose(0, 1).to(keys.dtype))
                 values.index_copy_(1, slots, v.transpose(0, 1).to(values.dtype))
-                out = F.scaled_dot_product_attention(
-                    q.transpose(0, 1).unsqueeze(0),  # [1, heads, rows, d]
-                    keys.unsqueeze(0).to(q.dtype),  # [1, kv heads, capacity, d]
-                    values.unsqueeze(0).to(q.dtype),
-                    attn_mask=masks[inner.windows[i]],
-                    scale=layer.scaling,
-                    enable_gqa=inner.n_heads != inner.n_kv,
-                )
-                out = out[0].transpose(0, 1).reshape(w, inner.n_heads * inner.head_dim)
+                out = self._attend(q, keys, values, masks[inner.windows[i]], layer.scaling).to(h.dtype)
                 h = h + _post(layer.o(out), layer.norm_attn_out)
             if i not in skip_mlp:
                 up = gated(layer.gate_up(rms_norm(h, layer.norm_mlp, layer.eps)), layer.activation)
@@ -205,19 +201,68 @@ class GraphedDecoder:
         states = rms_norm(h, inner.norm, inner.norm_eps)
         return states, softcap(inner.head(states), inner.final_cap)
 
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scaling: float) -> torch.Tensor:
+        """Attention of the loaded rows, in fp32, each row's keys by position (`keys_by_position`): scores against
+        every slot (read below the row's shared bound) and against its tail, one softmax over both, then the two
+        weighted sums added. q [rows, heads, d]; keys, values [kv heads, capacity, d] -> [rows, heads * d]."""
+        inner, w = self.inner, self.rows
+        kv, group, d = inner.n_kv, inner.n_heads // inner.n_kv, inner.head_dim
+        tails = self.index[4 * w :]  # [rows * 2 TAIL]
+        keys, values = keys.float(), values.float()
+        qg = q.float().view(w, kv, group, d).transpose(0, 1)  # [kv, rows, group, d]: head h reads kv head h // group
+        tail_keys = keys[:, tails].view(kv, w, 2 * TAIL, d)
+        tail_values = values[:, tails].view(kv, w, 2 * TAIL, d)
+        scores = torch.cat(
+            [
+                torch.matmul(qg.reshape(kv, w * group, d), keys.transpose(1, 2)).view(kv, w, group, -1),
+                torch.matmul(qg, tail_keys.transpose(2, 3)),  # [kv, rows, group, 2 TAIL]
+            ],
+            dim=-1,
+        ).mul_(scaling)
+        probs = scores.masked_fill_(~mask[None, :, None, :], float("-inf")).softmax(-1)
+        capacity = keys.shape[1]
+        out = torch.matmul(probs[..., :capacity].reshape(kv, w * group, capacity), values).view(kv, w, group, d)
+        out = out + torch.matmul(probs[..., capacity:], tail_values)
+        return out.transpose(0, 1).reshape(w, inner.n_heads * d)
+
     def _masks(self, capacity: int, rowpos: torch.Tensor) -> dict:
-        """Per window size, the boolean mask [1, 1, rows, capacity] of the loaded feed, formed on the device: every
-        slot before `past` (slot j holds position j), and the feed's slots its tree lets the row see, within the
-        window (row position - key position < window)."""
-        past, fresh_positions = self.index[3 * self.rows], self.index[3 * self.rows + 1 :]
+        """Per window size, which keys each row reads, [rows, capacity + 2 TAIL] (`keys_by_position`): slots below
+        the row's shared bound, then its tail's, each within the window (row position - key position < window)."""
+        w = self.rows
+        shared = self.index[3 * w : 4 * w, None]
         slot = torch.arange(capacity, device=self.device)
-        rel = slot - past
-        fresh = (rel >= 0) & (rel < self.tree_rows)
-        rel = rel.clamp(0, self.tree_rows - 1)
-        seen = (slot < past).unsqueeze(0) | (self.tree[:, rel] & fresh.unsqueeze(0))  # [rows, capacity]
-        key_positions = torch.where(fresh, fresh_positions[rel], slot)
+        tail_positions = shared + torch.arange(2 * TAIL, device=self.device)  # [rows, 2 TAIL]
         masks = {}
         for window in set(self.inner.windows):
-            near = seen if window is None else seen & (rowpos[:, None] - key_positions[None, :] < window)
-            masks[window] = near[None, None]
+            below, seen = slot[None, :] < shared, self.seen
+            if window is not None:
+                below = below & (rowpos[:, None] - slot[None, :] < window)
+                seen = seen & (rowpos[:, None] - tail_positions < window)
+            masks[window] = torch.cat([below, seen], dim=1)
         return masks
+
+
+def keys_by_position(rowpos, positions, committed: int, causal: bool = False, attends=None):
+    """Which keys each row of a forward reads, laid out by position, so a row's attention sums the same terms in the
+    same places in any forward: the rows of a tree read their ancestors from the tree's slots, yet each term sits
+    where it sits when that row is decoded alone (where every position's key is at slot = position).
+
+    A row at position p reads positions below its shared bound s = B * (p // B) - B (B = `TAIL`) from the cache's
+    slots in place, and positions s..p from its tail: 2 B gathered slots, position s + t at entry t. `rowpos` [m]:
+    the rows' positions; `positions` [n]: the positions of the feed's rows (slots `committed` onwards; a causal
+    forward's: slot = position); `attends` [m, n]: which feed rows each row reads (a tree's mask rows). A row's
+    shared bound is at most `committed` (a tree's row deeper than B below it would read its ancestors out of
+    place: a lookahead window row, whose outputs only draft, or a refused tree). -> shared bounds [m], the tails'
+    slots [m, 2 B] and whether each is read [m, 2 B]."""
+    shared = ((rowpos // TAIL) * TAIL - TAIL).clamp(min=0).clamp(max=committed)
+    at = shared[:, None] + torch.arange(2 * TAIL)  # [m, 2 B] the tails' positions
+    if causal:
+        return shared, at, at <= rowpos[:, None]
+    seen = at < committed
+    slots = torch.where(seen, at, 0)
+    rows, cols = attends.nonzero(as_tuple=True)
+    entry = positions[cols] - shared[rows]
+    inside = (entry >= 0) & (entry < 2 * TAIL)
+    slots[rows[inside], entry[inside]] = committed + cols[inside]
+    seen[rows[inside], entry[inside]] = True
+    return shared, slots, seen
