@@ -88,7 +88,8 @@ def backend_figures(engine, prompt: str, tokens: int) -> dict:
     """Per method: wall and kernel milliseconds per token, host synchronisations per target forward."""
     out = {}
     for method in ("autoregressive", "speculative"):
-        engine.generate(prompt, method=method, max_new_tokens=tokens, eos_token_id=[])  # warm-up at every length it will see
+        # warm-up at every length it will see; past EOS, so every run decodes `tokens`
+        engine.generate(prompt, method=method, max_new_tokens=tokens, eos_token_id=[])
         result = {}
 
         def run():

@@ -48,8 +48,8 @@ def backend_option(purpose: str = "Forward path"):
         "auto",
         "--backend",
         help=f"{purpose}: auto (static where the architecture allows, else eager), static (static KV cache, "
-        "prepacked fused linears: Llama, Mistral, Qwen2, Qwen3) or eager (the stock transformers model, any causal "
-        "LM).",
+        "prepacked fused linears: Llama, Mistral, Qwen2, Qwen3), eager (the stock transformers model, any causal "
+        "LM) or graph (for a GPU: every forward one shape, replayed as a CUDA graph; exact in bf16 too).",
     )
 
 

@@ -106,7 +106,8 @@ class Engine:
             "q8 arithmetic needs a target with Q4_1 / Q8_0 / GGUF block weights on the static path: use --dtype fp32",
         )
         # What autoregressive decoding here computes in, and so what every method's output is identical to.
-        self.arithmetic = "q8" if q8 > 0 else "fp32"
+        lower = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # a target loaded in lower precision computes in it
+        self.arithmetic = "q8" if q8 > 0 else lower.get(self.target_runner.dtype, "fp32")
         self._methods: dict[tuple, Method] = {}
         self._targets: list[Runner] = [self.target_runner]  # per batch slot
         self._drafts: list[Runner | None] = []  # per batch slot, once the draft is resolved

@@ -123,6 +123,8 @@ class Runner:
         )
         self.cache: KVCache = self.decoder.new_cache()
         self.max_length = getattr(model.config, "max_position_embeddings", None)
+        if self.backend == "graph":  # its caches hold a context of its own (`GraphedDecoder.max_length`)
+            self.max_length = self.decoder.max_length
         self.forwards = 0  # forward calls since construction (all callers)
 
     def fork(self) -> "Runner":
