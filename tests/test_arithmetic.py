@@ -40,6 +40,12 @@ def test_default_rule(tmp_path, monkeypatch):
     assert ar.default_arithmetic("/x/unknown.gguf", "cpu", path)[0] == "fp32"
     assert ar.default_arithmetic("/x/model-folder", "cpu", path)[0] == "fp32"  # safetensors
     assert ar.default_arithmetic("/x/m.gguf", "cuda", path)[0] == "fp32"
+    assert ar.default_arithmetic("/x/m.gguf", "cpu", path, backend="static")[0] == "q8"
+    for backend in ("eager", "graph"):  # no q8 products there: `--backend eager` alone must load the default model
+        assert ar.default_arithmetic("/x/m.gguf", "cpu", path, backend=backend) == (
+            "fp32",
+            f"backend {backend!r} has no q8 products",
+        )
     monkeypatch.setattr(ar, "Q8_DEFAULT", False)  # the switch: every condition met, fp32
     assert ar.default_arithmetic("/x/m.gguf", "cpu", path) == ("fp32", "q8 is switched off (arithmetic.Q8_DEFAULT)")
     monkeypatch.setattr(ar, "Q8_DEFAULT", True)

@@ -8,6 +8,8 @@ token, sampling exactly distributed. `Engine.load(dtype=...)` takes the arithmet
 
 The default rule (`default_arithmetic`): q8 when all of these hold (and `Q8_DEFAULT` is on), else fp32:
 - the target is a GGUF file (its block weights are what q8 multiplies; a safetensors target stays fp32),
+- the backend may be the static path's (`auto` or `static`: the eager and graph backends multiply the stock
+  module's weights, which have no q8 product),
 - the compiled CPU kernels load here: they multiply with the CPU's integer dot products (AVX-512 VNNI `vpdpbusd`,
   AVX-VNNI's, or AVX2's `maddubs`, which every CPU the kernels build for has; the same bits on each, docs/q8.md).
   On AVX2 too q8 decodes faster than fp32 and makes verified rows cheaper (docs/q8.md links the run); without
@@ -56,13 +58,18 @@ def within_tolerance(record: dict | None) -> bool:
     return float(record["ppl_q8"]) <= float(record["ppl_fp32"]) * (1 + PPL_TOLERANCE)
 
 
-def default_arithmetic(source: Path | str | None, device: str = "cpu", quality_path: Path = QUALITY) -> tuple[str, str]:
-    """The rule of this module's docstring for a target loaded from `source`: (arithmetic, why in a few words)."""
+def default_arithmetic(
+    source: Path | str | None, device: str = "cpu", quality_path: Path = QUALITY, backend: str = "auto"
+) -> tuple[str, str]:
+    """The rule of this module's docstring for a target loaded from `source` to run on `backend`: (arithmetic, why
+    in a few words)."""
     from draftverify.kernels import cpu, unavailable
 
     path = Path(source) if source is not None else None
     if path is None or path.suffix != ".gguf":
         return "fp32", "the target is not a GGUF file"
+    if backend not in ("auto", "static"):
+        return "fp32", f"backend {backend!r} has no q8 products"
     if device != "cpu":
         return "fp32", f"the target runs on {device}"
     if not within_tolerance(quality(path.name, quality_path)):

@@ -30,14 +30,18 @@ from draftverify.util import eos_ids
 
 
 def load_target(
-    target: str | None = None, dtype: str = "auto", device: str = "auto", device_map: str | None = None
+    target: str | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    device_map: str | None = None,
+    backend: str = "auto",
 ) -> tuple[Loaded, str]:
     """The target as `Engine.load` loads it (a GGUF file on its direct path where it can be) and the arithmetic it
-    decodes in: `dtype`'s, or the default rule's for "auto" (`draftverify.arithmetic`)."""
+    decodes in on `backend`: `dtype`'s, or the default rule's for "auto" (`draftverify.arithmetic`)."""
     weights, arithmetic = split_dtype(dtype)
     loaded = load_model(target, dtype=weights, device=device, device_map=device_map)
     if arithmetic is None:
-        arithmetic, _ = default_arithmetic(loaded.source, loaded.model.device.type)
+        arithmetic, _ = default_arithmetic(loaded.source, loaded.model.device.type, backend=backend)
     return loaded, arithmetic
 
 
@@ -170,7 +174,7 @@ class Engine:
         arithmetic (`draftverify.arithmetic`): "q8", "fp32", "bf16", "fp16" or "auto" (its default rule).
         """
         weights, _ = split_dtype(dtype)  # the draft's
-        loaded, arithmetic = load_target(target, dtype, device, device_map)
+        loaded, arithmetic = load_target(target, dtype, device, device_map, backend)
         feature_head = default_feature_head(loaded) if draft is None else None
         if feature_head is not None:  # its drafting copies packed now, not by the first request that drafts with it
             feature_head.pack()
