@@ -127,3 +127,23 @@ def test_the_graph_backend_refuses_what_it_cannot_run_in_one_line(tiny):
         runner.forward(list(range(TAIL + 1)), positions=torch.arange(3, TAIL + 4), tree_mask=deep)
     with pytest.raises(DraftVerifyError, match="more than this cache holds"):
         runner.forward(list(range(2000)))
+
+
+def test_rows_run_in_position_order_so_a_row_before_its_keys_in_the_feed_reads_them(tiny, monkeypatch):
+    """A lookahead window's rows come before the root they read (tree.layout); with 4 rows a forward they would
+    run before it was written. Run by position, each row gets what it gets fed after the root."""
+    monkeypatch.setattr(graphed, "GRAPH_ROWS", 4)
+    runner = Runner(tiny("llama").model, "graph")
+    prompt = [5, 9, 13, 17, 21, 25]
+    root, window = 30, [31, 32, 33, 34]
+    base = len(prompt)
+    first = torch.eye(5, dtype=torch.bool)
+    first[1:, 0] = True  # root first: every window row reads the root and itself
+    runner.forward(prompt)
+    after = runner.forward([root, *window], torch.tensor([base] + [base + 1] * 4), first).logits
+    runner.reset()
+    runner.forward(prompt)
+    late = torch.eye(5, dtype=torch.bool)
+    late[:4, 4] = True  # the same rows, the root last
+    before = runner.forward([*window, root], torch.tensor([base + 1] * 4 + [base]), late).logits
+    assert torch.equal(before, torch.cat([after[1:], after[:1]]))

@@ -5,13 +5,14 @@ the rest is Python and kernel launches. `GraphedDecoder` records one forward per
 it, so a forward costs a few small copies and one launch from the host.
 
 A graph needs fixed shapes, so every forward has them: `rows` new tokens (fewer are padded with rows whose outputs
-are dropped, more are fed `rows` at a time) over caches made once at their whole context, attending a span of slots
-that is a function of the row's position alone (`_span`: one graph per span), through masks the graph forms on the
-device. The shapes also make each row's arithmetic independent of the forward it is in: every product runs the same
-kernel on the same shapes, a row's sums read only its own inputs, a masked key adds an exact zero, and a row reads
-its keys laid out by position (`keys_by_position`), so a tree's row sums the same terms in the same places as when it
-is decoded alone, in whatever order the GPU reduces them. So a verified row gets the bits of a one-token step in
-any dtype, where the eager and static backends round a several-row forward differently from a one-row one on a GPU
+are dropped, more are fed `rows` at a time, in position order) over caches made once at their whole context,
+attending a span of slots that is a function of the row's position alone (`_span`: one graph per span), through
+masks the graph forms on the device. The shapes also make each row's arithmetic independent of the forward it is in:
+every product runs the same kernel on the same shapes, a row's sums read only its own inputs, a masked key adds an
+exact zero, and a row reads its keys laid out by position (`keys_by_position`), so a tree's row sums the same terms in
+the same places as when it is decoded alone, in whatever order the GPU reduces them. So a verified row gets the bits
+of a one-token step in any dtype, where the eager and static backends round a several-row forward differently from a
+one-row one on a GPU
 (docs/backends.md). Prefill pays for it: a prompt runs `rows` tokens a forward.
 
 The weights and the layer recipe are the static decoder's (`StaticDecoder`: the stock model's own modules, products
@@ -116,10 +117,15 @@ class GraphedDecoder:
         )
         cache.reserve(base + n)
         keep = n - (feed.last or n)  # rows from here on return logits
+        order = torch.arange(n)  # the rows in the order they run: by position, so a row's keys are written first
+        in_order = bool((positions[1:] >= positions[:-1]).all())  # (a lookahead window's rows come before its root)
+        if not in_order:
+            order, keep = torch.argsort(positions, stable=True), 0
         logits, states = [], []
-        for start, end in self._runs(positions):
-            self._inputs(tokens, positions, None if causal else tree, base, start, end, cache.scratch, causal)
-            out_states, out_logits = self._run(cache, self._span(int(positions[start:end].max())), feed.skip)
+        for start, end in self._runs(positions[order]):
+            rows = order[start:end]
+            self._inputs(tokens, positions, None if causal else tree, base, rows, cache.scratch, causal)
+            out_states, out_logits = self._run(cache, self._span(int(positions[rows].max())), feed.skip)
             first = max(start, keep) - start
             if first < end - start:
                 logits.append(out_logits[first : end - start].clone())
@@ -127,10 +133,20 @@ class GraphedDecoder:
                 states.append(out_states[0 if feed.hidden == "all" else first : end - start].clone())
         cache.length = base + n
         logits = torch.cat(logits) if len(logits) > 1 else logits[0]
+        hidden = (torch.cat(states) if len(states) > 1 else states[0]) if feed.hidden else None
+        if not in_order:  # back to the feed's order, the rows asked for
+            where = torch.empty_like(order)
+            where[order] = torch.arange(n)
+            asked = where[n - (feed.last or n) :].to(self.device)
+            logits = logits.index_select(0, asked)
+            hidden = (
+                None
+                if hidden is None
+                else hidden.index_select(0, where.to(self.device) if feed.hidden == "all" else asked)
+            )
         if feed.vocab is not None:  # a draft's vocabulary: its tokens' logits, every other -inf
             vocab = feed.vocab.to(self.device)
             logits = vocab_logits(logits.index_select(1, vocab), vocab, logits.shape[1])
-        hidden = (torch.cat(states) if len(states) > 1 else states[0]) if feed.hidden else None
         return Forward(logits, hidden)
 
     def _span(self, position: int) -> int:
@@ -140,8 +156,8 @@ class GraphedDecoder:
         return min(max(SPAN_MIN, 1 << position.bit_length()), self.max_length + self.tree_rows)
 
     def _runs(self, positions: torch.Tensor) -> list[tuple[int, int]]:
-        """The feed's rows as runs start..end-1 of at most `rows` rows of one span, in order (a tree's ancestors come
-        before their descendants and have no larger span, so each run's are written before it reads them)."""
+        """Rows at these (nondecreasing) positions as runs start..end-1 of at most `rows` rows of one span: a row's
+        keys sit at lower positions (its own aside), so each run's are written before it reads them."""
         spans = [self._span(p) for p in positions.tolist()]
         runs, start = [], 0
         for i in range(1, len(spans) + 1):
@@ -150,19 +166,19 @@ class GraphedDecoder:
                 start = i
         return runs
 
-    def _inputs(self, tokens, positions, tree, base: int, start: int, end: int, scratch: int, causal: bool) -> None:
-        """Load rows start..end-1 of a feed into the graphs' inputs (`keys_by_position`). Feed row i sits at slot
-        base + i (a causal feed's: slot = position). A padding row writes a scratch slot and reads it alone."""
-        w, m = self.rows, end - start
-        rows, rowpos = torch.arange(start, end), positions[start:end]
+    def _inputs(self, tokens, positions, tree, base: int, rows, scratch: int, causal: bool) -> None:
+        """Load a feed's `rows` (indices) into the graphs' inputs (`keys_by_position`). Feed row i sits at slot base +
+        i (a causal feed's: slot = position). A padding row writes a scratch slot and reads it alone."""
+        w, m = self.rows, len(rows)
+        rowpos = positions[rows]
         if causal:
             shared, slots, seen = keys_by_position(rowpos)
         else:
-            attends = tree[start:end] if tree is not None else torch.arange(len(positions))[None, :] <= rows[:, None]
+            attends = tree[rows] if tree is not None else torch.arange(len(positions))[None, :] <= rows[:, None]
             shared, slots, seen = keys_by_position(rowpos, positions, base, attends)
         pad = torch.arange(m, w)
         index = torch.zeros(self.index.shape[0], dtype=torch.long)
-        index[:m], index[w : w + m] = tokens[start:end], rowpos
+        index[:m], index[w : w + m] = tokens[rows], rowpos
         index[2 * w : 3 * w] = torch.cat([base + rows, scratch + pad])
         index[3 * w : 3 * w + m] = shared
         table = torch.zeros(w, 2 * TAIL, dtype=torch.long)
