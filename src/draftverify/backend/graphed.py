@@ -12,8 +12,7 @@ every product runs the same kernel on the same shapes, a row's sums read only it
 exact zero, and a row reads its keys laid out by position (`keys_by_position`), so a tree's row sums the same terms in
 the same places as when it is decoded alone, in whatever order the GPU reduces them. So a verified row gets the bits
 of a one-token step in any dtype, where the eager and static backends round a several-row forward differently from a
-one-row one on a GPU
-(docs/backends.md). Prefill pays for it: a prompt runs `rows` tokens a forward.
+one-row one on a GPU (docs/backends.md). Prefill pays for it: a prompt runs `rows` tokens a forward.
 
 The weights and the layer recipe are the static decoder's (`StaticDecoder`: the stock model's own modules, products
 on its weights). Off CUDA the same forward runs without a graph (the tests run it on a CPU); a layer-skipping draft
