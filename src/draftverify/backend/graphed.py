@@ -210,7 +210,7 @@ class GraphedDecoder:
             self._layers(cache, span, None)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # a server's other threads may use CUDA
             outputs = self._layers(cache, span, None)
         self.graphs_captured += 1
         return graph, outputs
