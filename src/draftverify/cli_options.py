@@ -32,7 +32,8 @@ def dtype_option(purpose: str = "Weights dtype and target arithmetic"):
         "auto",
         "--dtype",
         help=f"{purpose}: auto (fp32; q8 for a GGUF target where docs/q8.md's rule says so), fp32, bf16 or fp16 "
-        "(opt-in: speculation may part from plain decoding at near ties, docs/backends.md) or q8 (int8-rounded "
+        "(opt-in: speculation may part from plain decoding at near ties, docs/backends.md, except on --backend "
+        "graph) or q8 (int8-rounded "
         "activations times the GGUF blocks).",
     )
 
