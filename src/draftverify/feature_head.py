@@ -18,6 +18,7 @@ and `model.safetensors` (the head's own weights). Its KV cache is `feature_head_
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,11 +27,16 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from draftverify.backend.linear import QUANT_ROWS, Packs
 from draftverify.backend.ops import cpu_kernels, rms_norm, rotate_half
 from draftverify.errors import DraftVerifyError, require
 from draftverify.util import atomic_path, atomic_write, describe_identity, same_weights
+
+# SDPA's backends for the head's attention on a GPU: not cuDNN's, which recent torch prefers on Hopper in bf16 and
+# which builds a plan for each new shape, while drafting meets a new cache length every round
+NO_PLAN_PER_SHAPE = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 CONFIG_FILE = "feature_draft.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -250,7 +256,10 @@ class FeatureHead(nn.Module):
         """Attention of q over keys/values (mask: bool [T, S], True = may attend), MLP, final norm -> [B, T, H]."""
         c = self.config
         b, _, t, _ = q.shape
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=c.num_heads != c.num_kv_heads)
+        with sdpa_kernel(NO_PLAN_PER_SHAPE) if q.is_cuda else nullcontext():
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, enable_gqa=c.num_heads != c.num_kv_heads
+            )
         return self.after_attention(x, out.transpose(1, 2).reshape(b, t, c.num_heads * c.head_dim))
 
     def after_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
