@@ -10,6 +10,7 @@ from draftverify import Engine
 from draftverify.backend import graphed
 from draftverify.backend.graphed import TAIL, keys_by_position
 from draftverify.errors import DraftVerifyError
+from draftverify.kernels import cpu_flags
 from draftverify.models import Runner
 
 METHODS = [
@@ -55,7 +56,7 @@ def test_every_method_equals_plain_decoding_in_bf16_on_the_graph_backend(tokeniz
     draft = Loaded(make_model("llama", 1, layers=2).to(torch.bfloat16), tokenizer, name="d")
     same, total = _identical(Engine(target, draft, backend="graph"))
     assert same == total
-    if rows == 32:
+    if rows == 32 and "avx512_bf16" in cpu_flags():  # where oneDNN multiplies bf16 natively (seen on Zen 5, Xeon)
         same, total = _identical(Engine(target, draft, backend="static"))
         assert same < total  # the control: without one shape, bf16 speculation parts from plain decoding
 
