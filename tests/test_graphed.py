@@ -148,3 +148,19 @@ def test_rows_run_in_position_order_so_a_row_before_its_keys_in_the_feed_reads_t
     late[:4, 4] = True  # the same rows, the root last
     before = runner.forward([*window, root], torch.tensor([base + 1] * 4 + [base]), late).logits
     assert torch.equal(before, torch.cat([after[1:], after[:1]]))
+
+
+def test_a_failed_capture_leaves_the_same_forward_without_graphs(tiny, monkeypatch, capsys):
+    runner = Runner(tiny("llama").model, "graph")
+    ids = list(range(2, 40))
+    plain = runner.forward(ids).logits
+    runner.reset()
+
+    def refuse(cache, span):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner.decoder, "capture", True)
+    monkeypatch.setattr(runner.decoder, "_capture", refuse)
+    assert torch.equal(runner.forward(ids).logits, plain)
+    assert runner.decoder.capture is False
+    assert "no CUDA graphs (operation not permitted" in capsys.readouterr().err

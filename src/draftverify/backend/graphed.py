@@ -22,6 +22,8 @@ forward are refused at construction.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from draftverify.backend.attention import rotated
@@ -185,7 +187,7 @@ class GraphedDecoder:
         index[4 * w :] = table.view(-1)
         ok = torch.zeros(w, 2 * TAIL, dtype=torch.bool)
         ok[:m], ok[pad, 0] = seen, True
-        if self.capture:  # pinned: the copies run in order on the stream, the host goes on
+        if self.device.type == "cuda":  # pinned: the copies run in order on the stream, the host goes on
             index, ok = index.pin_memory(), ok.pin_memory()
         self.index.copy_(index, non_blocking=True)
         self.seen.copy_(ok, non_blocking=True)
@@ -197,7 +199,13 @@ class GraphedDecoder:
             return self._layers(cache, span, skip)
         graph = cache.graphs.get(span)
         if graph is None:
-            graph = cache.graphs[span] = self._capture(cache, span)
+            try:
+                graph = cache.graphs[span] = self._capture(cache, span)
+            except RuntimeError as exc:  # the same forward runs without graphs: slower, the same bits
+                self.capture = False
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                print(f"draftverify: no CUDA graphs ({first}): backend 'graph' runs without them", file=sys.stderr)
+                return self._layers(cache, span, None)
         graph[0].replay()
         return graph[1]
 
