@@ -86,14 +86,17 @@ def kernel_ms(fn) -> float:
 
 def backend_figures(engine, prompt: str, tokens: int) -> dict:
     """Per method: wall and kernel milliseconds per token, host synchronisations per target forward."""
+
+    def decode(method: str):  # past EOS, so every run decodes `tokens`
+        return engine.generate(prompt, method=method, max_new_tokens=tokens, eos_token_id=[])
+
     out = {}
     for method in ("autoregressive", "speculative"):
-        # warm-up at every length it will see; past EOS, so every run decodes `tokens`
-        engine.generate(prompt, method=method, max_new_tokens=tokens, eos_token_id=[])
+        decode(method)  # warm-up at every length it will see
         result = {}
 
         def run():
-            result["r"] = engine.generate(prompt, method=method, max_new_tokens=tokens, eos_token_id=[])
+            result["r"] = decode(method)
 
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -108,9 +111,7 @@ def backend_figures(engine, prompt: str, tokens: int) -> dict:
             kernel_ms_per_token=kernel_ms(run) / n,
             syncs_per_target_forward=count_syncs(run) / max(1, stats.target_forwards),
         )
-    out["autoregressive"]["host_profile"] = profile_top(
-        lambda: engine.generate(prompt, method="autoregressive", max_new_tokens=tokens, eos_token_id=[])
-    )
+    out["autoregressive"]["host_profile"] = profile_top(lambda: decode("autoregressive"))
     return out
 
 

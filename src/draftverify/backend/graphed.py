@@ -117,11 +117,12 @@ class GraphedDecoder:
             f"({self.tree_rows} tokens, {TAIL} deep): draft less",
         )
         cache.reserve(base + n)
-        keep = n - (feed.last or n)  # rows from here on return logits
-        order = torch.arange(n)  # the rows in the order they run: by position, so a row's keys are written first
-        in_order = bool((positions[1:] >= positions[:-1]).all())  # (a lookahead window's rows come before its root)
-        if not in_order:
-            order, keep = torch.argsort(positions, stable=True), 0
+        asked = n - (feed.last or n)  # rows from here on return logits
+        # the rows in the order they run: by position, so a row's keys are written first (a lookahead window's rows
+        # come before its root); out of order, every row is kept as it runs and those asked for picked after
+        in_order = bool((positions[1:] >= positions[:-1]).all())
+        order = torch.arange(n) if in_order else torch.argsort(positions, stable=True)
+        keep = asked if in_order else 0
         logits, states = [], []
         for start, end in self._runs(positions[order]):
             rows = order[start:end]
@@ -138,12 +139,12 @@ class GraphedDecoder:
         if not in_order:  # back to the feed's order, the rows asked for
             where = torch.empty_like(order)
             where[order] = torch.arange(n)
-            asked = where[n - (feed.last or n) :].to(self.device)
-            logits = logits.index_select(0, asked)
+            picked = where[asked:].to(self.device)
+            logits = logits.index_select(0, picked)
             hidden = (
                 None
                 if hidden is None
-                else hidden.index_select(0, where.to(self.device) if feed.hidden == "all" else asked)
+                else hidden.index_select(0, where.to(self.device) if feed.hidden == "all" else picked)
             )
         if feed.vocab is not None:  # a draft's vocabulary: its tokens' logits, every other -inf
             vocab = feed.vocab.to(self.device)
