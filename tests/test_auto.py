@@ -361,7 +361,7 @@ def test_auto_stops_buying_rounds_on_a_word_the_request_belies(tiny):
 
 
 def test_auto_options_are_checked_in_one_line(engine):
-    with pytest.raises(DraftVerifyError, match="unknown auto candidate 'heads'.*use=head\\+context"):
+    with pytest.raises(DraftVerifyError, match="unknown auto candidate 'heads'.*use=head\\+lookup"):
         engine.generate("hi", method="auto", use="heads+context")
     with pytest.raises(DraftVerifyError, match="probe=0 must be at least 1"):
         engine.generate("hi", method="auto", probe=0)

@@ -29,7 +29,7 @@ rows): drafts pay while the curve is flat and stop paying where it turns linear.
 pool or
 prompt lookup, no model run) is asked every round, and is a candidate only when it has
 something, priced at its actual number of nodes. With `merge`, a model-run drafter and a free one
-that has something also make a *merged* candidate (`head+context`): the model's candidates and the
+that has something also make a *merged* candidate (`head+lookup`): the model's candidates and the
 free offer verified as one trie in one forward, priced by running means of its own (on a flat cost
 curve the free offer rides almost for nothing, and wins where the text repeats itself while the
 model still drafts the rest; on a CPU's steeper curve it is one more choice to probe and seldom

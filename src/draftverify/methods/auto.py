@@ -7,22 +7,25 @@ second (`drafters.auto.AutoDrafter`: the measured cost curve, and each candidate
 time so far in this request, starting from the earlier requests'), or with none (a plain target
 step) when nothing pays. The candidates (`use`) are:
 
-- `context`: the request's own n-grams (`lookahead:context`), free to look up, so asked every
-  round, priced at what it offers and scored whether it drafts or not; a default candidate: beside `lookup` it
-  pays on code, where its longer guess after a one-token match is often right, and costs a little elsewhere
-  (`use=lookup` drops it; docs/benchmarks/smollm2-auto-kinds-xeon-amx);
 - `lookup`: prompt lookup (`prompt-lookup`: what followed the latest earlier occurrence of the longest
-  suffix), free alike; a default candidate;
+  suffix), free to look up, so asked every round, priced by the figures of its offer's kind (the match's length)
+  and scored whether it drafts or not; the default candidate;
+- `context`: the request's own n-grams (`lookahead:context`: a 4-token guess after the root alone), free alike; not
+  a default candidate any more. Beside `lookup` it cost more than it earned on every set of prompts outside the
+  benchmarks measured (training prompts: chat and long documents; code written from the standard library, as chat
+  and as raw completion: issue 41's note) and on six of the seven benchmark categories, and paid only on
+  HumanEval's completions (docs/benchmarks/smollm2-auto-lookup-xeon-amx). `use=context+lookup` (preset
+  `with-context`) brings it back;
 - `head`: the feature head's draft (`speculative:chain` with a head; `width` > 1: its EAGLE-2 tree), when
   there is a head; not a default candidate. On the 2-core CPUs measured, its rounds cost more than they
-  earned once the two lookups offered one short guess a round: `auto` without it was faster on the benchmark
+  earned once the lookups offered one short guess a round: `auto` without it was faster on the benchmark
   prompts (docs/benchmarks/smollm2-auto-candidates-xeon-amx) and on the training prompts (issue 41's note).
-  `use=head+context+lookup` (preset `head`) brings it back: a better head, or hardware where a verified row is
+  `use=head+lookup` (preset `head`) brings it back: a better head, or hardware where a verified row is
   nearly free, may pay for it;
 - `draft`: the draft model's chain under the cost policy (`speculative` with a draft model), not a default
   candidate either (it drafts worse than the head at a few times its cost: docs/benchmarks);
-- `head+context` (and each such pair), with `merge=true`: the head's tree and the context's offer merged into one
-  trie, verified in one forward, when `context` has something. Off by default: in the q8 arithmetic it cost more
+- `head+lookup` (and each such pair), with `merge=true`: the head's tree and the lookup's offer merged into one
+  trie, verified in one forward, when the lookup has something. Off by default: in the q8 arithmetic it cost more
   than it earned (docs/benchmarks/smollm2-auto-merge-xeon-amx).
 
 In a batch (`serve`, `Engine.generate_batch`) a draft is priced by the rows it adds to the shared
@@ -53,7 +56,7 @@ from draftverify.policies import make_policy
 from draftverify.session import Session
 
 CANDIDATES = ("head", "draft", "context", "lookup")
-DEFAULT_CANDIDATES = ["context", "lookup"]  # the module docstring says why
+DEFAULT_CANDIDATES = ["lookup"]  # the module docstring says why
 # The most positions auto's head feeds when it catches up (at a request's start, and each time it comes back after
 # sitting out; `speculative`'s feeds `drafters.feature.CATCH_UP`): a head that sits out and comes back often pays
 # for each catch-up more than its attention over the older positions earns. Chosen on the training prompts against
@@ -64,14 +67,14 @@ HEAD_CATCH_UP = 8
 
 @dataclass(frozen=True)
 class AutoConfig:
-    """use: the candidates, joined by '+' (head, draft, context, lookup); "" = context and lookup (the module
+    """use: the candidates, joined by '+' (head, draft, context, lookup); "" = lookup (the module
        docstring says why the head and the draft model are not). A named candidate the engine lacks is skipped.
     probe: a candidate that sat out this many rounds it could have drafted drafts once (its figures stay current),
        unless even a round with all it verifies accepted would be slower than plain decoding (a busy batch).
     decay: the weight of the older rounds in each candidate's running means (lower: quicker to switch).
-    merge: also weigh each model-run candidate's tree merged with a free candidate's offer (`head+context`),
+    merge: also weigh each model-run candidate's tree merged with a free candidate's offer (`head+lookup`),
        verified in one forward and priced by figures of its own. Off by default: each merged candidate is one more
-       choice to probe, and its rounds (the head's chain beside an offer the context alone would have sent)
+       choice to probe, and its rounds (the head's chain beside an offer the lookup alone would have sent)
        cost more than they earned, in the bench (docs/benchmarks/smollm2-auto-merge-xeon-amx) and on the
        training prompts (issue 41's note).
     depth, width: the head's tree (`speculative`'s k and width): at most `depth` tokens deep, `width` children per
@@ -103,7 +106,7 @@ class AutoConfig:
         require(
             unknown is None,
             f"unknown auto candidate {unknown!r}: use some of {', '.join(CANDIDATES)} joined by '+', e.g. "
-            f"use=head+context",
+            f"use=head+lookup",
         )
         require(self.probe >= 1, f"probe={self.probe} must be at least 1")
         require(0 <= self.decay < 1, f"decay={self.decay} must lie in [0, 1)")
@@ -125,7 +128,8 @@ class Auto(Method):
     presets = {
         "no-context": {"use": "head+draft"},
         "context": {"use": "context"},
-        "head": {"use": "head+context+lookup"},
+        "with-context": {"use": "context+lookup"},  # the default before issue 41's nineteenth session
+        "head": {"use": "head+lookup"},
     }
 
     def __init__(self, target: Runner, draft=None, config=None, feature_head=None):
