@@ -33,6 +33,9 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     # falls back to a 1-gram, a weak match: its follow-up is k1 (2 by default) tokens
     assert lookup.propose(s, [4, 1, 2, 3, 4], room=10).paths == [[1, 2]]
     assert PromptLookup(PromptLookupConfig(k=3, k1=3)).propose(s, [4, 1, 2, 3, 4], room=10).paths == [[1, 2, 3]]
+    # a repeat that runs into the end of the text goes on with its period (an overlapping copy), not cut short
+    assert lookup.propose(s, [7, 1, 2, 1, 2], room=10).paths == [[1, 2, 1]]  # "1 2" at 1, then period 2
+    assert lookup.propose(s, [7, 5, 5, 5], room=10).paths == [[5, 5, 5]]  # "5 5" at 1: period 1
     # each offer says how long its match was: `auto` prices the kinds apart
     assert lookup.propose(s, [5, 6, 7, 8, 5, 6, 9, 5, 6], room=10).kind == "match 2"
     assert lookup.propose(s, [4, 1, 2, 3, 4], room=10).kind == "match 1"
@@ -46,7 +49,8 @@ def test_prompt_lookup_grows_its_index_as_a_scan_would_find():
         for n in range(min(3, len(seq) - 1), 0, -1):
             for start in range(len(seq) - n - 1, -1, -1):
                 if seq[start : start + n] == seq[-n:]:
-                    return [seq[start + n : start + n + k]]
+                    out, period = seq[start + n : start + n + k], len(seq) - start - n
+                    return [out + [out[i % period] for i in range(len(out), k)]]
         return []
 
     rng = random.Random(0)

@@ -2,7 +2,7 @@
 
 The longest suffix of the sequence (at most `max_ngram` tokens, at least `min_ngram`) that
 occurred earlier in the prompt or the output proposes the `k` tokens that followed its latest
-earlier occurrence. No model: it wins on text that repeats its context (code edits,
+earlier occurrence (an overlapping copy, `repeat`: a repeat whose period is shorter than `k` goes on with itself). No model: it wins on text that repeats its context (code edits,
 summaries, extraction); elsewhere it proposes nothing and the round is a plain step. Its one state
 is an index of the request's n-grams (each to where it last occurred), grown by the tokens each
 round adds, so a round costs the same whatever the context's length.
@@ -68,5 +68,17 @@ class PromptLookup(Drafter):
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             j = self.follows.get(tuple(seq[-n:]))  # latest earlier occurrence
             if j is not None:
-                return Proposal([seq[j : j + min(self.k if n > 1 else self.k1, room)]], kind=f"match {n}")
+                return Proposal([repeat(seq, j, min(self.k if n > 1 else self.k1, room))], kind=f"match {n}")
         return Proposal()
+
+
+def repeat(seq: list[int], j: int, count: int) -> list[int]:
+    """The `count` tokens that followed position j (< len(seq)), as an overlapping copy: where they run into the end of
+    `seq`, the text from j on repeats with period len(seq) - j, so the copy goes on with its own first tokens. A
+    repeat shorter than the offer (a line, a word or a bracket said again and again) is offered whole, not cut at
+    the end of the text."""
+    out = seq[j : j + count]
+    period = len(seq) - j
+    while len(out) < count:
+        out.append(out[len(out) - period])
+    return out
