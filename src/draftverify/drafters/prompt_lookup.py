@@ -2,10 +2,11 @@
 
 The longest suffix of the sequence (at most `max_ngram` tokens, at least `min_ngram`) that
 occurred earlier in the prompt or the output proposes the `k` tokens that followed its latest
-earlier occurrence (an overlapping copy, `repeat`: a repeat whose period is shorter than `k` goes on with itself). No model: it wins on text that repeats its context (code edits,
-summaries, extraction); elsewhere it proposes nothing and the round is a plain step. Its one state
-is an index of the request's n-grams (each to where it last occurred), grown by the tokens each
-round adds, so a round costs the same whatever the context's length.
+earlier occurrence, as an overlapping copy (`repeat`: a repeat whose period is shorter than `k` goes
+on with itself). No model: it wins on text that repeats its context (code edits, summaries,
+extraction); elsewhere it proposes nothing and the round is a plain step. Its one state is an index
+of the request's n-grams (each to where it last occurred), grown by the tokens each round adds, so a
+round costs the same whatever the context's length.
 """
 
 from __future__ import annotations
