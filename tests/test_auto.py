@@ -196,6 +196,24 @@ def test_a_free_candidate_is_scored_in_the_rounds_it_sits_out(tiny):
     assert records["right"].accepted > 2 and records["wrong"].accepted < 0.1
 
 
+def test_a_free_candidate_priced_out_by_one_slow_round_drafts_again(tiny):
+    """Its own rounds' scale says one of its rounds took 50 times the curve's time (a busy moment): as it sits out,
+    that figure fades toward every round's, so an always-right free candidate drafts again within the request
+    (without the fading it never drafted again, in this request or the next). Timed for real: both scales come from
+    this machine's rounds."""
+    target = tiny("llama", layers=2)
+    engine = Engine(target)
+    prompt = engine.encode("abc", chat=True)
+    truth = engine.generate(prompt, method="autoregressive", max_new_tokens=60, eos_token_id=[]).tokens
+    s = Session(prompt, Sampling(), Stopping(60, ()))
+    figures = Figures({"right": CandidateRecord(accepted=3.0, nodes=3.0)}, scales={"right": 50.0})
+    auto = AutoDrafter({"right": FreeFixed(truth, len(prompt), True)}, fixed_costs(len(prompt)), figures)
+    decode(s, Runner(target.model), auto)
+    chunks = [who for who, _ in s.stats.extra["auto_chunks"]]
+    assert s.output == truth and "right" in chunks[:20], chunks
+    assert figures.scales["right"] < 5, figures.scales
+
+
 class Kinds(FreeFixed):
     """Wrong after a sequence whose length 3 divides, else right, and says which (`Proposal.kind`)."""
 

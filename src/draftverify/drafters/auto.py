@@ -70,7 +70,9 @@ verification would have accepted (its longest path's prefix that the target went
 under sampling a guess matches the sampled token with the chance verification would accept it),
 and that goes into its running mean as a drafted round's count would. Its figures so stay current
 without probes, which it never gets: a probe would cost a round to learn what the text tells for
-nothing, and a lookup that sat out behind stale figures would sit out for good.
+nothing, and a lookup that sat out behind stale figures would sit out for good. Only its time is not told
+by the text: its scale (above) comes from its own rounds, so while it sits out that figure fades toward every
+round's (`relax`), or one slow round would price it out for the rest of the process.
 
 Every candidate is told every round (`observe` with its own proposal when it drafted, an empty
 one otherwise), so the feature head queues the target's features and the pools take the new
@@ -302,12 +304,24 @@ class AutoDrafter(Drafter):
                 for n, offer in offers.items()
                 if n in size and n != free
             ]
+            self.relax([n for n in offers if n in size and n != free])
         proposal = merge(*self.parts.values()) if self.parts else Proposal(hidden=self.needs_hidden)
         if self.needs_hidden and not proposal.hidden:
             proposal = replace(proposal, hidden=True)
         self.sent_at = time.perf_counter()
         self.draft_s = self.sent_at - t0
         return proposal
+
+    def relax(self, sitting_out: list[str]) -> None:
+        """Move the scale of each free candidate that had an offer but sits out this round toward the running scale of
+        every round. A free candidate is never probed (its offers are scored as shadows), so only its own rounds
+        measure its scale: one slow round (the machine busy elsewhere) priced it out, it never drafted again, and the
+        figures carry over to later requests, so `auto` decoded plainly for the rest of the process. What a choice's
+        own rounds measured fades while it sits out, as a probe would have renewed it."""
+        for name in sitting_out:
+            if name in self.figures.scales:
+                old = self.figures.scales[name]
+                self.figures.scales[name] = self.decay * old + (1 - self.decay) * self.figures.scale
 
     def score_shadows(self, tokens: list[int]) -> None:
         """Score each free offer that did not draft once the text says how much of it verification would have
