@@ -41,6 +41,20 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert lookup.propose(s, [4, 1, 2, 3, 4], room=10).kind == "match 1"
 
 
+def test_prompt_lookup_offers_more_where_the_text_copies_itself_at_length():
+    """A 3-token match whose occurrence's text goes on matching back to `long` tokens offers `k_long` tokens (its
+    own kind); one that matches 3 or 4 back offers k."""
+    lookup = PromptLookup(PromptLookupConfig(k=3, long=5, k_long=6))
+    s = Session([1], Sampling(), Stopping())
+    text = [9, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    offer = lookup.propose(s, [0, *text, 1, 2, 3, 4, 5], room=10)  # "1 2 3 4 5" matched back 5 tokens
+    assert offer.paths == [[6, 7, 8, 9, 1, 2]] and offer.kind == "match 5+"
+    offer = PromptLookup(PromptLookupConfig(k=3, long=5, k_long=6)).propose(s, [0, *text, 7, 3, 4, 5], room=10)
+    assert offer.paths == [[6, 7, 8]] and offer.kind == "match 3"  # "3 4 5" matched, "7" before it differs
+    offer = PromptLookup(PromptLookupConfig(k=3, long=5, k_long=6)).propose(s, [0, *text, 1, 2, 3, 4, 5], room=4)
+    assert offer.paths == [[6, 7, 8, 9]]  # no more than the room
+
+
 def test_prompt_lookup_grows_its_index_as_a_scan_would_find():
     """Round after round of one growing sequence, the index proposes what a scan for the latest earlier occurrence
     of the longest suffix (3, 2, then 1 tokens) finds."""
@@ -57,7 +71,7 @@ def test_prompt_lookup_grows_its_index_as_a_scan_would_find():
     s = Session([1], Sampling(), Stopping())
     for trial in range(20):
         lookup, seq = (
-            PromptLookup(PromptLookupConfig(k=4, k1=4)),
+            PromptLookup(PromptLookupConfig(k=4, k1=4, k_long=0)),
             [rng.randrange(6) for _ in range(rng.randrange(1, 30))],
         )
         for _ in range(40):
