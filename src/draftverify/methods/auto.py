@@ -13,10 +13,10 @@ step) when nothing pays. The candidates (`use`) are:
 - `context`: the request's own n-grams (`lookahead:context`: a 4-token guess after the root alone), free alike; not
   a default candidate any more. Beside `lookup` it cost more than it earned on the training prompts (chat and
   long documents) and on code written from the standard library, as chat and as raw completion (issue 41's
-  note), and on each category of the benchmark prompts once prompt lookup copied a short repeat whole, which it
-  had offered cut short (docs/benchmarks/smollm2-auto-lookup-xeon-amx; HumanEval's completions, which loop with a
-  short period, were where the context's full 4-token guess had paid). `use=context+lookup` (preset
-  `with-context`) brings it back;
+  note), and over the benchmark prompts once prompt lookup copied a short repeat whole, which it had offered cut
+  short (HumanEval's completions loop with a short period: there the context's full 4-token guess had paid,
+  issue 41's note); docs/benchmarks/smollm2-auto-lookup-xeon-amx has the two side by side. `use=context+lookup`
+  (preset `with-context`) brings it back;
 - `head`: the feature head's draft (`speculative:chain` with a head; `width` > 1: its EAGLE-2 tree), when
   there is a head; not a default candidate. On the 2-core CPUs measured, its rounds cost more than they
   earned once the lookups offered one short guess a round: `auto` without it was faster on the benchmark
