@@ -53,6 +53,8 @@ def test_prompt_lookup_offers_more_where_the_text_copies_itself_at_length():
     assert offer.paths == [[6, 7, 8]] and offer.kind == "match 3"  # "3 4 5" matched, "7" before it differs
     offer = PromptLookup(PromptLookupConfig(k=3, long=5, k_long=6)).propose(s, [0, *text, 1, 2, 3, 4, 5], room=4)
     assert offer.paths == [[6, 7, 8, 9]]  # no more than the room
+    offer = PromptLookup(PromptLookupConfig(k=8, long=5, k_long=6)).propose(s, [0, *text, 1, 2, 3, 4, 5], room=10)
+    assert len(offer.paths[0]) == 8  # never fewer than k (the `hf` preset's 10 stay 10)
 
 
 def test_prompt_lookup_grows_its_index_as_a_scan_would_find():

@@ -29,8 +29,8 @@ class PromptLookupConfig:
     (docs/benchmarks/smollm2-lookup-short-xeon-amx).
     long, k_long: where the text before the matched occurrence goes on matching the sequence's for `long` tokens
     or more (counted back from a match of `max_ngram`), the text is copying itself at length, and the offer is
-    `k_long` tokens (0: k). 7 by default: the root and 7 rows fill one pass of the q8 product's rows on AVX-512
-    (docs/q8.md), and on the development prompts it read 1.5% faster than 4 (issue 41's note)."""
+    `k_long` tokens (never fewer than k). 7 by default: the root and 7 rows fill one pass of the q8 product's rows on
+    AVX-512 (docs/q8.md), and on the development prompts it read about 1% faster than 4 (issue 41's note)."""
 
     k: int = 4
     k1: int = 2
@@ -58,7 +58,7 @@ class PromptLookup(Drafter):
 
     def __init__(self, config: PromptLookupConfig):
         self.k, self.k1, self.max_ngram, self.min_ngram = config.k, config.k1, config.max_ngram, config.min_ngram
-        self.long, self.k_long = config.long, config.k_long or config.k
+        self.long, self.k_long = config.long, max(config.k_long, config.k)
         self.follows: dict[tuple[int, ...], int] = {}  # n-gram -> where the tokens after its latest occurrence begin
         # the index holds the n-grams that positions 1..indexed - 1 follow; `last` is seq[indexed - 1]
         self.indexed, self.last = 0, None
