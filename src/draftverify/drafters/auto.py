@@ -299,12 +299,9 @@ class AutoDrafter(Drafter):
                 if self.probing:  # a probe asks whether the offer is right at all: its first guesses, not a wide trie
                     offer = replace(offer, paths=[offer.paths[0][:PROBE_TOKENS]])
                 self.parts[free] = offer
-            self.shadows += [
-                Shadow(self.keys.get(n, n), offer.paths, size[n])
-                for n, offer in offers.items()
-                if n in size and n != free
-            ]
-            self.relax([n for n in offers if n in size and n != free])
+            sitting_out = [n for n in offers if n in size and n != free]  # free offers this round does not draft
+            self.shadows += [Shadow(self.keys.get(n, n), offers[n].paths, size[n]) for n in sitting_out]
+            self.relax(sitting_out)
         proposal = merge(*self.parts.values()) if self.parts else Proposal(hidden=self.needs_hidden)
         if self.needs_hidden and not proposal.hidden:
             proposal = replace(proposal, hidden=True)

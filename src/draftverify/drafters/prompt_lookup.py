@@ -80,8 +80,10 @@ class PromptLookup(Drafter):
             j = self.follows.get(tuple(seq[-n:]))  # latest earlier occurrence
             if j is not None:
                 if n == self.max_ngram and matched(seq, j, n, self.long) >= self.long:
-                    return Proposal([repeat(seq, j, min(self.k_long, room))], kind=f"match {self.long}+")
-                return Proposal([repeat(seq, j, min(self.k if n > 1 else self.k1, room))], kind=f"match {n}")
+                    count, kind = self.k_long, f"match {self.long}+"
+                else:
+                    count, kind = self.k if n > 1 else self.k1, f"match {n}"
+                return Proposal([repeat(seq, j, min(count, room))], kind=kind)
         return Proposal()
 
 
