@@ -30,7 +30,7 @@ class PromptLookupConfig:
     long, k_long: where the text before the matched occurrence goes on matching the sequence's for `long` tokens
     or more (counted back from a match of `max_ngram`), the text is copying itself at length, and the offer is
     `k_long` tokens (never fewer than k). 7 by default: the root and 7 rows fill one pass of the q8 product's rows on
-    AVX-512 (docs/q8.md), and on the development prompts it read about 1% faster than 4 (issue 41's note)."""
+    AVX-512 (docs/q8.md), and on the development prompts it read faster than 4 (issue 41's note)."""
 
     k: int = 4
     k1: int = 2
