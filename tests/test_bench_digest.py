@@ -40,3 +40,28 @@ def test_a_row_per_report_with_its_link(tmp_path):
 def test_a_folder_without_results_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match="not a bench report"):
         main([str(tmp_path), "--out", str(tmp_path / "x.md")])
+
+
+def test_readme_block_is_rewritten_from_the_reports(tmp_path):
+    a = report(tmp_path / "docs" / "benchmarks" / "a", differ=1)
+    page = tmp_path / "README.md"
+    page.write_text("# x\n\nbefore\n<!-- results:begin -->\nstale 9.99x\n<!-- results:end -->\nafter\n")
+    main([str(a), "--readme", str(page)])
+    text = page.read_text()
+    assert text.startswith("# x\n\nbefore\n<!-- results:begin: written by `python -m draftverify.bench.digest ")
+    assert text.endswith("<!-- results:end -->\nafter\n") and "stale" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    link = "(docs/benchmarks/a/report.md)"
+    assert rows[0] == f"| `autoregressive` | [120.0]{link} | [1.00x]{link} | [1.00x]{link} | baseline |"
+    assert rows[1] == f"| `auto` | - | [1.25x]{link} | [1.30x]{link} | 1 of 8 prompts differ |"
+    assert "**[a](docs/benchmarks/a/report.md): `model.Q4_K_M.gguf`, q8," in text
+    main([str(a), "--readme", str(page)])  # idempotent: the block is replaced, not added to
+    assert page.read_text() == text
+
+
+def test_readme_without_markers_is_one_line(tmp_path):
+    page = tmp_path / "README.md"
+    page.write_text("# x\n")
+    with pytest.raises(SystemExit, match="no '<!-- results:begin -->'"):
+        main([str(report(tmp_path / "a")), "--readme", str(page)])
+    assert page.read_text() == "# x\n"
