@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 
 ARITHMETICS = ("fp32", "q8")
-PPL_TOLERANCE = 0.01  # the rule's bound (issue 41): q8's perplexity at most 1% above fp32's
+PPL_TOLERANCE = 0.01  # the rule's bound: q8's perplexity at most 1% above fp32's
 Q8_DEFAULT = True  # see the module docstring
 QUALITY = Path(__file__).with_name("assets") / "q8_quality.json"  # model name -> {"ppl_fp32", "ppl_q8", ...}
 

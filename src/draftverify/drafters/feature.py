@@ -64,9 +64,8 @@ TREE_WIDTHS = (1, 2, 4, 8, 16, 32)
 # prompts in q8 (docs/make-draft.md): a wider level feeds the head more rows a forward and finds few nodes worth a
 # verified row where rows are not nearly free.
 WIDTH = 2
-# FR-Spec: draft from the head's most frequent tokens (a prefix of its vocabulary) unless told otherwise: chosen by
-# the bench (docs/benchmarks/smollm2-feature-head compares it with `speculative[vocab=0]`, all of them): a drafting
-# forward that reads fewer LM-head rows, at about the same acceptance.
+# FR-Spec: draft from the head's most frequent tokens (a prefix of its vocabulary) unless told otherwise: a drafting
+# forward that reads fewer LM-head rows, at about the same acceptance (`speculative[vocab=0]`: all of them).
 DRAFT_VOCAB = 4096
 # The most positions one catch-up feeds the head: the head attends over what it was fed, and the target's features
 # it reads already carry the whole context, so a long prompt is fed only its last positions (a choice, not tuned).

@@ -20,9 +20,8 @@ tokens follow, where the whole draft was accepted; else none). Their running mea
 forward, must beat the time their rows add to the verifying forward (the cost curve's marginal
 times). The root's phrases are priced alike, by a mean of their own: the tokens the best of them would have
 added beyond what the rest of the proposal got. Where a row is not nearly free (a CPU's cost curve), unpriced
-suffixes can make Ouroboros over the head slower than the head alone (the runs in
-docs/benchmarks/smollm2-feature-head). Without `costs` (a draft model's phrase drafting, the papers' method) they
-always ride along.
+suffixes can make Ouroboros over the head slower than the head alone. Without `costs` (a draft model's phrase
+drafting, the papers' method) they always ride along.
 """
 
 from __future__ import annotations

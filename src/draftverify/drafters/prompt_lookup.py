@@ -23,14 +23,13 @@ class PromptLookupConfig:
     """k: most tokens proposed per round; k1: most after a match of one token only; max_ngram / min_ngram: the suffix
     lengths matched, longest first.
     k is 4 by default: on a CPU a forward's rows past the first few cost nearly a step's share each, and the tokens
-    of a copy further on are accepted less often (docs/benchmarks/smollm2-context-guesses-xeon-amx, against the 8
-    of before; the `hf` preset keeps transformers' 10). A one-token match is a weak sign that the text repeats
-    itself: fewer of its tokens are accepted than after a longer match's, so it offers k1 = 2
-    (docs/benchmarks/smollm2-lookup-short-xeon-amx).
+    of a copy further on are accepted less often (the `hf` preset keeps transformers' 10). A one-token match is a
+    weak sign that the text repeats itself: fewer of its tokens are accepted than after a longer match's, so it
+    offers k1 = 2.
     long, k_long: where the text before the matched occurrence goes on matching the sequence's for `long` tokens
     or more (counted back from a match of `max_ngram`), the text is copying itself at length, and the offer is
     `k_long` tokens (never fewer than k). 7 by default: the root and 7 rows fill one pass of the q8 product's rows on
-    AVX-512 (docs/q8.md), and on the development prompts it read faster than 4 (issue 41's note)."""
+    AVX-512 (docs/q8.md), and on the development prompts it paid better than 4."""
 
     k: int = 4
     k1: int = 2

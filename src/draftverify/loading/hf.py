@@ -80,7 +80,7 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     """ "auto" is fp32 on every device. A forward over several rows may round a row differently from a one-row
     forward (the libraries choose kernels by shape); in fp32 that stays far below the logit gaps decoding meets,
     in bf16 and fp16 it does not, and after a near tie a speculative method's greedy output leaves plain
-    decoding's. So bf16 and fp16 are opt-in (docs/backends.md has the runs, on a CPU and on CUDA)."""
+    decoding's. So bf16 and fp16 are opt-in (docs/backends.md: on a CPU and on CUDA)."""
     if dtype == "auto":
         return torch.float32
     require(dtype in DTYPES, f"unknown dtype {dtype!r}: use one of auto, {', '.join(DTYPES)}")

@@ -135,7 +135,7 @@ class Lookahead(PoolMethod):
     presets = {
         "cpu": {"W": 3, "N": 3, "G": 3},
         # no window: the request's own n-grams only; one guess a round (G=1): on a CPU's cost curve a second guess's
-        # rows cost more than it is accepted for (docs/benchmarks/smollm2-context-guesses-xeon-amx)
+        # rows cost more than it is accepted for
         "context": {"W": 0, "N": 5, "G": 1, "context": True},
         "cpu-context": {"W": 3, "N": 3, "G": 3, "context": True},
         "specbench": {"W": 15, "N": 5, "G": 15},  # the Spec-Bench setting used for Ouroboros

@@ -128,7 +128,7 @@ class Scheduler:
 
         Why the main thread: PyTorch's OpenMP parallel regions started from another thread pay tens of
         microseconds each, and a stacked forward is hundreds of small attention ops, so a decode step runs
-        markedly slower on a worker thread (docs/serve.md has the timing)."""
+        markedly slower on a worker thread (docs/serve.md)."""
         self._work(alive)
 
     def submit(self, *tickets: Ticket) -> None:

@@ -9,8 +9,8 @@
   The prompts are the first sentences of the docstrings of Python standard-library modules (`PROMPT_MODULES`):
   a named source that is no benchmark set.
 
-Writes docs/benchmarks/q8-quality/<model>.md (with the command that produced it) and the model's record in
-src/draftverify/assets/q8_quality.json, which the default rule reads; both atomically.
+Writes runs/q8-quality/<model>.md (`--out` names another folder; with the command that produced it) and the model's
+record in src/draftverify/assets/q8_quality.json, which the default rule reads; both atomically.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=20, help="how many prompts for greedy agreement")
     parser.add_argument("--tokens", type=int, default=128, help="tokens compared per prompt")
     parser.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/q8-quality"), help="report folder")
+    parser.add_argument("--out", type=Path, default=Path("runs/q8-quality"), help="report folder (%(default)s)")
     args = parser.parse_args(argv)
     if not args.text.is_file():
         parser.error(f"--text {args.text} does not exist: name a text file to score")
