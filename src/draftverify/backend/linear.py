@@ -136,10 +136,12 @@ def one_row_kernel(weight: torch.Tensor):
 
 
 def packable(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
+    """Whether oneDNN can prepack this weight: fp32 wherever it runs; bf16 only where the CPU has oneDNN's bf16
+    path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU has neither and its reorder raises)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (
+        weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
 
