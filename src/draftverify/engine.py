@@ -231,8 +231,11 @@ class Engine:
             self._targets.append(self.target_runner.fork())
         return self._targets[i]
 
-    def encode(self, prompt: str | list[int] | list[dict], chat: bool = False) -> list[int]:
-        """Prompt text (raw or as one chat user turn), a chat message list, or token ids -> ids."""
+    def encode(
+        self, prompt: str | list[int] | list[dict], chat: bool = False, chat_template: str | None = None
+    ) -> list[int]:
+        """Prompt text (raw or as one chat user turn), a chat message list, or token ids -> ids. `chat_template`:
+        a Jinja template used instead of the tokenizer's own."""
         tok = self.target.tokenizer
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
             ids = list(prompt)
@@ -240,12 +243,12 @@ class Engine:
             require(not isinstance(prompt, str) or prompt.strip(), "the prompt is empty: give some text")
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             require(
-                getattr(tok, "chat_template", None),
+                chat_template or getattr(tok, "chat_template", None),
                 "this tokenizer has no chat template: drop --chat and send a raw prompt",
             )
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
-                "input_ids"
-            ]
+            ids = tok.apply_chat_template(
+                messages, chat_template=chat_template, add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
         else:
             require(prompt.strip() != "", "the prompt is empty: give some text")
             ids = tok(prompt)["input_ids"]

@@ -4,7 +4,8 @@
     app = create_app(engine, ServeConfig(methods=parse_methods("speculative,autoregressive")))
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as
-server-sent events), GET /v1/models, GET /health, GET /metrics. Each request is validated
+server-sent events), GET /v1/models, GET /health, GET /metrics, and llama-server's /tokenize,
+/detokenize and /props (serve/llama.py); API keys and CORS in serve/access.py. Each request is validated
 and tokenised on the event loop, then waits in the scheduler's line for the model; see
 docs/serve.md.
 """
@@ -27,9 +28,13 @@ from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError, require
 from draftverify.methods import METHODS
 from draftverify.methods.spec import MethodSpec, parse_specs
+from draftverify.serve import access
 from draftverify.serve.choices import choice_jobs, outcomes, stream_choices, whole_response
 from draftverify.serve.extras import check_format, knobs
 from draftverify.serve.http import CountRequests, read_body
+from draftverify.serve.keepalive import keep_alive
+from draftverify.serve.llama import check_template
+from draftverify.serve.llama import routes as llama_routes
 from draftverify.serve.metrics import Metrics
 from draftverify.serve.protocol import (
     ApiError,
@@ -88,6 +93,12 @@ class ServeConfig:
     pool_file: Path | None = (
         None  # the pool of the one loaded pool method (ouroboros, lookahead): loaded at start, saved
     )
+    api_keys: tuple[str, ...] = ()  # any: every route but /health needs `Authorization: Bearer <key>` (access.py)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the server ("*": any)
+    max_tokens: int | None = None  # server-wide cap on a request's new tokens: larger asks are clamped to it
+    strict: bool = False  # refuse llama-server's fields (n_probs, cache_prompt, id_slot) as unknown too
+    chat_template: str | None = None  # a Jinja chat template (its text) used instead of the model's
+    keep_alive_s: float = 15.0  # a stream's `: keep-alive` comment after this many silent seconds; 0: none
 
     def __post_init__(self):
         require(self.methods, "no method given: pass e.g. --methods speculative")
@@ -97,6 +108,7 @@ class ServeConfig:
         require(self.timeout_s > 0, f"timeout={self.timeout_s} must be positive (seconds)")
         require(self.shutdown_grace_s >= 0, f"shutdown_grace={self.shutdown_grace_s} must be at least 0 (seconds)")
         require(self.default_max_tokens >= 1, f"default_max_tokens={self.default_max_tokens} must be at least 1")
+        access.check_access(self)
 
 
 class Service:
@@ -106,6 +118,7 @@ class Service:
         self.engine, self.config = engine, config
         self.model_name = config.model_name or engine.target.name
         self.created = int(time.time())
+        self.chat_template = config.chat_template and check_template(engine.target.tokenizer, config.chat_template)
         specs = with_pool_file(config.methods, config.pool_file) if config.pool_file else config.methods
         self.methods = {spec.label: spec for spec in specs}  # as clients name them -> what runs
         instances = [
@@ -153,7 +166,8 @@ class Service:
         field = "messages" if kind == "chat" else "prompt"
         try:
             if kind == "chat":
-                ids = self.engine.encode([m.model_dump(exclude_none=True) for m in req.messages], chat=True)
+                messages = [m.model_dump(exclude_none=True) for m in req.messages]
+                ids = self.engine.encode(messages, chat=True, chat_template=self.chat_template)
             else:
                 vocab = self.engine.target.model.get_input_embeddings().num_embeddings
                 bad = [t for t in req.prompt if not 0 <= t < vocab] if isinstance(req.prompt, list) else []
@@ -164,7 +178,7 @@ class Service:
         asked_field = (
             "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
         )
-        asked = getattr(req, asked_field)
+        asked = access.capped(getattr(req, asked_field), self.config.max_tokens)
         context = self.engine.target_runner.max_length
         room = context - len(ids) if context else None
         if asked is not None and room is not None and asked > room:
@@ -175,7 +189,8 @@ class Service:
                 param=asked_field,
                 code="context_length_exceeded",
             )
-        max_tokens = asked or min(self.config.default_max_tokens, room or self.config.default_max_tokens)
+        default = access.capped(self.config.default_max_tokens, self.config.max_tokens)
+        max_tokens = asked or min(default, room or default)
         check_format(self.engine, req.response_format)
         return Job(
             ids,
@@ -237,10 +252,13 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
         title="draftverify", summary="Lossless draft-then-verify decoding behind the OpenAI API", lifespan=lifespan
     )
     app.state.service = service  # what the lifespan and every route below read
+    access.guard(app, service.config)  # the API key check, inside the request counter
     app.add_middleware(CountRequests, metrics=service.metrics)
+    access.allow_origins(app, service.config)  # CORS, outermost
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(HTTPException, http_error)
     app.include_router(routes)
+    app.include_router(llama_routes)
     return app
 
 
@@ -273,14 +291,16 @@ routes = APIRouter()  # the app's routes; each reads the Service from request.ap
 async def generate(request: Request, kind: str):
     """One completion request of `kind` ("completion" or "chat"): its choices queued, then streamed or awaited."""
     service: Service = request.app.state.service
-    req = parse_request(await read_body(request, service.config.max_body_bytes), kind)
+    req = parse_request(await read_body(request, service.config.max_body_bytes), kind, service.config.strict)
     job = service.job(req, kind)
     tickets = [Ticket(one, service.config.timeout_s) for one in choice_jobs(job, req.n)]
     service.scheduler.submit(*tickets)
     reply, tokenizer = Reply(kind, service.model_name), service.engine.target.tokenizer
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        events = stream_choices(reply, tickets, service.follow, tokenizer, include_usage)
+        events = keep_alive(
+            stream_choices(reply, tickets, service.follow, tokenizer, include_usage), service.config.keep_alive_s
+        )
         return TicketStream(events, tickets, service.scheduler)
     ended = await outcomes(tickets, lambda ticket: service.follow(ticket, request))
     if any(outcome is None for outcome in ended):  # the client is gone

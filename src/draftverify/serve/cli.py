@@ -4,7 +4,7 @@ no import of draftverify.cli here, so that `python -m draftverify.cli` has no im
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -54,6 +54,30 @@ SERVE_PROMPT_PART = typer.Option(
     "streams go on and shorter requests join during its prefill; 0: whole, as llama.cpp's server does.",
 )
 SERVE_LOG_LEVEL = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug.")
+SERVE_API_KEY = typer.Option(
+    None,
+    "--api-key",
+    help="Require 'Authorization: Bearer KEY' on every route but /health (repeat for several keys; prefer "
+    "--api-key-file, since a command line is visible to other users).",
+)
+SERVE_API_KEY_FILE = typer.Option(None, help="File of API keys, one a line (# comments); adds to --api-key.")
+SERVE_SSL_CERTFILE = typer.Option(None, help="Serve HTTPS with this PEM certificate (with --ssl-keyfile).")
+SERVE_SSL_KEYFILE = typer.Option(None, help="The PEM private key of --ssl-certfile.")
+SERVE_CORS_ORIGIN = typer.Option(
+    None, "--cors-origin", help="Browser origin allowed to call the server, e.g. https://example.com or * (repeatable)."
+)
+SERVE_MAX_TOKENS = typer.Option(
+    None, help="Server-wide cap on a request's new tokens: a request asking more is clamped to it (default: none)."
+)
+SERVE_STRICT = typer.Option(
+    False, help="Refuse llama-server's request fields (n_probs, cache_prompt, id_slot) as unknown, as OpenAI would."
+)
+SERVE_CHAT_TEMPLATE = typer.Option(
+    None, help="A Jinja chat template file used for /v1/chat/completions instead of the model's own."
+)
+SERVE_KEEP_ALIVE = typer.Option(
+    15.0, help="Seconds of silence after which a stream sends an SSE comment ': keep-alive' (0: never)."
+)
 
 
 def serve(
@@ -75,15 +99,25 @@ def serve(
     device_map: Optional[str] = SERVE_DEVICE_MAP,
     backend: str = backend_option(),
     log_level: str = SERVE_LOG_LEVEL,
+    api_key: Optional[List[str]] = SERVE_API_KEY,
+    api_key_file: Optional[Path] = SERVE_API_KEY_FILE,
+    ssl_certfile: Optional[Path] = SERVE_SSL_CERTFILE,
+    ssl_keyfile: Optional[Path] = SERVE_SSL_KEYFILE,
+    cors_origin: Optional[List[str]] = SERVE_CORS_ORIGIN,
+    max_tokens: Optional[int] = SERVE_MAX_TOKENS,
+    strict: bool = SERVE_STRICT,
+    chat_template: Optional[Path] = SERVE_CHAT_TEMPLATE,
+    keep_alive: float = SERVE_KEEP_ALIVE,
 ):
     """Serve the target behind an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming,
     /metrics)."""
     from draftverify.engine import Engine
     from draftverify.methods import METHODS
+    from draftverify.serve.access import check_tls, config_fields
     from draftverify.serve.app import ServeConfig, create_app, parse_methods
-    from draftverify.serve.server import Server
 
     specs = parse_methods(methods)
+    check_tls(ssl_certfile, ssl_keyfile)
     config = ServeConfig(
         methods=specs,
         model_name=model_name,
@@ -94,6 +128,7 @@ def serve(
         shutdown_grace_s=shutdown_grace,
         default_max_tokens=default_max_tokens,
         pool_file=pool_file,
+        **config_fields(api_key, api_key_file, cors_origin, max_tokens, strict, chat_template, keep_alive),
     )
     engine = Engine.load(
         target,
@@ -104,12 +139,22 @@ def serve(
         backend=backend,
     )
     app = create_app(engine, config)
-    name = app.state.service.model_name
+    launch(app, host, port, log_level, ssl_certfile, ssl_keyfile)
+
+
+def launch(app, host: str, port: int, log_level: str, certfile: Optional[Path], keyfile: Optional[Path]) -> None:
+    """Serve `app` until SIGINT/SIGTERM (HTTPS with the TLS files), saying where once it listens."""
+    from draftverify.serve.server import Server
+
+    service = app.state.service
+    labels = ", ".join(s.label for s in service.config.methods)
 
     def announce(bound: int) -> None:
-        typer.echo(f"serving {name} with {', '.join(s.label for s in specs)} on http://{host}:{bound}/v1")
+        where = f"{'https' if certfile else 'http'}://{host}:{bound}/v1"
+        typer.echo(f"serving {service.model_name} with {labels} on {where}")
 
+    tls = {"ssl_certfile": certfile and str(certfile), "ssl_keyfile": keyfile and str(keyfile)}
     try:
-        Server(app, host=host, port=port, log_level=log_level, announce=announce).run_on_main()
+        Server(app, host=host, port=port, log_level=log_level, announce=announce, **tls).run_on_main()
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on
         pass

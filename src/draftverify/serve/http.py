@@ -7,7 +7,16 @@ from fastapi import Request
 from draftverify.serve.metrics import Metrics
 from draftverify.serve.protocol import ApiError
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+    "/props",
+)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -43,6 +43,7 @@ class ApiError(Exception):
 
     TYPES = {
         400: "invalid_request_error",
+        401: "invalid_request_error",
         404: "invalid_request_error",
         413: "invalid_request_error",
         429: "rate_limit_error",
@@ -162,14 +163,19 @@ class ChatRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
-def parse_request(raw: bytes, kind: str) -> CompletionRequest | ChatRequest:
-    """The request body -> a validated request, or an ApiError(400) naming the field."""
+def parse_request(raw: bytes, kind: str, strict: bool = True) -> CompletionRequest | ChatRequest:
+    """The request body -> a validated request, or an ApiError(400) naming the field. Unless `strict`,
+    llama-server's fields are accepted too (`llama.llama_fields`)."""
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ApiError(400, f"the body is not valid JSON ({exc}): send a JSON object", code="invalid_json") from exc
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    if not strict:
+        from draftverify.serve.llama import llama_fields  # imported here: llama imports this module
+
+        data = llama_fields(data, kind)
     for field, allowed in NEUTRAL.items():
         if field in data:
             value = data.pop(field)

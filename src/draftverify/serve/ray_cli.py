@@ -1,97 +1,108 @@
 """`python -m draftverify.serve.ray_cli`: deploy draftverify's server on Ray Serve and serve until
-SIGINT/SIGTERM, then take it down (see draftverify.serve.ray_deploy and docs/ray-serve.md)."""
+SIGINT/SIGTERM, then take it down (see draftverify.serve.ray_deploy and docs/ray-serve.md). A typer
+command like the rest of the CLI; `settings` turns its options into the deployment's three parts."""
 
 from __future__ import annotations
 
-import argparse
 import signal
-import sys
 import threading
 from pathlib import Path
+from typing import Optional
 
-# (flags, keyword arguments of argparse's add_argument); the help says what each option does
-OPTIONS = (
-    (("--replicas",), dict(type=int, default=2, help="Engine replicas, each a Ray actor with its own model copy.")),
-    (
-        ("--num-cpus",),
-        dict(
-            type=float,
-            default=1.0,
-            help="CPUs Ray reserves per replica (fractions allowed, e.g. 0.5); also its torch threads (at least 1).",
-        ),
-    ),
-    (
-        ("--address",),
-        dict(
-            default=None,
-            help="Ray cluster to join ('auto': the one `ray start --head` started here; ray://host:10001). "
-            "Default: start a local cluster in this process.",
-        ),
-    ),
-    (("--cluster-cpus",), dict(type=float, default=None, help="CPUs of the local cluster (default: all).")),
-    (("--target", "-t"), dict(default=None, help="Target model: a local HF folder or a .gguf file (default model).")),
-    (
-        ("--draft", "-d"),
-        dict(default=None, help="Draft spec for the methods that need one, as in `draftverify serve`."),
-    ),
-    (("--methods", "-m"), dict(default="auto", help="Methods to load, comma-separated; the first is the default.")),
-    (("--host",), dict(default="127.0.0.1", help="Address Ray Serve's HTTP proxy listens on.")),
-    (("--port",), dict(type=int, default=8000, help="Port Ray Serve's HTTP proxy listens on.")),
-    (("--model-name",), dict(default=None, help='The model id clients send as "model" (default: the target\'s name).')),
-    (("--max-queue",), dict(type=int, default=16, help="Requests that may wait per replica; more get 429.")),
-    (("--max-batch",), dict(type=int, default=8, help="Requests a replica decodes together.")),
-    (("--timeout",), dict(type=float, default=600.0, help="Seconds a request may take; later it is cut off (504).")),
-    (("--shutdown-grace",), dict(type=float, default=30.0, help="Seconds a stopping replica's generations may go on.")),
-    (("--default-max-tokens",), dict(type=int, default=256, help="New tokens when a request gives no max_tokens.")),
-    (("--pool-file",), dict(type=Path, default=None, help="Phrase pool file; each replica must have its own path.")),
-    (("--dtype",), dict(default="auto", help="Weights dtype: auto, fp32, bf16 or fp16.")),
-    (("--device",), dict(default="auto", help="Device: auto, cpu, cuda or cuda:N.")),
-    (("--backend",), dict(default="auto", help="Forward path: auto, static or eager.")),
+import typer
+
+REPLICAS = typer.Option(2, help="Engine replicas, each a Ray actor with its own model copy.")
+NUM_CPUS = typer.Option(
+    1.0, help="CPUs Ray reserves per replica (fractions allowed, e.g. 0.5); also its torch threads (at least 1)."
 )
+ADDRESS = typer.Option(
+    None,
+    help="Ray cluster to join ('auto': the one `ray start --head` started here; ray://host:10001). "
+    "Default: start a local cluster in this process.",
+)
+CLUSTER_CPUS = typer.Option(None, help="CPUs of the local cluster (default: all).")
+TARGET = typer.Option(None, "--target", "-t", help="Target model: a local HF folder or a .gguf file (default model).")
+DRAFT = typer.Option(None, "--draft", "-d", help="Draft spec for the methods that need one, as in `draftverify serve`.")
+METHODS = typer.Option("auto", "--methods", "-m", help="Methods to load, comma-separated; the first is the default.")
+HOST = typer.Option("127.0.0.1", help="Address Ray Serve's HTTP proxy listens on.")
+PORT = typer.Option(8000, help="Port Ray Serve's HTTP proxy listens on.")
+MODEL_NAME = typer.Option(None, help='The model id clients send as "model" (default: the target\'s name).')
+MAX_QUEUE = typer.Option(16, help="Requests that may wait per replica; more get 429.")
+MAX_BATCH = typer.Option(8, help="Requests a replica decodes together.")
+TIMEOUT = typer.Option(600.0, help="Seconds a request may take; later it is cut off (504).")
+SHUTDOWN_GRACE = typer.Option(30.0, help="Seconds a stopping replica's generations may go on.")
+DEFAULT_MAX_TOKENS = typer.Option(256, help="New tokens when a request gives no max_tokens.")
+POOL_FILE = typer.Option(None, help="Phrase pool file; each replica must have its own path.")
+DTYPE = typer.Option("auto", help="Weights dtype: auto, fp32, bf16 or fp16.")
+DEVICE = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N.")
+BACKEND = typer.Option("auto", help="Forward path: auto, static or eager.")
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m draftverify.serve.ray_cli",
-        description="Serve draftverify's OpenAI-compatible API from N replicas on Ray Serve.",
-    )
-    for flags, kwargs in OPTIONS:
-        p.add_argument(*flags, **kwargs)
-    return p
+@app.command(help="Serve draftverify's OpenAI-compatible API from N replicas on Ray Serve.")
+def ray_serve(
+    replicas: int = REPLICAS,
+    num_cpus: float = NUM_CPUS,
+    address: Optional[str] = ADDRESS,
+    cluster_cpus: Optional[float] = CLUSTER_CPUS,
+    target: Optional[str] = TARGET,
+    draft: Optional[str] = DRAFT,
+    methods: str = METHODS,
+    host: str = HOST,
+    port: int = PORT,
+    model_name: Optional[str] = MODEL_NAME,
+    max_queue: int = MAX_QUEUE,
+    max_batch: int = MAX_BATCH,
+    timeout: float = TIMEOUT,
+    shutdown_grace: float = SHUTDOWN_GRACE,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    pool_file: Optional[Path] = POOL_FILE,
+    dtype: str = DTYPE,
+    device: str = DEVICE,
+    backend: str = BACKEND,
+):
+    options = dict(locals())  # the options, before anything else is named here
+    from draftverify.errors import DraftVerifyError
+
+    address, cluster_cpus = options.pop("address"), options.pop("cluster_cpus")
+    try:
+        where, load, config = settings(**options)
+    except DraftVerifyError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    run(where, load, config, address, cluster_cpus)
 
 
-def settings(args: argparse.Namespace):
-    """The deployment's three parts from the parsed options (each validated on construction)."""
+def settings(**options):
+    """The deployment's three parts (RaySettings, EngineArgs, ServeConfig) from the command's options (each
+    validated on construction)."""
     from draftverify.serve.app import ServeConfig, parse_methods
     from draftverify.serve.ray_deploy import EngineArgs, RaySettings
 
+    o = options
     config = ServeConfig(
-        methods=parse_methods(args.methods),
-        model_name=args.model_name,
-        max_queue=args.max_queue,
-        max_batch=args.max_batch,
-        timeout_s=args.timeout,
-        shutdown_grace_s=args.shutdown_grace,
-        default_max_tokens=args.default_max_tokens,
-        pool_file=args.pool_file,
+        methods=parse_methods(o["methods"]),
+        model_name=o["model_name"],
+        max_queue=o["max_queue"],
+        max_batch=o["max_batch"],
+        timeout_s=o["timeout"],
+        shutdown_grace_s=o["shutdown_grace"],
+        default_max_tokens=o["default_max_tokens"],
+        pool_file=o["pool_file"],
     )
-    load = EngineArgs(args.target, args.draft, args.dtype, args.device, args.backend)
-    return RaySettings(args.replicas, args.num_cpus, args.host, args.port), load, config
+    load = EngineArgs(o["target"], o["draft"], o["dtype"], o["device"], o["backend"])
+    return RaySettings(o["replicas"], o["num_cpus"], o["host"], o["port"]), load, config
 
 
-def main(argv: list[str] | None = None) -> None:
-    from draftverify.errors import DraftVerifyError
+def run(where, load, config, address: str | None, cluster_cpus: float | None) -> None:
+    """Deploy on the cluster at `address` (a local one when None) and serve until SIGINT/SIGTERM."""
     from draftverify.serve import ray_deploy
 
-    args = parser().parse_args(argv)
-    try:
-        where, load, config = settings(args)
-    except DraftVerifyError as exc:
-        sys.exit(f"error: {exc}")
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    ray_deploy.connect(args.address, args.cluster_cpus)
+    ray_deploy.connect(address, cluster_cpus)
     try:
         url = ray_deploy.start(where, load, config)
         methods = ", ".join(s.label for s in config.methods)
@@ -100,6 +111,10 @@ def main(argv: list[str] | None = None) -> None:
             pass
     finally:
         ray_deploy.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    app(args=argv, prog_name="python -m draftverify.serve.ray_cli")
 
 
 if __name__ == "__main__":

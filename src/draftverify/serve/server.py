@@ -15,11 +15,27 @@ DRAIN_MARGIN_S = 5.0  # beyond the grace period, for the last chunks to reach th
 
 
 class Server(uvicorn.Server):
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", announce=None):
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        log_level: str = "info",
+        announce=None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+    ):
+        """`ssl_certfile` and `ssl_keyfile` (PEM, both or neither): serve HTTPS with them, as uvicorn does."""
         self.service = app.state.service
         grace = self.service.config.shutdown_grace_s
         config = uvicorn.Config(
-            app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(grace + DRAIN_MARGIN_S) + 1
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=int(grace + DRAIN_MARGIN_S) + 1,
+            ssl_certfile=ssl_certfile,
+            ssl_keyfile=ssl_keyfile,
         )
         super().__init__(config)
         self.announce = announce  # called with the bound port once the server listens
