@@ -77,8 +77,8 @@ def ray_serve(
 def settings(**options):
     """The deployment's three parts (RaySettings, EngineArgs, ServeConfig) from the command's options (each
     validated on construction)."""
+    from draftverify.errors import DraftVerifyError
     from draftverify.serve.app import ServeConfig, parse_methods
-    from draftverify.serve.ray_deploy import EngineArgs, RaySettings
 
     o = options
     config = ServeConfig(
@@ -91,6 +91,12 @@ def settings(**options):
         default_max_tokens=o["default_max_tokens"],
         pool_file=o["pool_file"],
     )
+    try:
+        from draftverify.serve.ray_deploy import EngineArgs, RaySettings
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "ray":
+            raise
+        raise DraftVerifyError("Ray Serve is not installed: pip install 'draftverify[serve,ray]'") from exc
     load = EngineArgs(o["target"], o["draft"], o["dtype"], o["device"], o["backend"])
     return RaySettings(o["replicas"], o["num_cpus"], o["host"], o["port"]), load, config
 
@@ -100,17 +106,20 @@ def run(where, load, config, address: str | None, cluster_cpus: float | None) ->
     from draftverify.serve import ray_deploy
 
     stopping = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.set())
-    ray_deploy.connect(address, cluster_cpus)
+    previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        url = ray_deploy.start(where, load, config)
-        methods = ", ".join(s.label for s in config.methods)
-        print(f"serving with {methods} on {url}/v1 ({where.replicas} replicas)", flush=True)
-        while not stopping.wait(1.0):
-            pass
+        ray_deploy.connect(address, cluster_cpus)
+        try:
+            url = ray_deploy.start(where, load, config)
+            methods = ", ".join(s.label for s in config.methods)
+            typer.echo(f"serving with {methods} on {url}/v1 ({where.replicas} replicas)")
+            while not stopping.wait(1.0):
+                pass
+        finally:
+            ray_deploy.stop()
     finally:
-        ray_deploy.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> None:
