@@ -127,7 +127,7 @@ class RequireKey:
             return await self.app(scope, receive, send)
         from fastapi.responses import JSONResponse
 
-        from draftverify.serve.protocol import ApiError
+        from draftverify.serve.api_error import ApiError
 
         missing = b"authorization" not in headers
         error = ApiError(

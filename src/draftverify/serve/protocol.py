@@ -19,6 +19,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from draftverify.detokenize import Detokenizer
+from draftverify.serve.api_error import ApiError
+from draftverify.serve.llama_fields import llama_fields
 from draftverify.stats import Stats
 
 MIN_TEMPERATURE = 1e-6  # smaller positive temperatures overflow float32 logits (NaN); 0 means greedy
@@ -36,38 +38,6 @@ NEUTRAL = {
     "functions": (None, []),
     "parallel_tool_calls": (None, True, False),
 }
-
-
-class ApiError(Exception):
-    """An answer in the OpenAI error format: `{"error": {"message", "type", "param", "code"}}`."""
-
-    TYPES = {
-        400: "invalid_request_error",
-        401: "invalid_request_error",
-        404: "invalid_request_error",
-        413: "invalid_request_error",
-        429: "rate_limit_error",
-        500: "server_error",
-        503: "service_unavailable",
-        504: "timeout",
-    }
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.TYPES.get(self.status, "error"),
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
 
 class _Strict(BaseModel):
@@ -165,7 +135,7 @@ class ChatRequest(_Common):
 
 def parse_request(raw: bytes, kind: str, strict: bool = True) -> CompletionRequest | ChatRequest:
     """The request body -> a validated request, or an ApiError(400) naming the field. Unless `strict`,
-    llama-server's fields are accepted too (`llama.llama_fields`)."""
+    llama-server's fields are accepted too (`llama_fields.llama_fields`)."""
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -173,8 +143,6 @@ def parse_request(raw: bytes, kind: str, strict: bool = True) -> CompletionReque
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     if not strict:
-        from draftverify.serve.llama import llama_fields  # imported here: llama imports this module
-
         data = llama_fields(data, kind)
     for field, allowed in NEUTRAL.items():
         if field in data:
