@@ -10,7 +10,7 @@ from dataclasses import replace
 from draftverify import Engine
 from draftverify.costs import Curve
 from draftverify.drafters.auto import AR, MAX_BACKOFF, AutoDrafter
-from draftverify.drafters.auto_figures import CALIBRATION_PRIOR, CandidateRecord, Figures, Shadow
+from draftverify.drafters.auto_figures import CALIBRATION_PRIOR, CandidateRecord, Figures, Shadow, mean
 from draftverify.drafters.base import Drafter, Proposal
 from draftverify.models import Runner
 from draftverify.round import decode
@@ -38,12 +38,16 @@ def fixed_costs(context: int) -> Curve:
     return Curve({w: 1e-3 * (1 + 0.5 * (w - 1)) for w in (1, 2, 4, 8, 16)}, context=context)
 
 
-class OnCurve(AutoDrafter):
-    """Prices every choice on the given curve alone: its rounds' times never rescale it (every scale stays 1), so
-    who pays does not depend on the machine's load."""
+def one_scale(auto: AutoDrafter, now: float) -> None:
+    """`AutoDrafter.rescale` with one scale for every choice (every round's): the choice then rests on the curve
+    and the figures, not on how each choice's rounds happened to be timed on a loaded machine."""
+    last = auto.round
+    if last.curve_s is not None:
+        auto.figures.scale = mean(auto.figures.scale, (now - last.sent_at) / last.curve_s)
 
-    def rescale(self, now: float) -> None:
-        pass
+
+class OnCurve(AutoDrafter):
+    rescale = one_scale
 
 
 def decode_with(
@@ -51,8 +55,8 @@ def decode_with(
 ) -> tuple[Session, AutoDrafter, list[int]]:
     """Decode n tokens of a tiny Llama with `AutoDrafter` over `make_candidates(truth, prompt length)`; the
     session, the drafter and autoregressive decoding's tokens. The forward costs are a fixed curve (by default a
-    row adds half a step), not one measured on a busy machine, and the rounds' times do not scale it (`OnCurve`),
-    so who pays does not depend on the load. `others`: priced as if a batch's other requests fed that many rows a
+    row adds half a step), not one measured on a busy machine, and one scale prices every choice (`OnCurve`), so
+    who pays does not depend on the load. `others`: priced as if a batch's other requests fed that many rows a
     forward."""
     target = tiny("llama", layers=2)
     runner = Runner(target.model)
@@ -140,7 +144,8 @@ def test_auto_prices_each_kind_of_offer_by_its_own_figures(tiny):
 def test_auto_does_not_probe_plain_decoding_where_a_candidate_is_priced_far_above_it(tiny):
     """Plain rounds are probed for their measured price, but not while a candidate promises more than
     `PLAIN_PROBE_BELOW` times their rate (here an always-right offer of 3 tokens whose rows add a tenth of a step
-    each): a probe could not change the choice and would forgo a round of 4 tokens."""
+    each): a probe could not change the choice and would forgo a round of 4 tokens. One scale prices every choice
+    (`OnCurve`), so a loaded machine's slow drafted rounds do not price plain decoding above the candidate."""
 
     def flat(context: int) -> Curve:
         return Curve({w: 1e-3 * (1 + 0.1 * (w - 1)) for w in (1, 2, 4, 8, 16)}, context=context)
@@ -151,7 +156,7 @@ def test_auto_does_not_probe_plain_decoding_where_a_candidate_is_priced_far_abov
     truth = engine.generate(prompt, method="autoregressive", max_new_tokens=120, eos_token_id=[]).tokens
     s = Session(prompt, Sampling(), Stopping(120, ()))
     figures = Figures({"right": CandidateRecord(accepted=3.0, nodes=3.0)})
-    auto = AutoDrafter({"right": FreeFixed(truth, len(prompt), True)}, flat(len(prompt)), figures, probe=2)
+    auto = OnCurve({"right": FreeFixed(truth, len(prompt), True)}, flat(len(prompt)), figures, probe=2)
     decode(s, Runner(target.model), auto)
     assert s.output == truth
     chunks = [who for who, _ in s.stats.extra["auto_chunks"]]

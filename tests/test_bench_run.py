@@ -26,6 +26,17 @@ class Interrupt(Exception):
     pass
 
 
+class Ticks:
+    """A clock that moves one millisecond each time it is read."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+
 @pytest.fixture(scope="module")
 def engine(tiny):
     return Engine(tiny("llama"), tiny("llama", seed=1, layers=2))
@@ -220,12 +231,11 @@ def test_quick_through_the_cli(tiny, tmp_path):
 def test_every_repeat_of_a_prompt_starts_from_the_same_warm_state(engine, tmp_path, monkeypatch):
     """Ouroboros keeps its phrase pool across requests and `auto` its figures: a later repeat of a prompt must not
     draft from the first repeat's own reply, so every repeat runs the same rounds."""
-    from draftverify.drafters.auto import AutoDrafter
+    from draftverify.drafters import auto
 
-    # auto priced on the cost curve alone (its rounds' times do not rescale it): a choice priced by the time its
-    # own rounds took depends on the clock, which differs from one repeat to the next however the warm state is
-    # restored
-    monkeypatch.setattr(AutoDrafter, "rescale", lambda self, now: None)
+    # auto on a clock that moves a millisecond a reading: a choice priced by the time its own rounds took on the
+    # real clock differs from one repeat to the next however the warm state is restored
+    monkeypatch.setattr(auto, "time", Ticks())
     results = bench(engine, tmp_path, repeats=3, max_new_tokens=24, methods="ouroboros,auto").run(progress=False)
     for label in ("ouroboros", "auto"):
         for prompt in PROMPTS:
