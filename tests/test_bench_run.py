@@ -26,6 +26,17 @@ class Interrupt(Exception):
     pass
 
 
+class Ticks:
+    """A clock that moves one millisecond each time it is read."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+
 @pytest.fixture(scope="module")
 def engine(tiny):
     return Engine(tiny("llama"), tiny("llama", seed=1, layers=2))
@@ -217,14 +228,16 @@ def test_quick_through_the_cli(tiny, tmp_path):
     assert res.exit_code != 0 and "unknown method 'nope'" in str(res.exception)
 
 
-def test_every_repeat_of_a_prompt_starts_from_the_same_warm_state(engine, tmp_path):
+def test_every_repeat_of_a_prompt_starts_from_the_same_warm_state(engine, tmp_path, monkeypatch):
     """Ouroboros keeps its phrase pool across requests and `auto` its figures: a later repeat of a prompt must not
     draft from the first repeat's own reply, so every repeat runs the same rounds."""
-    # auto priced by one scale for all its choices (`measure=false`): a choice priced by the time its own rounds
-    # took depends on the clock, which differs from one repeat to the next however the warm state is restored
-    methods = "ouroboros,auto[measure=false]"
-    results = bench(engine, tmp_path, repeats=3, max_new_tokens=24, methods=methods).run(progress=False)
-    for label in ("ouroboros", "auto[measure=false]"):
+    from draftverify.drafters import auto
+
+    # auto on a clock that moves a millisecond a reading: a choice priced by the time its own rounds took on the
+    # real clock differs from one repeat to the next however the warm state is restored
+    monkeypatch.setattr(auto, "time", Ticks())
+    results = bench(engine, tmp_path, repeats=3, max_new_tokens=24, methods="ouroboros,auto").run(progress=False)
+    for label in ("ouroboros", "auto"):
         for prompt in PROMPTS:
             runs = [r for r in results["records"] if r["label"] == label and r["prompt_id"] == prompt.id]
             assert len(runs) == 3
