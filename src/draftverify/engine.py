@@ -41,7 +41,8 @@ def load_target(
     weights, arithmetic = split_dtype(dtype)
     loaded = load_model(target, dtype=weights, device=device, device_map=device_map)
     if arithmetic is None:
-        arithmetic, _ = default_arithmetic(loaded.source, loaded.model.device.type, backend=backend)
+        opened = getattr(getattr(loaded.model, "weight_source", None), "file", None)  # a GGUF file, read once
+        arithmetic, _ = default_arithmetic(loaded.source, loaded.model.device.type, backend=backend, file=opened)
     return loaded, arithmetic
 
 
