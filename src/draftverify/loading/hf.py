@@ -66,6 +66,15 @@ def model_identity(model: torch.nn.Module) -> dict:
     }
 
 
+def model_source(model: torch.nn.Module) -> str:
+    """The file or folder `model` was loaded from, as a command's --target would name it ("PATH" if unknown): for
+    the one-line errors that spell out the command to run."""
+    source = getattr(model, "weight_source", None)
+    if source is not None:
+        return str(source.path)
+    return str(getattr(model.config, "_name_or_path", "") or "PATH")
+
+
 def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
