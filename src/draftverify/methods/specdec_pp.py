@@ -35,6 +35,7 @@ from draftverify.drafters.draft_model import DraftModel
 from draftverify.drafters.feature import DRAFT_VOCAB, FeatureHeadDrafter
 from draftverify.errors import require
 from draftverify.loading import model_identity
+from draftverify.loading.hf import model_source
 from draftverify.methods.base import Method, register
 from draftverify.methods.ouroboros import Ouroboros, OuroborosConfig
 from draftverify.session import Session
@@ -86,6 +87,7 @@ class HeadStops:
                 resolve_head(self.config.head, over_head),
                 draft_identity=drafts.identity if over_head else model_identity(drafts),
                 target_identity=model_identity(self.target.model),
+                target=model_source(self.target.model),
             ).to(self.draft.fc.weight.device if over_head else self.draft.device)
         h = self.config.h
         if h is None:
