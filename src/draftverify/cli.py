@@ -358,6 +358,9 @@ app.command("quality")(_quality)
 from draftverify.loading.fetch_cli import fetch_command as _fetch  # noqa: E402
 
 app.command("fetch")(_fetch)
+from draftverify.tools.build_drafts import build_drafts_command as _build_drafts  # noqa: E402
+
+app.command("build-drafts")(_build_drafts)
 
 
 def main() -> None:

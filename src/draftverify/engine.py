@@ -177,7 +177,7 @@ class Engine:
         """
         weights, _ = split_dtype(dtype)  # the draft's
         loaded, arithmetic = load_target(target, dtype, device, device_map, backend)
-        feature_head = default_feature_head(loaded) if draft is None else None
+        feature_head = default_feature_head(loaded, arithmetic) if draft is None else None
         if feature_head is not None:  # its drafting copies packed now, not by the first request that drafts with it
             feature_head.pack()
         source = LazyDraft(lambda: load_draft_source(draft, loaded, dtype=weights, device=draft_device or device))

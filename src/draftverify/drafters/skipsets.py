@@ -214,6 +214,16 @@ def shipped_skip_set(model: torch.nn.Module) -> SkipSet | None:
     return None
 
 
+def stored_skip_set(runner) -> SkipSet | None:
+    """The skip set for a target runner's model in its arithmetic: the draft store's (`loading.store`: a
+    `build-drafts` build, or the package's shipped one), else one shipped in `assets/skipsets/` for this model."""
+    from draftverify.loading.store import find
+
+    identity = model_identity(runner.model)
+    found = find(identity, runner.shared.packs.arithmetic, "skipset")
+    return load_skip_set(found, identity) if found is not None else shipped_skip_set(runner.model)
+
+
 # -- the context manager ----------------------------------------------------------------------
 
 

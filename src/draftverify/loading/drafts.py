@@ -110,9 +110,15 @@ def load_draft_source(
     return DraftSource("model", model=draft)
 
 
-def default_feature_head(target: Loaded) -> FeatureHead | None:
-    """The feature head shipped for the default model, bound to `target`; None for any other target or when it
-    is not installed."""
+def default_feature_head(target: Loaded, arithmetic: str | None = None) -> FeatureHead | None:
+    """The feature head for `target` when no draft is named, bound to it: the draft store's for its weights in
+    `arithmetic` (`loading.store`: a `build-drafts` build, else the package's shipped one), else the one shipped
+    for the default model; None when there is none."""
+    from draftverify.loading.store import find
+
+    found = find(target.identity, arithmetic, "head") if arithmetic else None
+    if found is not None and is_feature_head(found):
+        return FeatureHead.load(found).bind(target)
     if target.name != DEFAULT_MODEL_FILE or not is_feature_head(SHIPPED_FEATURE_HEAD):
         return None
     return FeatureHead.load(SHIPPED_FEATURE_HEAD).bind(target)

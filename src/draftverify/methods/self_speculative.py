@@ -20,9 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftverify.drafters.layer_skip import LayerSkip
-from draftverify.drafters.skipsets import STRATEGIES, SkipSet, load_skip_set, make_skip_set, shipped_skip_set
+from draftverify.drafters.skipsets import STRATEGIES, SkipSet, load_skip_set, make_skip_set, stored_skip_set
 from draftverify.errors import require
 from draftverify.loading import model_identity
+from draftverify.loading.hf import model_source
+from draftverify.loading.store import missing
 from draftverify.methods.base import Method, register
 from draftverify.models import Runner
 from draftverify.policies import POLICIES, AdaptiveThreshold, DraftPolicy, make_policy
@@ -34,9 +36,9 @@ from draftverify.session import Session
 class SelfSpeculativeConfig:
     """Which sub-layers the draft skips:
     strategy     searched (the skip set found by `draftverify search-layers`: skip_file, else the
-                 one shipped for this model), heuristic (paper-like, ~45% of the sub-layers),
-                 first / middle / last / random (as many sub-layers as the searched set skips, the
-                 paper's Appendix D comparison), or none (draft = the full model)
+                 draft store's for this model and arithmetic, `loading.store`), heuristic (paper-like,
+                 ~45% of the sub-layers), first / middle / last / random (as many sub-layers as the
+                 searched set skips, the paper's Appendix D comparison), or none (draft = the full model)
     skip_file    a skip-set JSON from `draftverify search-layers` (refused on another model)
     skip         a SkipSet object (Python API); overrides strategy and skip_file
     n_attention, n_mlp   first/middle/last/random: how many attention / MLP sub-layers to skip
@@ -110,10 +112,9 @@ class SelfSpeculative(Method):
             self.skip = c.skip
         else:
             searched = (
-                load_skip_set(c.skip_file, model_identity(target.model))
-                if c.skip_file
-                else shipped_skip_set(target.model)
+                load_skip_set(c.skip_file, model_identity(target.model)) if c.skip_file else stored_skip_set(target)
             )
+            require(searched is not None or c.strategy != "searched", missing("skipset", model_source(target.model)))
             self.skip = make_skip_set(c.strategy, target.model, searched, c.n_attention, c.n_mlp, c.layer_seed)
 
     def make_policy(self) -> DraftPolicy:

@@ -20,8 +20,9 @@ Method `ouroboros-pp` is Ouroboros with the same head as its drafting stop rule:
 phrase-by-phrase sentence draft ends at the first drafted token where 1 - prod(p_hat) > h
 (checked per token, also inside a phrase), instead of at gamma tokens.
 
-The head is trained per draft/target pair (`draftverify train-acceptance-head`); `head=default` takes the
-head shipped for the default pair, and a head made for another pair is refused.
+The head is trained per draft/target pair (`draftverify train-acceptance-head`); `head=default` takes, over a
+feature head, the draft store's head trained for it (`draftverify build-drafts`, `loading.store`), else the head
+shipped for the default pair; a head made for another pair is refused.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from draftverify.drafters.acceptance_head import DEFAULT_CAP, DEFAULT_H, Accepta
 from draftverify.drafters.base import Drafter
 from draftverify.drafters.draft_model import DraftModel
 from draftverify.drafters.feature import DRAFT_VOCAB, FeatureHeadDrafter
-from draftverify.errors import require
+from draftverify.errors import DraftVerifyError, require
 from draftverify.loading import model_identity
 from draftverify.loading.hf import model_source
+from draftverify.loading.store import find, missing
 from draftverify.methods.base import Method, register
 from draftverify.methods.ouroboros import Ouroboros, OuroborosConfig
 from draftverify.session import Session
@@ -83,12 +85,25 @@ class HeadStops:
         if self._head is None:  # loaded once, checked against this draft/target pair
             over_head = self.draft_source == "feature head"
             drafts = self.draft if over_head else self.draft_model().model
-            self._head = load_head(
-                resolve_head(self.config.head, over_head),
-                draft_identity=drafts.identity if over_head else model_identity(drafts),
-                target_identity=model_identity(self.target.model),
-                target=model_source(self.target.model),
-            ).to(self.draft.fc.weight.device if over_head else self.draft.device)
+            draft_identity = drafts.identity if over_head else model_identity(drafts)
+            target_identity, default = model_identity(self.target.model), self.config.head == DEFAULT_HEAD
+            # `default` over a feature head: the draft store's head trained for it (`loading.store`), else shipped
+            stored = (
+                over_head
+                and default
+                and find(target_identity, self.target.shared.packs.arithmetic, "acceptance", draft_identity)
+            )
+            try:
+                target = model_source(self.target.model)
+                head = load_head(
+                    stored or resolve_head(self.config.head, over_head), draft_identity, target_identity, target
+                )
+            except DraftVerifyError as exc:  # none shipped for this pair either: say how to build one
+                if stored or not default or getattr(self.config, "drafter", "model") != "head":
+                    raise
+                what = "acceptance" if over_head else "head"  # the engine has no feature head: build one, and its
+                raise DraftVerifyError(missing(what, target)) from exc
+            self._head = head.to(self.draft.fc.weight.device if over_head else self.draft.device)
         h = self.config.h
         if h is None:
             h = HEAD_H if self.draft_source == "feature head" else DEFAULT_H

@@ -274,15 +274,16 @@ def labelled_examples(
     progress: bool = True,
     depth: int = CHAIN_DEPTH,
     vocab: int = DRAFT_VOCAB,
+    runner: Runner | None = None,
 ) -> Examples:
     """Steps 2-3 for the answers of step 1, cached under a key of the pair, the answers, the sampling, r and seed
-    (a feature head as the draft: `label_head_chains`, with `depth` and `vocab` in the key instead of r and seed)."""
+    (a feature head as the draft: `label_head_chains`, with `depth` and `vocab` in the key instead of r and seed;
+    on `runner` when given, e.g. an engine's in the target's arithmetic, else on a new fp32 runner)."""
     if isinstance(draft, FeatureHead):
         key = _key("chains", target.identity, draft.identity, ids, answers, _describe(sampling), depth, vocab)
+        runner = runner or Runner(target.model)
         return _cached_examples(
-            cache_dir,
-            key,
-            lambda: label_head_chains(Runner(target.model), draft, ids, answers, sampling, depth, vocab, progress),
+            cache_dir, key, lambda: label_head_chains(runner, draft, ids, answers, sampling, depth, vocab, progress)
         )
     key = _key("examples", target.identity, draft.identity, ids, answers, _describe(sampling), r, seed)
     return _cached_examples(

@@ -56,10 +56,18 @@ def train_acceptance_head(
     answer_batch: int = 48,
     cache_dir: Path | None = None,
     progress: bool = True,
+    answered: tuple[list[list[int]], list[list[int]]] | None = None,
+    runner=None,
 ) -> AcceptanceHead:
-    """Steps 1-4; returns the head with `settings` (training settings and report) filled in."""
-    ids, answers = target_answers(target, prompts, sampling, max_new_tokens, answer_batch, cache_dir, progress)
-    examples = labelled_examples(target, draft, ids, answers, sampling, settings.r, settings.seed, cache_dir, progress)
+    """Steps 1-4; returns the head with `settings` (training settings and report) filled in. `answered`: step 1's
+    (prompt ids, answers) when made already (`build-drafts` answers the prompts batch by batch until its deadline);
+    `runner`: the target runner that labels a feature head's chains (`acceptance_data.labelled_examples`)."""
+    ids, answers = answered or target_answers(
+        target, prompts, sampling, max_new_tokens, answer_batch, cache_dir, progress
+    )
+    examples = labelled_examples(
+        target, draft, ids, answers, sampling, settings.r, settings.seed, cache_dir, progress, runner=runner
+    )
     head, report = fit_head(examples, settings, progress=progress)
     head.settings = {
         "drafter": "feature head" if isinstance(draft, FeatureHead) else "model",

@@ -94,9 +94,11 @@ class Run:
             torch.save(state, tmp)
 
 
-def training_data(target: Loaded, prompts: Path, config: HeadTraining, work: Path, t_start: float, log) -> TrainingData:
+def training_data(
+    target: Loaded, prompts: Path, config: HeadTraining, work: Path, t_start: float, log, runner=None
+) -> TrainingData:
     """The replies and features of --prompts (and of template prompts if asked), made until the data deadline
-    (a share of the budget) on top of what the work folder already holds."""
+    (a share of the budget) on top of what the work folder already holds; `runner`: see `FeatureCache.fill`."""
     texts = [text for text, _ in read_prompts(prompts, at_least=2)]  # a head needs hundreds; two make a split
     plan = FeaturePlan(
         target=target.identity,
@@ -112,9 +114,9 @@ def training_data(target: Loaded, prompts: Path, config: HeadTraining, work: Pat
     resumed = any(c.shards() for c in caches)
     if config.data_share > 0:
         data_deadline = t_start + config.data_share * config.budget_minutes * 60
-        cache.fill(target, texts, config.gen_batch, data_deadline, log)
+        cache.fill(target, texts, config.gen_batch, data_deadline, log, runner)
         if extra is not None and time.monotonic() < data_deadline:
-            extra.fill(target, template_prompts(config), config.gen_batch, data_deadline, log)
+            extra.fill(target, template_prompts(config), config.gen_batch, data_deadline, log, runner)
     return TrainingData(caches, [c.sequences() for c in caches], resumed)
 
 
@@ -222,10 +224,12 @@ def build_head(
     progress: bool = True,
     save_dtype: str = "fp32",
     init: Path | None = None,
+    runner=None,
 ) -> dict:
     """Make data (the target's replies to `prompts`, and to template prompts if asked), train the head, write it to
     `out` with a model card. `init`: start from that head's weights and vocabulary (more training, e.g. on new data)
-    instead of the target's last layer."""
+    instead of the target's last layer. `runner`: the target's runner to make the data on (an engine's, in its
+    arithmetic; `FeatureCache.fill`)."""
     require(save_dtype in SAVE_DTYPES, f"--save-dtype {save_dtype!r} is unknown: use one of {', '.join(SAVE_DTYPES)}")
     t_start = time.monotonic()
     work = Path(work) if work is not None else Path(out) / ".make-draft"
@@ -237,7 +241,7 @@ def build_head(
     resumed = path.exists()  # an earlier run trained some of it (or made some of the data: below)
     # `init`'s head, refused here if it is another target's (before any data is made)
     start = FeatureHead.load(Path(init)).bind(target) if init is not None and not resumed else None
-    data = training_data(target, prompts, config, work, t_start, log)
+    data = training_data(target, prompts, config, work, t_start, log, runner)
     train, heldout = data.train, data.heldout
     require(train, f"no training data in {data.caches[0].folder}: raise --budget-minutes or --data-share")
     made = sum(len(s.ids) for s in train)

@@ -149,10 +149,13 @@ class FeatureCache(ShardFolder):
         rng.shuffle(batches)
         return batches, [prompts[i] for i in order[:held]]
 
-    def fill(self, target: Loaded, texts: list[str], batch: int, deadline: float, log=print) -> None:
+    def fill(
+        self, target: Loaded, texts: list[str], batch: int, deadline: float, log=print, runner: Runner | None = None
+    ) -> None:
         """Write the held-out shard, then one shard per `batch` training prompts (their greedy replies and the
         plan's sampled ones) until all are done or `deadline` (time.monotonic) passes (at least one new shard
-        per call)."""
+        per call). `runner`: a static runner of the target to decode on, forked for each reply decoded together
+        (an engine's, in its arithmetic); default: new runners of `target.model` in fp32."""
         tok, limit = target.tokenizer, self.plan.max_prompt_tokens
         encoded = [chat_ids(tok, [{"role": "user", "content": t}], True) for t in texts]
         encoded = [e for e in encoded if len(e) <= limit]  # longer prompts cost more prefill than they teach
@@ -162,8 +165,9 @@ class FeatureCache(ShardFolder):
         if heldout.is_file() and done == len(batches):
             return  # all made: no runners to set up
         width = min(batch, max(map(len, batches + [held])))  # replies decoded together
-        first = Runner(target.model)  # static runners decode them in the engine's batch (module docstring)
-        runners = [first, *(Runner(target.model) for _ in range(width - 1))] if first.static is not None else None
+        first = runner or Runner(target.model)  # static runners decode them in the engine's batch (module docstring)
+        more = (first.fork() if runner else Runner(target.model) for _ in range(width - 1))
+        runners = [first, *more] if first.static is not None else None
         if not heldout.is_file():
             self._write(heldout, target, sorted(held, key=len), width, runners, log, "held-out set", sampled=0)
         for i in range(done, len(batches)):
