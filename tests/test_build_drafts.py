@@ -66,6 +66,21 @@ def test_lookup_keys_by_identity_and_arithmetic(tiny, root):
     assert store.target_key(no_tokenizer) == store.target_key(a.identity)
 
 
+def test_the_shipped_artifacts_are_a_read_only_root_of_the_same_lookup():
+    from draftverify.loading.defaults import SHIPPED_FEATURE_HEAD
+
+    identity = json.loads((SHIPPED_FEATURE_HEAD / "feature_draft.json").read_text())["target"]  # the default model's
+    roots = [store.SHIPPED_ROOT]
+    for arithmetic in ("q8", "fp32"):
+        assert store.find(identity, arithmetic, "head", roots=roots) == SHIPPED_FEATURE_HEAD.resolve()
+        head = FeatureHead.load(SHIPPED_FEATURE_HEAD)
+        accept = store.find(identity, arithmetic, "acceptance", drafter=head.identity, roots=roots)
+        assert accept is not None and accept.name == "feature.safetensors"
+        assert store.find(identity, arithmetic, "skipset", roots=roots).parent.name == "skipsets"
+    assert store.find(identity, "q8", "acceptance", drafter={**head.identity, "hidden_size": 1}, roots=roots) is None
+    assert store.store_roots()[-1] == store.SHIPPED_ROOT  # searched after the user's builds
+
+
 def test_a_half_written_build_is_never_read_and_publish_replaces(tiny, root):
     a = tiny("llama")
     dest = root / store.target_key(a.identity) / "fp32"
@@ -167,6 +182,8 @@ def test_an_interrupted_build_resumes_without_redoing_finished_stages(tiny, root
     assert set(store.read_manifest(dest)["artifacts"]) == {"head", "skipset"}
     with pytest.raises(DraftVerifyError, match="--only"):
         bd.BuildSettings(stages=("heads",))
+    assert bd.BuildSettings().minutes("head") == pytest.approx(63)  # the default split of 90 minutes
+    assert bd.BuildSettings(budget_minutes=20, stages=("skipset",)).minutes("skipset") == pytest.approx(20)
 
 
 def test_a_whole_build_on_a_tiny_model(tiny, root, tmp_path):

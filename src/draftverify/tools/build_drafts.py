@@ -49,7 +49,7 @@ from draftverify.sampling import Sampling
 from draftverify.util import atomic_write
 
 STAGES = ARTIFACTS  # head, acceptance, skipset
-SPLIT = (0.7, 0.15, 0.15)  # of the budget, per stage: 63, 13.5 and 13.5 minutes of the default 90
+SPLIT = (0.7, 0.15, 0.15)  # of the budget, per stage: 63, 13.5 and 13.5 minutes of the default 90 (`minutes`)
 TRAIN_PROMPTS = Path("../shared/data/train_prompts/prompts.jsonl")  # training prompts only, never a benchmark set
 ACCEPTANCE_PROMPTS = Path(__file__).parent.parent / "assets" / "specdec-prompts.jsonl"  # disjoint from TRAIN_PROMPTS
 ANSWER_SHARE = 0.6  # part of the acceptance stage spent on the target's answers (the rest: labels and the fit)
@@ -87,7 +87,9 @@ class BuildSettings:
         )
 
     def minutes(self, stage: str) -> float:
-        return self.budget_minutes * self.split[STAGES.index(stage)]
+        """The stage's part of the budget: its share among the stages built (all of it for one `--only` stage)."""
+        chosen = sum(self.split[STAGES.index(s)] for s in self.stages)
+        return self.budget_minutes * self.split[STAGES.index(stage)] / chosen
 
 
 @dataclass
