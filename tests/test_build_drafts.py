@@ -111,6 +111,7 @@ def test_methods_find_stored_artifacts_without_flags(tiny, root):
     assert Engine(a).method("self-speculative").skip == SkipSet((1,), (2,))
     found = default_feature_head(a, "fp32")
     assert found is not None and found.identity == head.identity
+    assert found.name == f"{store.target_key(a.identity)}/fp32/head"  # what describe_drafts and records name
     assert default_feature_head(a, "q8") is None  # nothing built in q8 for it
     engine = Engine(a, feature_head=found)
     ids = engine.encode("apple river")

@@ -114,11 +114,13 @@ def default_feature_head(target: Loaded, arithmetic: str | None = None) -> Featu
     """The feature head for `target` when no draft is named, bound to it: the draft store's for its weights in
     `arithmetic` (`loading.store`: a `build-drafts` build, else the package's shipped one), else the one shipped
     for the default model; None when there is none."""
-    from draftverify.loading.store import find
+    from draftverify.loading.store import describe, find
 
     found = find(target.identity, arithmetic, "head") if arithmetic else None
     if found is not None and is_feature_head(found):
-        return FeatureHead.load(found).bind(target)
+        head = FeatureHead.load(found)
+        head.name = describe(found)
+        return head.bind(target)
     if target.name != DEFAULT_MODEL_FILE or not is_feature_head(SHIPPED_FEATURE_HEAD):
         return None
     return FeatureHead.load(SHIPPED_FEATURE_HEAD).bind(target)

@@ -105,6 +105,15 @@ def find(
     return None
 
 
+def describe(path: Path) -> str:
+    """A found artifact's name for messages and records: `<target key>/<arithmetic>/<file>` for one in a build
+    folder, else its own name (a shipped artifact the shipped manifests point at)."""
+    path = Path(path)
+    if (path.parent / MANIFEST).is_file():
+        return f"{path.parent.parent.name}/{path.parent.name}/{path.name}"
+    return path.name
+
+
 def missing(artifact: str, target: str | None) -> str:
     """The one-line error for a target (`loading.hf.model_source`: its file or folder, "PATH" when unknown) that
     has no `artifact`: the command that builds it, and its budget."""

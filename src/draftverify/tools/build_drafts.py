@@ -182,15 +182,18 @@ def answered_prompts(build: Build, max_new_tokens: int, batch: int, deadline: fl
     engine, folder = build.engine, build.folder("acceptance")
     rows = read_prompts(build.settings.acceptance_prompts, chat=True)
     encoded = [engine.encode(text, chat=chat) for text, chat in rows]
-    first = engine.target_runner
-    runners = [first, *(first.fork() for _ in range(min(batch, len(encoded)) - 1))]
+    first = engine.target_runner  # on the static path, decoded together in the engine's batch; else model.generate
+    runners = (
+        [first, *(first.fork() for _ in range(min(batch, len(encoded)) - 1))] if first.static is not None else None
+    )
+    target = build.target if runners else build.stock()
     ids, answers = [], []
     for n, start in enumerate(range(0, len(encoded), batch)):
         path = folder / f"answers-{n:05d}.json"
         if not path.is_file():
             if ids and time.monotonic() > deadline:
                 break
-            got = generate(build.target, encoded[start : start + batch], max_new_tokens, runners=runners)
+            got = generate(target, encoded[start : start + batch], max_new_tokens, runners=runners)
             atomic_write(path, json.dumps([s.ids[s.start :].tolist() for s in got]))
         ids += encoded[start : start + batch]
         answers += json.loads(path.read_text())
@@ -276,6 +279,18 @@ def publish(build: Build) -> Path:
     hidden folder, then move it into place with one rename."""
     earlier = read_manifest(build.published) or {}
     staging = staging_folder(build.published)
+    try:
+        manifest = assemble(build, earlier, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    write_manifest(staging, manifest)
+    return publish_folder(staging, build.published)
+
+
+def assemble(build: Build, earlier: dict, staging: Path) -> dict:
+    """Copy the artifacts into `staging`: those built now, and those of the `earlier` build (its manifest) for the
+    stages not rebuilt (not its acceptance head once the feature head is new); returns the manifest."""
     artifacts, stages = {}, {}
     for stage in STAGES:
         if build.marker(stage).is_file():
@@ -293,22 +308,18 @@ def publish(build: Build) -> Path:
             shutil.copy2(source.with_suffix(".md"), staging / "acceptance.md")
         artifacts[stage], stages[stage] = FILES[stage], facts
     s = build.settings
-    write_manifest(
-        staging,
-        {
-            "target": build.target.identity,
-            "target_name": build.target.name,
-            "arithmetic": build.engine.arithmetic,
-            "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "budget_minutes": s.budget_minutes,
-            "split": dict(zip(STAGES, s.split)),
-            "built_now": [stage for stage in STAGES if build.marker(stage).is_file()],
-            "artifacts": artifacts,
-            "stages": stages,
-            "acceptance_for": (stages.get("acceptance") or {}).get("drafter"),
-        },
-    )
-    return publish_folder(staging, build.published)
+    return {
+        "target": build.target.identity,
+        "target_name": build.target.name,
+        "arithmetic": build.engine.arithmetic,
+        "built": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "budget_minutes": s.budget_minutes,
+        "split": {stage: s.minutes(stage) / s.budget_minutes for stage in STAGES if stage in s.stages},
+        "built_now": [stage for stage in STAGES if build.marker(stage).is_file()],
+        "artifacts": artifacts,
+        "stages": stages,
+        "acceptance_for": (stages.get("acceptance") or {}).get("drafter"),
+    }
 
 
 def _clock(since: float) -> str:
