@@ -34,7 +34,7 @@ from draftverify.errors import DraftVerifyError, require
 from draftverify.util import atomic_path, cache_root
 
 if TYPE_CHECKING:
-    from draftverify.loading.known import KnownModel, Part
+    from draftverify.loading.packaged import KnownModel, Part
 
 CHUNK = 1 << 22  # bytes read from a wheel at a time
 MB = 1e6
