@@ -26,19 +26,11 @@ class Table(dict):
 class Curve(Table):
     """t(w) in seconds after `context` tokens (the table itself: width -> seconds, as `forward_times` gives),
     plus `slope[w]`: the seconds each further token of context adds to it (none: the same table at every context).
-    `quick`: measured within `curves.quick_curve`'s budget (one timed run a width, no slope); `forwards`: how many
-    forwards measuring it ran (0: read from disk)."""
+    `quick`: measured within `curves.quick_curve`'s budget (a few runs a width, no slope)."""
 
-    def __init__(
-        self,
-        times: dict[int, float],
-        context: int,
-        slope: dict[int, float] | None = None,
-        quick: bool = False,
-        forwards: int = 0,
-    ):
+    def __init__(self, times: dict[int, float], context: int, slope: dict[int, float] | None = None, quick=False):
         super().__init__(times)
-        self.context, self.slope, self.quick, self.forwards = context, slope or {}, quick, forwards
+        self.context, self.slope, self.quick = context, slope or {}, quick
         # the tables `at` made, by context: a round asks for its context more than once, and the requests of a batch
         # (which share the curve) each for its own
         self.tables: dict[int, Table] = {}
