@@ -3,6 +3,7 @@ tokenizer, and the real default model (SmolLM2-135M-Instruct) for the slow tests
 
 from __future__ import annotations
 
+import functools
 import os
 import string
 
@@ -52,13 +53,17 @@ def _curves_of_this_session(tmp_path_factory):
     thread's torch thread count in the curve's key), so a test that compares seeded sampling between engines
     drafts at a constant length (test_serve). test_costs_cache.py points the folder at a temporary one of each test.
     The test workers keep each other's CPUs busy, so a curve would never count as measured on a quiet machine
-    (costs.BUSY_SHARE): in this throwaway folder each is kept, as before that check."""
-    from draftverify import costs
+    (costs.busy.BUSY_SHARE): in this throwaway folder each is kept, as before that check. And engines measure
+    their curves in full (`Shared.full_curves`), as the bench does: a tiny model's forwards take a fraction of a
+    millisecond, and a quick curve's two timed runs a width would read the busy machine's hiccups of several;
+    test_costs_quick.py tests the quick curves an engine measures by default."""
+    from draftverify import costs, engine
 
     folder = tmp_path_factory.mktemp("curves")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(costs, "cache_folder", lambda: folder)
-        patch.setattr(costs, "BUSY_SHARE", 1.0)
+        patch.setattr(costs.busy, "BUSY_SHARE", 1.0)
+        patch.setattr(engine, "Shared", functools.partial(engine.Shared, full_curves=True))
         yield
 
 

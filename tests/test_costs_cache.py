@@ -15,7 +15,7 @@ def _refuse_to_measure(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("measured a curve again")
 
-    monkeypatch.setattr(costs, "forward_times", fail)
+    monkeypatch.setattr(costs.timing, "forward_times", fail)
 
 
 @pytest.fixture
@@ -51,9 +51,9 @@ def test_a_changed_key_measures_again(tiny, curves_home, monkeypatch, change):
     _refuse_to_measure(monkeypatch)
     engine = Engine(tiny("llama", seed=1) if change == "model" else target, backend="static")
     if change == "kernels":
-        monkeypatch.setattr(costs, "kernel_build", lambda: "another-build")
+        monkeypatch.setattr(costs.fingerprint, "kernel_build", lambda: "another-build")
     elif change == "machine":
-        monkeypatch.setattr(costs, "machine", lambda: {"cpu": "another CPU", "cpu_flags": "0"})
+        monkeypatch.setattr(costs.fingerprint, "machine", lambda: {"cpu": "another CPU", "cpu_flags": "0"})
     elif change == "arithmetic":
         engine.shared.packs.arithmetic = "q8"  # (a tiny model has no blocks for a q8 engine)
     with pytest.raises(AssertionError, match="measured a curve again"):
@@ -94,20 +94,20 @@ def test_an_auto_request_in_a_second_engine_measures_nothing(tiny, curves_home, 
 
 def test_a_curve_measured_on_a_busy_machine_steers_its_process_but_is_not_kept(tiny, curves_home, monkeypatch, capsys):
     share = {"now": 0.5}
-    monkeypatch.setattr(costs, "BUSY_SHARE", 0.15)  # the shipped bound (the test session lifts it: conftest.py)
-    monkeypatch.setattr(costs, "others_share", lambda before, after: share["now"])
+    monkeypatch.setattr(costs.busy, "BUSY_SHARE", 0.15)  # the shipped bound (the test session lifts it: conftest.py)
+    monkeypatch.setattr(costs.busy, "others_share", lambda before, after: share["now"])
     runner = Engine(tiny("llama"), backend="static").target_runner
     measured = costs.curve(runner, widths=(1, 2))
     assert not list(curves_home.glob("*.json"))
     assert "other work used 50% of the CPU time" in capsys.readouterr().err
     assert costs.curve(runner, widths=(1, 2)) is measured  # this engine keeps it
-    share["now"] = costs.BUSY_SHARE  # a quiet enough machine: the next engine measures again, and keeps that one
+    share["now"] = costs.busy.BUSY_SHARE  # a quiet enough machine: the next engine measures again, and keeps that one
     costs.curve(Engine(tiny("llama"), backend="static").target_runner, widths=(1, 2))
     assert len(list(curves_home.glob("*.json"))) == 1 and not capsys.readouterr().err
 
 
 def test_others_share_is_the_cpu_time_other_work_took_from_this_process(monkeypatch):
-    monkeypatch.setattr(costs.os, "sysconf", lambda name: 100)  # clock ticks a second
+    monkeypatch.setattr(costs.busy.os, "sysconf", lambda name: 100)  # clock ticks a second
     # two CPUs, two seconds (400 ticks), two threads: 200 busy ticks, 150 of them this process's own
     assert costs.others_share((1000, 5000, 3.0, 2), (1200, 5400, 4.5, 2), threads=2) == pytest.approx(50 / 400)
     assert costs.others_share((1000, 5000, 3.0, 2), (1200, 5400, 6.0, 2), threads=2) == 0.0  # never below nothing
@@ -134,6 +134,6 @@ def test_widths_are_timed_in_turns_so_a_drifting_machine_keeps_their_ratios(monk
         calls.append(len(tokens))
         clock[0] += slow * (1 + 0.1 * (len(tokens) - 1))
 
-    monkeypatch.setattr(costs, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(costs.timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     times = costs.time_widths(forward, lambda: None, [5, 6, 7], widths=(1, 2, 4), reps=3)
     assert times == pytest.approx({1: 1.0, 2: 1.1, 4: 1.3})

@@ -78,12 +78,14 @@ class Shared:
     (`drafters.feature.acceptance`: per head). An engine owns one and hands it to its runners (forks keep it);
     nothing of it is process-wide, so two engines in one process never steer each other. `curve_folder`: where
     the curves are also kept on disk between processes (`costs.cache_folder()` for an engine; None: measured
-    by every process)."""
+    by every process). `full_curves`: measure each curve in full, with its growth with context (a server's start,
+    the bench), where a quick curve within a fixed budget of forwards serves otherwise (`costs.curves`)."""
 
     packs: Packs = field(default_factory=Packs)
     curves: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     calibration: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     curve_folder: Path | None = None
+    full_curves: bool = False
 
 
 class Runner:

@@ -99,17 +99,10 @@ def environment(device: torch.device) -> dict:
     import transformers
 
     import draftverify
-
-    cpu = platform.processor() or ""
-    try:
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
     from draftverify.kernels import cpu_flags, has_avx512
+    from draftverify.machine import cpuinfo
+
+    cpu = cpuinfo().get("model name") or platform.processor() or ""
 
     # the vector width the forward path's kernels get: it moves every curve
     vector = "AVX-512" if has_avx512() else "AVX2" if "avx2" in cpu_flags() else None

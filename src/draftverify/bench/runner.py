@@ -283,6 +283,7 @@ class Bench:
         log = RecordLog(self.out_dir / "records.jsonl", self.config(), overwrite=overwrite)
         self.encode_all(log)
         warmup = self.engine.encode(WARMUP_PROMPT, chat=self.chat_template)
+        self.engine.shared.full_curves = True  # the warm-up measures full curves (costs.curves), as a server's start
         for spec in self.specs:
             self.generate(spec, warmup, self.settings.warmup_tokens, self.seed(0, 0))
         if log.costs is None:

@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from draftverify.machine import native_flags  # (here by name: a test stands in another CPU's flags)
+
 CSRC = Path(__file__).with_name("csrc")
 _why_not: str | None = None
 
@@ -49,16 +51,6 @@ ISA_LEVELS = {
     "avx512": ({"avx2", "fma", "avx512f", "avx512bw"}, {"avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16"}),
     "avx512vnni": ({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"}, set()),
 }
-
-
-def native_flags() -> set[str]:
-    """The flags /proc/cpuinfo gives this CPU (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
 
 
 @functools.cache

@@ -125,6 +125,7 @@ class Service:
             engine.method(s.name, s.preset, **dict(s.options)) for s in specs
         ]  # built once, reused per request
         self.pooled = []  # methods whose phrase pool lives in a file
+        engine.shared.full_curves = True  # no client waits for the warm-up: it measures the full curves (costs.curves)
         for spec, method in zip(specs, instances):
             # a short warm-up: a pool file is loaded now (a bad one is refused before serving), and what a method
             # measures once (the cost curve) is measured before the first client waits for it

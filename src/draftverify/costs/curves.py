@@ -1,0 +1,108 @@
+"""`curve(runner)`: a model's cost curve on its path, from the engine's memory, else its file, else measured.
+
+Two measurements, one bounded and one thorough:
+
+- `quick_curve` (an engine's default): one prefill of `QUICK_CONTEXT` tokens, then exactly three forwards of each
+  width (`timing.time_once`): `quick_forwards(widths)` forwards in all, whatever the model, so the first request
+  on a model this machine has not seen pays a few forwards of each width, not a measurement. It has no growth with
+  context (the same table at every context).
+- `measure_curve` (`Shared.full_curves`: a server's start, the bench): the fastest of 3 runs a width after
+  `POLICY_CONTEXT` tokens and again after `FAR_CONTEXT`, for the growth with context (`slope.context_slope`).
+
+A file holding a quick curve serves an engine that wants one; an engine that wants the full curve measures it and
+replaces the file; a full curve is never replaced by a quick one.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from draftverify.costs import busy, disk, fingerprint, timing
+from draftverify.costs.slope import context_slope
+from draftverify.costs.tables import Curve
+from draftverify.models import Runner
+
+POLICY_CONTEXT = 64  # tokens of context before the policy's timed forwards
+FAR_CONTEXT = 1024  # and before the second measurement, for the growth with context
+QUICK_CONTEXT = 16  # tokens of context before a quick curve's forwards: one short prefill
+
+
+def quick_forwards(widths) -> int:
+    """The forwards `quick_curve` runs for `widths`: the prefill, then `timing.QUICK_RUNS` of each width."""
+    return 1 + timing.QUICK_RUNS * len(widths)
+
+
+def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> Curve:
+    """The cost curve of `runner`'s model on its backend, obtained once per engine (`runner.shared`): read from
+    `runner.shared.curve_folder` when a file there has this curve's key (and is full, where the engine wants full
+    curves), else measured (`quick_curve`, or `measure_curve` with `Shared.full_curves`) and written there."""
+    full = runner.shared.full_curves
+    key = (runner.backend, runner.draft, all_logits, tuple(widths))
+    found = runner.shared.curves.setdefault(runner.model, {})
+    kept = found.get(key)
+    if kept is None or (full and kept.quick):
+        found[key] = _obtain(runner, all_logits, widths, full)
+    return found[key]
+
+
+def _obtain(runner: Runner, all_logits: bool, widths, full: bool) -> Curve:
+    """The curve from its file, or measured (and written)."""
+    measure = measure_curve if full else quick_curve
+    folder = runner.shared.curve_folder
+    if folder is None:
+        return measure(runner, all_logits, widths)
+    key = fingerprint.curve_key(runner, all_logits, widths)
+    kept = disk.load_curve(folder, key)
+    if kept is not None and not (full and kept.quick):
+        return kept
+    return measure_and_keep(runner, all_logits, widths, folder, key, measure)
+
+
+def measure_and_keep(runner: Runner, all_logits: bool, widths, folder: Path, key: dict, measure=None) -> Curve:
+    """`measure` (`measure_curve` unless given), written under `key` in `folder` unless other work took more than
+    `busy.BUSY_SHARE` of the CPU time meanwhile (then it steers this process only, and one line on stderr says so)."""
+    before = busy.cpu_times()
+    measured = (measure or measure_curve)(runner, all_logits, widths)
+    share = busy.others_share(before, busy.cpu_times())
+    if share is None or share <= busy.BUSY_SHARE:
+        disk.save_curve(folder, key, measured)
+    else:
+        print(
+            f"draftverify: other work used {share:.0%} of the CPU time while the cost curve was measured: it "
+            "steers this process only, and a later one measures again (see docs/serve.md, the first request)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return measured
+
+
+def _context(runner: Runner, n: int) -> list[int]:
+    """`n` tokens of a fixed made-up context in the model's vocabulary."""
+    from draftverify.loading.hf import vocab_rows
+
+    vocab = vocab_rows(runner.model)
+    return [(7 * i + 3) % vocab for i in range(n)]
+
+
+def quick_curve(runner: Runner, all_logits: bool, widths) -> Curve:
+    """Time `runner`'s forwards for `curve` within a fixed budget (`quick_forwards`): two timed runs a width after
+    `QUICK_CONTEXT` tokens (the faster of two), no growth with context."""
+    limit = getattr(runner.model.config, "max_position_embeddings", None) or QUICK_CONTEXT + max(widths)
+    n = max(1, min(QUICK_CONTEXT, limit - max(widths)))
+    times = timing.forward_times(runner, _context(runner, n), widths, all_logits=all_logits, quick=True)
+    return Curve(times, n, quick=True)
+
+
+def measure_curve(runner: Runner, all_logits: bool, widths) -> Curve:
+    """Time `runner`'s forwards for `curve`: after `POLICY_CONTEXT` tokens, and after `FAR_CONTEXT` for the slope
+    (or as many as the model's positions allow)."""
+    limit = getattr(runner.model.config, "max_position_embeddings", None) or FAR_CONTEXT + max(widths)
+    far = min(FAR_CONTEXT, limit - max(widths))
+
+    def times(n: int) -> dict[int, float]:
+        return timing.forward_times(runner, _context(runner, n), widths, reps=3, all_logits=all_logits)
+
+    near = times(POLICY_CONTEXT)
+    slope = context_slope(near, times(far), far - POLICY_CONTEXT) if far >= 4 * POLICY_CONTEXT else None
+    return Curve(near, POLICY_CONTEXT, slope)

@@ -1,0 +1,101 @@
+"""Timing forwards: seconds of one forward of w new tokens after a context, per width, on a fork of a runner."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from draftverify.models import Runner
+
+WIDTHS = (1, 2, 4, 8, 16, 32)
+QUICK_RUNS = 3  # runs of each width in `time_once`: a warm-up, then two timed
+TIMING = 4  # how `time_widths` times (in the curves' key: a file measured the old way, widths in turn, is not read)
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def forward_times(
+    runner: Runner,
+    context: list[int],
+    widths=WIDTHS,
+    reps: int = 5,
+    all_logits: bool = True,
+    quick: bool = False,
+) -> dict[int, float]:
+    """Seconds of one forward of w new tokens after `context`, for each w in `widths`, on a fork of `runner` (its
+    model on its path: a drafting runner's forward is timed as it drafts): the fastest of `reps` runs (the least
+    disturbed by the rest of the machine); `quick`: one timed run each (`time_once`, `reps` unread).
+
+    `all_logits`: compute logits for every new token (the target verifying drafts) or only
+    the last one (the draft proposing).
+    """
+    runner = runner.fork()
+    runner.forward(context, last=1)
+    base = runner.length
+
+    def forward(tokens: list[int]) -> None:
+        runner.forward(tokens, last=None if all_logits else 1)
+        sync_device(runner.device)
+
+    if quick:
+        return time_once(forward, lambda: runner.crop(base), context, widths)
+    return time_widths(forward, lambda: runner.crop(base), context, widths, reps)
+
+
+def _tokens(context: list[int], widths) -> list[int]:
+    """The widest forward's tokens, taken from `context` (repeated)."""
+    return (context * (max(widths) // max(1, len(context)) + 1))[: max(widths)]
+
+
+def _rising(samples: dict[int, list[float]]) -> dict[int, float]:
+    """The fastest sample per width, a wider forward never taken as cheaper than a narrower one (what noise is left
+    goes that way)."""
+    times, floor = {}, 0.0
+    for w in sorted(samples):
+        times[w] = floor = max(floor, min(samples[w]))
+    return times
+
+
+def time_widths(forward, rollback, context: list[int], widths=WIDTHS, reps: int = 5) -> dict[int, float]:
+    """Seconds of `forward(tokens)` for w tokens (taken from `context`, repeated), per w in `widths`:
+    the fastest of `reps` runs after a warm-up, `rollback()` after each. Any engine's forward.
+
+    The widths take turns, two runs of each a pass, the second timed (the first pass is a warm-up), the passes
+    going up and down the widths in turn: a machine whose speed drifts while they are timed (a shared host's) moves
+    every width alike, so their ratios, which the decisions read, hold (timed one width after another, a slow spell
+    during the first width's runs once made 2 and 4 rows look cheaper than 1), while each width still follows
+    itself or a neighbour, as a forward mostly follows one of its size in decoding (a one-row forward right after
+    a 32-row one runs slower even a run later: going up every pass, 1 row timed a fifth dearer and 4 rows hardly
+    dearer than 1). A wider forward is never taken as cheaper than a narrower one: what noise is left goes that way."""
+    tokens = _tokens(context, widths)
+    samples: dict[int, list[float]] = {w: [] for w in widths}
+    for rep in range(reps + 1):
+        for w in sorted(widths, reverse=rep % 2 == 1):
+            for timed in (False, True):
+                t = time.perf_counter()
+                forward(tokens[:w])
+                if rep and timed:
+                    samples[w].append(time.perf_counter() - t)
+                rollback()
+    return _rising(samples)
+
+
+def time_once(forward, rollback, context: list[int], widths=WIDTHS) -> dict[int, float]:
+    """`time_widths` at its cheapest: exactly `QUICK_RUNS` runs of each width, an untimed pass going down the
+    widths, then timed passes up and down, so each timed width follows itself (the narrowest, the widest) or a
+    neighbour, as in decoding; the faster of a width's two timed runs (a hiccup of the machine, a few milliseconds
+    taken by another process, rarely falls on both). A wider forward is never taken as cheaper than a narrower one."""
+    tokens = _tokens(context, widths)
+    samples: dict[int, list[float]] = {w: [] for w in widths}
+    for run in range(QUICK_RUNS):
+        for w in sorted(widths, reverse=run % 2 == 0):
+            t = time.perf_counter()
+            forward(tokens[:w])
+            if run:
+                samples[w].append(time.perf_counter() - t)
+            rollback()
+    return _rising(samples)

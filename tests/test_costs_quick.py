@@ -1,0 +1,163 @@
+"""A model this machine has not seen: its first request measures a quick cost curve within a fixed budget of
+forwards (costs.curves.quick_curve), never the full measurement; engines that ask for full curves (a server's
+start, the bench) measure and keep those instead. The curves' files: a damaged one is ignored, never trusted, and
+two processes writing one at once leave one whole file."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import pytest
+
+from draftverify import Engine, costs
+from draftverify.models import Runner
+
+
+@pytest.fixture
+def curves_home(tmp_path, monkeypatch):
+    """A folder of this test's own, and engines as they are made outside the tests (conftest.py has the tests'
+    engines measure full curves)."""
+    from draftverify import engine
+    from draftverify.models import Shared
+
+    folder = tmp_path / "curves"
+    monkeypatch.setattr(costs, "cache_folder", lambda: folder)
+    monkeypatch.setattr(engine, "Shared", Shared)
+    return folder
+
+
+def _count_forwards(monkeypatch) -> dict:
+    """Counts every runner's forwards (`Runner.run`) and, apart, those run inside a quick measurement; a full
+    measurement fails the test."""
+    counts = {"all": 0, "quick": [], "inside": False}
+    run, quick = Runner.run, costs.curves.quick_curve
+
+    def counted_run(self, feed):
+        counts["all"] += 1
+        return run(self, feed)
+
+    def counted_quick(runner, all_logits, widths):
+        before = counts["all"]
+        measured = quick(runner, all_logits, widths)
+        counts["quick"].append((counts["all"] - before, tuple(widths)))
+        return measured
+
+    def refuse(*args):
+        raise AssertionError("a first request measured a full curve")
+
+    monkeypatch.setattr(Runner, "run", counted_run)
+    monkeypatch.setattr(costs.curves, "quick_curve", counted_quick)
+    monkeypatch.setattr(costs.curves, "measure_curve", refuse)
+    return counts
+
+
+def test_a_first_auto_request_on_an_unseen_model_runs_a_bounded_number_of_forwards(tiny, curves_home, monkeypatch):
+    from test_feature_head import random_head
+
+    from draftverify.loading import truncated_copy
+
+    target = tiny("llama", layers=2)
+    draft, head = truncated_copy(target, 1), random_head(target, seed=2)
+    counts = _count_forwards(monkeypatch)
+    Engine(target, draft, feature_head=head).generate("ab", method="auto", max_new_tokens=12, temperature=0)
+    assert counts["quick"], "auto read no cost curve"
+    for forwards, widths in counts["quick"]:  # a prefill, then three forwards a width: nothing more
+        assert forwards == costs.quick_forwards(widths) == 1 + 3 * len(widths)
+    (saved,) = curves_home.glob("*.json")
+    assert json.loads(saved.read_text())["quick"] is True
+
+
+def test_quick_curves_on_disk_serve_quick_engines_and_full_engines_replace_them(tiny, curves_home, monkeypatch):
+    target = tiny("llama")
+    quick = costs.curve(Engine(target, backend="static").target_runner, widths=(1, 2, 4))
+    assert quick.quick and not quick.slope and quick.context == costs.QUICK_CONTEXT
+    engine = Engine(target, backend="static")
+    engine.shared.full_curves = True
+    full = costs.curve(engine.target_runner, widths=(1, 2, 4))  # measured in full, the quick file replaced
+    assert not full.quick and full.context == costs.POLICY_CONTEXT
+    assert costs.curve(engine.target_runner, widths=(1, 2, 4)) is full
+    (saved,) = curves_home.glob("*.json")
+    assert json.loads(saved.read_text())["quick"] is False
+    costs.save_curve(curves_home, json.loads(saved.read_text())["key"], quick)  # a quick one never replaces it
+    assert json.loads(saved.read_text())["quick"] is False
+    monkeypatch.setattr(costs.timing, "forward_times", lambda *a, **k: pytest.fail("measured again"))
+    again = costs.curve(Engine(target, backend="static").target_runner, widths=(1, 2, 4))  # a quick engine reads it
+    assert not again.quick and dict(again) == dict(full)
+
+
+def test_the_key_names_the_arithmetic_and_the_kernel_build(tiny):
+    runner = Engine(tiny("llama"), backend="static").target_runner
+    key = costs.curve_key(runner, True, (1, 2))
+    assert key["arithmetic"] == "fp32 torch.float32" and key["kernels"] == costs.kernel_build()
+    assert costs.kernel_build().startswith(__import__("draftverify.kernels").kernels.source_tag())
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda text: text[: len(text) // 2],  # a partial write
+        lambda text: text.replace('"times": {', '"times": {"64": 1.0, '),  # a width the key does not name
+        lambda text: json.dumps({**json.loads(text), "times": {"1": -1.0, "2": 1.0}}),
+        lambda text: json.dumps({**json.loads(text), "times": {"1": 0.0, "2": 0.0}}),
+        lambda text: json.dumps({**json.loads(text), "slope": {"1": "fast", "2": 0.1}}),
+        lambda text: json.dumps([1, 2]),
+    ],
+)
+def test_a_damaged_file_is_ignored_and_replaced(tiny, curves_home, damage):
+    target = tiny("llama")
+    runner = Engine(target, backend="static").target_runner
+    costs.curve(runner, widths=(1, 2))
+    (saved,) = curves_home.glob("*.json")
+    saved.write_text(damage(saved.read_text()))
+    key = costs.curve_key(runner, True, (1, 2))
+    assert costs.load_curve(curves_home, key) is None
+    costs.curve(Engine(target, backend="static").target_runner, widths=(1, 2))  # measured again, and written
+    assert costs.load_curve(curves_home, key) is not None
+
+
+def _write_many(folder: str, key: dict, value: float, start) -> None:
+    costs.disk.load_curve = lambda folder, key: None  # (this process only) every save writes, none defers
+    start.wait()
+    for _ in range(200):
+        costs.save_curve(folder, key, costs.Curve({1: value, 2: 2 * value}, 16, full_slope(value)))
+
+
+def full_slope(value: float) -> dict[int, float]:
+    return {1: value / 100, 2: value / 50}
+
+
+def test_two_processes_writing_at_once_leave_one_whole_file(tmp_path):
+    key = {"model": "m", "widths": [1, 2]}
+    fork = multiprocessing.get_context("fork")
+    start = fork.Event()
+    writers = [fork.Process(target=_write_many, args=(str(tmp_path), key, v, start)) for v in (0.5, 0.25)]
+    for writer in writers:
+        writer.start()
+    start.set()
+    for writer in writers:
+        writer.join(60)
+        assert writer.exitcode == 0
+    (saved,) = tmp_path.iterdir()  # no temporary left behind
+    kept = costs.load_curve(tmp_path, key)
+    assert kept is not None and dict(kept) in ({1: 0.5, 2: 1.0}, {1: 0.25, 2: 0.5})
+    assert kept.slope == full_slope(kept[1])  # one writer's curve, whole
+
+
+def test_time_once_runs_three_forwards_a_width_and_keeps_the_faster_timed_one(monkeypatch):
+    """A warm-up pass down the widths, then timed ones up and down: each timed width follows itself or a neighbour;
+    the faster of its two timed runs counts (a hiccup on one of them is dropped), and a wider forward is never taken
+    as cheaper than a narrower one."""
+    import types
+
+    clock, calls = [0.0], []
+    cost = {1: 1.0, 2: 0.9, 4: 1.5}  # 2 rows read cheaper than 1: noise
+
+    def forward(tokens):
+        calls.append(len(tokens))
+        clock[0] += cost[len(tokens)] + (5.0 if len(calls) == 6 else 0.0)  # a hiccup on the first timed 4 rows
+
+    monkeypatch.setattr(costs.timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    times = costs.time_once(forward, lambda: None, [5, 6, 7], widths=(1, 2, 4))
+    assert calls == [4, 2, 1, 1, 2, 4, 4, 2, 1]
+    assert times == pytest.approx({1: 1.0, 2: 1.0, 4: 1.5})
