@@ -90,7 +90,7 @@ def test_rotary_rows_come_from_tables_with_the_modules_bits_for_any_positions(ti
     """A forward's cos and sin are rows of tables the rotary module made once (grown past their size): each row is
     what the module gives that position in a call of its own, and in a call of many."""
     dec = Runner(tiny(arch).model, "static").decoder
-    assert dec._rope_fixed
+    assert dec.rope_fixed
     dec._ropes(torch.tensor([3]))
     assert dec._rope_table_size == dec.max_length == 512  # within the model's positions, no larger
     rng = random.Random(3)
