@@ -12,6 +12,7 @@ from serving import (  # noqa: F401  (other tests import these from here)
     OPTIONS,
     WAIT_S,
     C,
+    GatedEngine,
     expect,
     finish_of,
     first_text,
