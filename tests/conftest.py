@@ -27,8 +27,10 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:  # the processes t
 
 # The files that take longest, longest first (`--durations=0`, summed by file). `scripts/test.sh` deals whole files
 # to its workers in collection order, so these go out first and no worker is left running a long file alone at
-# the end; the rest keep pytest's order.
-LONGEST_FILES = ("test_specdec.py", "test_smollm.py", "test_backends.py", "test_ouroboros.py", "test_feature_head.py",
+# the end; the rest keep pytest's order. The files split out of a long one stand where it stood.
+LONGEST_FILES = ("test_specdec.py", "test_specdec_training.py", "test_specdec_feature_head.py", "test_draft_vocab.py",
+                 "test_smollm.py", "test_backends.py", "test_cpu_kernels.py", "test_quantized_forward.py",
+                 "test_ouroboros.py", "test_feature_head.py", "test_feature_head_drafting.py",
                  "test_sampling_exact.py", "test_self_speculative.py", "test_equivalence.py")  # fmt: skip
 
 
@@ -92,12 +94,9 @@ def make_tokenizer():
     return fast
 
 
-def make_model(
-    arch: str = "llama", seed: int = 0, layers: int = 4, hidden: int = 64, vocab: int = 100, window: int = WINDOW
-):
-    """A tiny random fp32 causal LM of the given architecture (sdpa attention)."""
+def tiny_config(arch: str, layers: int, hidden: int, vocab: int, window: int):
+    """The transformers config of a tiny model of `arch` (4 heads, 2 KV heads where the architecture has them)."""
     from transformers import (
-        AutoModelForCausalLM,
         Gemma2Config,
         Gemma3TextConfig,
         GPT2Config,
@@ -110,48 +109,26 @@ def make_model(
     )
 
     common = dict(vocab_size=vocab, eos_token_id=0, bos_token_id=0, pad_token_id=0)
-    attn = dict(
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
+    sizes = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4)
+    attn = dict(sizes, num_key_value_heads=2, max_position_embeddings=512)
     if arch == "llama":
-        cfg = LlamaConfig(
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            **common,
-        )
-    elif arch == "qwen2":
-        cfg = Qwen2Config(
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            **common,
-        )
-    elif arch == "gpt2":
-        cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=512, **common)
-    elif arch == "qwen3":
-        cfg = Qwen3Config(head_dim=hidden // 4, **attn, **common)
-    elif arch == "mistral":  # every layer slides
-        cfg = MistralConfig(sliding_window=window, **attn, **common)
-    elif arch == "qwen2-sliding":  # full layers first, sliding above max_window_layers
-        cfg = Qwen2Config(
+        return LlamaConfig(**attn, **common)
+    if arch == "qwen2":
+        return Qwen2Config(**attn, **common)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=512, **common)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=hidden // 4, **attn, **common)
+    if arch == "mistral":  # every layer slides
+        return MistralConfig(sliding_window=window, **attn, **common)
+    if arch == "qwen2-sliding":  # full layers first, sliding above max_window_layers
+        return Qwen2Config(
             use_sliding_window=True, sliding_window=window, max_window_layers=layers // 2, **attn, **common
         )
-    elif arch in ("gemma2", "gemma3"):  # sliding and full layers alternate
+    if arch in ("gemma2", "gemma3"):  # sliding and full layers alternate
         Config = Gemma2Config if arch == "gemma2" else Gemma3TextConfig
         types = ["sliding_attention", "full_attention"] * layers
-        cfg = Config(
+        return Config(
             head_dim=hidden // 4,
             sliding_window=window,
             query_pre_attn_scalar=hidden // 4,
@@ -159,19 +136,20 @@ def make_model(
             **attn,
             **common,
         )
-    elif arch == "phi3":  # fused qkv_proj and gate_up_proj; every layer slides
-        cfg = Phi3Config(sliding_window=window, **attn, **common)
-    elif arch == "gpt_neox":
-        cfg = GPTNeoXConfig(
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            max_position_embeddings=512,
-            **common,
-        )
-    else:
-        raise ValueError(arch)
+    if arch == "phi3":  # fused qkv_proj and gate_up_proj; every layer slides
+        return Phi3Config(sliding_window=window, **attn, **common)
+    if arch == "gpt_neox":
+        return GPTNeoXConfig(**sizes, max_position_embeddings=512, **common)
+    raise ValueError(arch)
+
+
+def make_model(
+    arch: str = "llama", seed: int = 0, layers: int = 4, hidden: int = 64, vocab: int = 100, window: int = WINDOW
+):
+    """A tiny random fp32 causal LM of the given architecture (sdpa attention)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(arch, layers, hidden, vocab, window)
     impl = "eager" if arch == "gemma2" else "sdpa"  # transformers runs Gemma 2 (soft-capping) eagerly only
     cfg._attn_implementation = impl
     torch.manual_seed(seed)

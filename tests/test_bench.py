@@ -249,13 +249,13 @@ def test_method_specs():
     assert specs[1].config == SpeculativeConfig(policy="heuristic", k=6) and specs[2].config == SpeculativeConfig(
         policy="constant", k=2
     )
-    assert specs[3].config == AssistedConfig(num_assistant_tokens=5) and not specs[3].warm and specs[3].needs_draft
-    assert specs[4].config.prompt_lookup_num_tokens == 10 and not specs[4].needs_draft and specs[4].is_peer
+    assert specs[3].config == AssistedConfig(num_assistant_tokens=5) and not specs[3].warm and specs[3].drafts.required
+    assert specs[4].config.prompt_lookup_num_tokens == 10 and not specs[4].drafts.loads and specs[4].is_peer
     assert parse_specs("hf-prompt-lookup,autoregressive")[0].label == "autoregressive"  # the baseline goes first
     assert not parse_specs("autoregressive")[1:]
     peers = parse_specs("hf-autoregressive,llamacpp,llamacpp-prompt-lookup[num_pred_tokens=4]")
     assert [s.engine for s in peers] == ["draftverify", "transformers", "llama.cpp", "llama.cpp"]
-    assert peers[3].config.num_pred_tokens == 4 and not any(s.needs_draft for s in peers)
+    assert peers[3].config.num_pred_tokens == 4 and not any(s.drafts.loads for s in peers)
     with pytest.raises(DraftVerifyError, match="num_pred_tokens=0 must be an integer >= 1"):
         parse_specs("llamacpp-prompt-lookup[num_pred_tokens=0]")
     llama = parse_specs("llamacpp,llamacpp-f32,llamacpp-prompt-lookup")[1:]

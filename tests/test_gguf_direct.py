@@ -211,7 +211,7 @@ def test_k_quant_layers_in_one_call_give_the_op_by_op_bits(tmp_path, tokenizer):
 def test_a_stacked_batch_step_gives_each_sequence_its_own_bits(direct, arithmetic):
     """A batch's decoding steps and trees stacked in one forward (each layer one `layer_many` call) give every
     sequence the logits and cache its forward alone gives (one `layer` call a layer)."""
-    from test_backends import assert_stacked_is_alone
+    from quantized_models import assert_stacked_is_alone
 
     from draftverify.backend.linear import Packs
     from draftverify.models import Shared

@@ -164,3 +164,40 @@ def test_a_failed_capture_leaves_the_same_forward_without_graphs(tiny, monkeypat
     assert torch.equal(runner.forward(ids).logits, plain)
     assert runner.decoder.capture is False
     assert "no CUDA graphs (operation not permitted" in capsys.readouterr().err
+
+
+class OnlyParts:
+    """A `StaticDecoder` seen through `decoder.DecoderParts` alone: reading anything else of it fails."""
+
+    def __init__(self, inner):
+        from draftverify.backend.decoder import DecoderParts
+
+        self._inner = inner
+        self._names = set(DecoderParts.__annotations__) | {n for n in vars(DecoderParts) if not n.startswith("_")}
+
+    def __getattr__(self, name):
+        if name not in self._names:
+            raise AssertionError(f"the graph backend read {name!r}, which DecoderParts does not declare")
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_graph_backend_reads_the_static_decoder_only_through_its_declared_parts(tiny, monkeypatch, arch):
+    """backend/graphed.py uses `DecoderParts` and nothing else of the static decoder (a tree, and a layer-skipping
+    draft's forward, included), with the bits of the decoder read whole."""
+    from draftverify.drafters.skipsets import SkipSet
+
+    model = tiny(arch).model
+    whole = Runner(model, "graph")
+    static = graphed.StaticDecoder
+    monkeypatch.setattr(graphed, "StaticDecoder", lambda *a: OnlyParts(static(*a)))
+    parts = Runner(model, "graph")
+    assert isinstance(parts.decoder.inner, OnlyParts)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    skip = SkipSet(attention=(0,), mlp=(1,))
+    for feed in (
+        {"tokens": list(range(2, 30))},
+        {"tokens": [7, 8, 9], "tree_mask": tree, "positions": torch.tensor([28, 29, 29])},
+        {"tokens": [11], "skip": skip},
+    ):
+        assert torch.equal(parts.forward(**feed).logits, whole.forward(**feed).logits), feed

@@ -146,7 +146,7 @@ def test_fma32_rounds_once():
 
 
 def test_from_blocks_is_the_same_weight():
-    from test_backends import quantized
+    from quantized_models import quantized
 
     g = torch.Generator().manual_seed(5)
     for kind in ("q8_0", "q4_1"):

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_backends import quantized
+from quantized_models import quantized
 
 from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError
@@ -85,7 +85,7 @@ def test_q8_layers_in_one_region_give_the_op_by_op_bits_on_any_number_of_threads
     tiles and attention's tasks shared out between the threads), or a layer a call (`layer`) where the stack cannot
     be used. On one thread, two or three, alone and stacked, over a context of several attention chunks, with a
     draft's skipped sub-layers or none, both give the logits and cache of the op-by-op layers bit for bit."""
-    from test_backends import assert_stacked_is_alone
+    from quantized_models import assert_stacked_is_alone
 
     from draftverify.backend.linear import Packs
     from draftverify.drafters.skipsets import SkipSet

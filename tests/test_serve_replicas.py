@@ -14,7 +14,7 @@ import threading
 
 import httpx
 import pytest
-from test_serve import first_text, sse_events, streamed_text
+from serving import first_text, sse_events, streamed_text
 
 from draftverify import DraftVerifyError, Engine
 from draftverify.loading import load_draft, load_model
@@ -86,20 +86,51 @@ def model_dir(tmp_path_factory, tiny):
     return folder
 
 
+def assert_every_case_equals_offline_on_both(lb: RoundRobin, offline: Engine, spec: str) -> None:
+    """Greedy and seeded sampling, `spec` and autoregressive, each case twice: round robin serves it on both
+    replicas, each answer equal to offline generation."""
+    cases = [
+        (spec, {"temperature": 0.0}),
+        ("autoregressive", {"temperature": 0.0}),
+        (spec, {"temperature": 0.7, "seed": 3}),
+        ("autoregressive", {"temperature": 0.7, "seed": 3}),
+    ]
+    served = set()
+    for method, sampling in cases * 2:  # every case on both replicas
+        parsed = parse_spec(method)
+        want = offline.generate("Hello", method=parsed.name, max_new_tokens=6, **sampling, **dict(parsed.options)).text
+        url, r = lb.post("/v1/completions", {"prompt": "Hello", "max_tokens": 6, "method": method, **sampling})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, (url, method, sampling)
+        served.add(url)
+    assert served == set(lb.urls)
+
+
+def assert_sigterm_ends_the_stream_cleanly(replica: Replica, offline: Engine) -> None:
+    """SIGTERM to `replica` during a stream: the stream ends with its error event and [DONE], the replica exits."""
+    greedy = offline.generate("Hello", method="autoregressive", max_new_tokens=20, temperature=0.0).text
+    with httpx.stream(
+        "POST",
+        replica.url + "/v1/completions",
+        json={"prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True},
+        timeout=WAIT_S,
+    ) as r:
+        lines = r.iter_lines()
+        events = [first_text(lines)]
+        replica.proc.send_signal(signal.SIGTERM)
+        events += sse_events(lines)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down"
+    got = streamed_text(events)
+    assert got[: len(greedy)] == greedy[: len(got)]
+    assert replica.proc.wait(WAIT_S) == -signal.SIGTERM  # uvicorn re-raises the signal after a clean shutdown
+    assert "Traceback" not in replica.log()
+
+
 def test_two_replicas_behind_round_robin(model_dir, tmp_path):
     # a constant draft length: the default `cost` policy picks lengths from forward times each
     # process measures for itself, so a seeded sample is reproducible across processes only with fixed lengths
     spec = "speculative[k=3,policy=constant]"
-    args = [
-        "--target",
-        str(model_dir),
-        "--draft",
-        "self:layers=2",
-        "--methods",
-        f"{spec},autoregressive",
-        "--device",
-        "cpu",
-    ]
+    args = ["--target", str(model_dir), "--draft", "self:layers=2", "--methods", f"{spec},autoregressive"]
+    args += ["--device", "cpu"]
     a = Replica([*args, "--shutdown-grace", "0"], tmp_path / "a.log")
     b = Replica([*args, "--device-map", "auto"], tmp_path / "b.log")
     try:
@@ -107,41 +138,9 @@ def test_two_replicas_behind_round_robin(model_dir, tmp_path):
         target = load_model(model_dir, device="cpu")
         offline = Engine(target, load_draft("self:layers=2", target))
         lb = RoundRobin([a.url, b.url])
-        cases = [
-            (spec, {"temperature": 0.0}),
-            ("autoregressive", {"temperature": 0.0}),
-            (spec, {"temperature": 0.7, "seed": 3}),
-            ("autoregressive", {"temperature": 0.7, "seed": 3}),
-        ]
-        served = set()
-        for method, sampling in cases * 2:  # every case on both replicas
-            parsed = parse_spec(method)
-            want = offline.generate(
-                "Hello", method=parsed.name, max_new_tokens=6, **sampling, **dict(parsed.options)
-            ).text
-            url, r = lb.post("/v1/completions", {"prompt": "Hello", "max_tokens": 6, "method": method, **sampling})
-            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, (url, method, sampling)
-            served.add(url)
-        assert served == {a.url, b.url}
-
-        # SIGTERM to replica a during a stream: the stream ends cleanly, a exits, b takes over
-        greedy = offline.generate("Hello", method="autoregressive", max_new_tokens=20, temperature=0.0).text
-        with httpx.stream(
-            "POST",
-            a.url + "/v1/completions",
-            json={"prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True},
-            timeout=WAIT_S,
-        ) as r:
-            lines = r.iter_lines()
-            events = [first_text(lines)]
-            a.proc.send_signal(signal.SIGTERM)
-            events += sse_events(lines)
-        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down"
-        got = streamed_text(events)
-        assert got[: len(greedy)] == greedy[: len(got)]
-        assert a.proc.wait(WAIT_S) == -signal.SIGTERM  # uvicorn re-raises the signal after a clean shutdown
-        assert "Traceback" not in a.log()
-        for _ in range(2):
+        assert_every_case_equals_offline_on_both(lb, offline, spec)
+        assert_sigterm_ends_the_stream_cleanly(a, offline)
+        for _ in range(2):  # b takes over
             url, r = lb.post(
                 "/v1/chat/completions",
                 {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0},

@@ -87,6 +87,7 @@ def test_speculative_equals_autoregressive_and_hf_generate(smollm):
 def test_the_methods_over_the_shipped_feature_head_equal_autoregressive(smollm):
     """The shipped feature head, and the SpecDec++ head shipped for it (`specdec-pp` over the head)."""
     from draftverify.loading import default_feature_head
+    from draftverify.methods.base import Artifact
 
     engine = Engine(smollm, default_feature_head(smollm))
     ar = engine.generate(PROMPTS[0], chat=True, method="autoregressive", max_new_tokens=40)
@@ -94,7 +95,7 @@ def test_the_methods_over_the_shipped_feature_head_equal_autoregressive(smollm):
         out = engine.generate(PROMPTS[0], chat=True, method=name, max_new_tokens=40)
         assert out.tokens == ar.tokens, name
         if name == "specdec-pp":
-            assert engine.method(name).draft_source == "feature head" and out.stats.drafted > 0
+            assert engine.method(name).draft_source is Artifact.FEATURE_HEAD and out.stats.drafted > 0
 
 
 def test_every_method_with_its_shipped_defaults_equals_autoregressive(smollm):
@@ -111,5 +112,5 @@ def test_every_method_with_its_shipped_defaults_equals_autoregressive(smollm):
             assert out.tokens == ar.tokens, (prompt, name)
             # lookahead's pool may still be empty after a short answer; the cost policy (speculative's
             # default) may find that no draft pays on this machine and not draft at all
-            if METHODS[name].needs_draft and getattr(engine.method(name).config, "policy", None) != "cost":
+            if METHODS[name].drafts().required and getattr(engine.method(name).config, "policy", None) != "cost":
                 assert out.stats.drafted > 0, (prompt, name)

@@ -122,12 +122,11 @@ def generate(
         prompt = sys.stdin.read() if str(prompt_file) == "-" else prompt_file.read_text()
     if prompt is None:
         raise DraftVerifyError("no prompt: pass PROMPT or --prompt-file FILE")
-    from draftverify.methods.spec import method_class
+    from draftverify.methods.spec import drafts_of
 
     spec, options = _method_options(method, preset, option)
-    engine = _load_engine(
-        target, draft if method_class(spec.name).loads_draft() else "none", dtype, device, backend=backend
-    )
+    loads = drafts_of(spec.name, spec.preset or preset, options).loads
+    engine = _load_engine(target, draft if loads else "none", dtype, device, backend=backend)
     if json_schema is not None:
         from draftverify.constraints import load_schema_file
 
@@ -224,7 +223,7 @@ def methods(
             typer.echo(f"{name}: another name of {cls.name}")
             continue
         fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Config))
-        typer.echo(f"{name}{' (needs a draft)' if cls.needs_draft else ''}")
+        typer.echo(f"{name}: {cls.drafts().describe()}")
         typer.echo(f"  options: {fields or 'none'}")
         for preset, values in cls.presets.items():
             typer.echo(f"  preset {preset}: {values}")

@@ -21,6 +21,7 @@ from draftverify.feature_head import FeatureHead
 from draftverify.loading import DraftSource, Loaded, default_feature_head, draft_source, load_draft_source, load_model
 from draftverify.logits import make_processor
 from draftverify.methods import Method
+from draftverify.methods.base import Artifact
 from draftverify.methods.spec import method_class
 from draftverify.models import Runner, Shared
 from draftverify.sampling import Sampling
@@ -82,8 +83,8 @@ class Engine:
     ):
         """`draft`: what drafts (a `loading.DraftSource`, as `load_draft_source` gives; a draft model or a feature
         head is taken as one; a `LazyDraft` is loaded when a method first drafts with it); `feature_head`: a feature
-        head beside a draft model. The methods that draft with a feature head (speculative, ouroboros) use it when
-        there is one, the others the draft model.
+        head beside a draft model. Each method gets the draft its declaration (`Method.drafts`) chooses: the
+        feature head where it prefers one and there is one, else the draft model, else none.
 
         The engine owns what its runners and drafters build or learn once (`shared`: packed weights, measured
         cost curves, the feature head's calibration); another engine in the same process has its own, so two
@@ -210,9 +211,10 @@ class Engine:
         key = (name, config, slot)
         if key not in self._methods:
             head = self.feature_head
-            if cls.drafts_with_head(config, head is not None):
+            chosen = cls.drafts(config).choose(has_head=head is not None)  # what the method declares it drafts with
+            if chosen is Artifact.FEATURE_HEAD:
                 target, draft = self._target(slot), head
-            elif cls.drafts_with_model(config, head is not None):
+            elif chosen is Artifact.DRAFT_MODEL:
                 target, draft = self.slot(slot)
             else:  # the draft model is not loaded for a method that would not draft with it
                 target, draft = self._target(slot), None

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 from types import SimpleNamespace
+from typing import Protocol
 
 import torch
 
@@ -37,17 +38,17 @@ from draftverify.backend.attention import Part, attend
 from draftverify.backend.cache import StaticCache
 from draftverify.backend.feed import Feed, Forward
 from draftverify.backend.linear import QUANT_ROWS, BlockLinear, PackedLinear, Packs, layer_weights, q8_runs
-from draftverify.backend.ops import cpu_kernels, gated, layer_windows, rms_norm, softcap, vocab_logits, window_masks
+from draftverify.backend.ops import cpu_kernels, layer_windows, rms_norm, run_layer, softcap, vocab_logits, window_masks
 from draftverify.backend.recipe import RECIPES, Recipe, activation, unsupported_reason
 from draftverify.backend.source import source_layer, source_norm
 from draftverify.backend.spans import Spans
 
 # head sizes the attention kernel (attention.cpp) takes (Gemma's 256 included); others attend with SDPA
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
-ROPE_TABLE_MIN = 1024  # positions a rotary table covers at first (`StaticDecoder._rope_tables`)
+ROPE_TABLE_MIN = 1024  # positions a rotary table covers at first (`StaticDecoder.rope_tables`)
 
 
-class _Layer:
+class LayerWeights:
     """One decoder layer's weights, read from the stock module as its recipe says."""
 
     def __init__(self, layer: torch.nn.Module, recipe: Recipe, cfg, eps: float, draft: bool, packs: Packs):
@@ -87,6 +88,30 @@ def norm_weight(norm: torch.nn.Module, offset: float) -> torch.Tensor:
 def _eps(owner: torch.nn.Module, name: str, default: float) -> float:
     norm = getattr(owner, name)
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", default)))
+
+
+class DecoderParts(Protocol):
+    """What another forward over a `StaticDecoder`'s weights (backend/graphed.py's `GraphedDecoder`) reads of it:
+    nothing else of the decoder is an interface. A layer runs op by op as `ops.run_layer` runs it."""
+
+    layers: list[LayerWeights]  # the decoder layers' weights, in order
+    embed: torch.nn.Module  # the stock embedding module (Gemma's scaling included)
+    n_heads: int
+    n_kv: int  # key-value heads; query head h reads kv head h // (n_heads // n_kv)
+    head_dim: int
+    windows: list  # per layer its sliding window (None: full attention)
+    rope_keys: list  # per layer its rotary key (None, or Gemma 3's layer type)
+    rope_fixed: bool  # the rotary frequencies never change (`rope_tables` then holds every position's values)
+    device: torch.device
+    dtype: torch.dtype  # the weights' and the hidden states'
+    kv_dtype: torch.dtype  # the cache's
+    max_length: int | None  # the model's positions
+
+    def rope_tables(self, count: int) -> dict: ...
+
+    def final_states(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def logits(self, states: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class StaticDecoder:
@@ -133,7 +158,7 @@ class StaticDecoder:
         # frequencies fixed at init: transformers updates them per forward only for dynamic and longrope types
         kinds = getattr(self.rotary, "rope_type", "default")
         kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
-        self._rope_fixed = not any("dynamic" in kind or kind == "longrope" for kind in kinds)
+        self.rope_fixed = not any("dynamic" in kind or kind == "longrope" for kind in kinds)
         self._rope_table, self._rope_table_size = {}, 0
 
     def _from_module(self, model, recipe: Recipe, eps: float, draft: bool, packs: Packs) -> None:
@@ -141,7 +166,7 @@ class StaticDecoder:
         self.model, self.embed, self.rotary = model, inner.embed_tokens, inner.rotary_emb
         with torch.no_grad():
             layers = inner.layers[: model.config.num_hidden_layers]
-            self.layers = [_Layer(layer, recipe, model.config, eps, draft, packs) for layer in layers]
+            self.layers = [LayerWeights(layer, recipe, model.config, eps, draft, packs) for layer in layers]
             self.norm, self.norm_eps = norm_weight(inner.norm, recipe.norm_offset), _eps(inner, "norm", eps)
             self.head = packs.linear([model.get_output_embeddings()], draft)
         self.head_dim = inner.layers[0].self_attn.head_dim
@@ -199,29 +224,32 @@ class StaticDecoder:
         if stacked:
             skips = [(i in skip_attn) | 2 * (i in skip_mlp) for i in range(len(self.layers))] if skip else []
             h = self._stacked_layers(h, *flat[self.rope_keys[0]], parts, skips)
+        # A layer runs one of three ways, all with the same bits (test_quantized_forward.py, test_gguf_direct.py and
+        # test_q8_engine.py check it): every layer in one call, one call a layer, or op by op (`ops.run_layer`, the
+        # graphed decoder's too). The two calls are kept for speed alone: they run the same kernels in the same order
+        # without a Python call per op, which is most of a short forward's cost on a CPU.
         for i, layer in enumerate(() if stacked else self.layers):
-            cos, sin = ropes[self.rope_keys[i]]
             if short and layer.fused is not None and i not in skip_attn and i not in skip_mlp:
                 h = self._fused_layer(i, layer, h, *flat[self.rope_keys[i]], parts)
                 continue
-            if i not in skip_attn:
-                qkv = spans(layer.qkv, rms_norm(h, layer.norm_in, layer.eps))
+            cos, sin = ropes[self.rope_keys[i]]
+
+            def attention(qkv, i=i, layer=layer, cos=cos, sin=sin):
                 outs = [attend(self, i, layer, qkv[p.first : p.first + p.n], *_rows(cos, sin, p), p) for p in parts]
-                h = h + _post(spans(layer.o, outs[0] if len(outs) == 1 else torch.cat(outs)), layer.norm_attn_out)
-            if i not in skip_mlp:
-                up = gated(spans(layer.gate_up, rms_norm(h, layer.norm_mlp, layer.eps)), layer.activation)
-                h = h + _post(spans(layer.down, up), layer.norm_mlp_out)
+                return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+            h = run_layer(layer, h, attention, spans, i in skip_attn, i in skip_mlp)
         for p in parts:
             p.cache.length = p.past + p.n
         return self._outputs(h, parts, feeds)
 
     def _ropes(self, positions: torch.Tensor) -> dict:
         """The stock rotary module's cos, sin [rows, 1, head_dim] per rotary key (None, or Gemma 3's layer types).
-        On CPU, with frequencies that never change, they are rows of tables the module made once (`_rope_tables`):
+        On CPU, with frequencies that never change, they are rows of tables the module made once (`rope_tables`):
         the module forms each position's values alone (one product, then cos and sin), so a table's row is what it
         gives that position in any call, and a forward gathers rows instead of paying the module's ops."""
-        if self._rope_fixed and positions.device.type == "cpu":
-            tables = self._rope_tables(int(positions.max()) + 1)
+        if self.rope_fixed and positions.device.type == "cpu":
+            tables = self.rope_tables(int(positions.max()) + 1)
             return {key: (cos[positions][:, None], sin[positions][:, None]) for key, (cos, sin) in tables.items()}
         return {key: (cos[0].unsqueeze(1), sin[0].unsqueeze(1)) for key, (cos, sin) in self._rotary(positions).items()}
 
@@ -230,7 +258,7 @@ class StaticDecoder:
         x, ids = self._rope_probe, positions.view(1, -1)
         return {key: self.rotary(x, ids) if key is None else self.rotary(x, ids, key) for key in set(self.rope_keys)}
 
-    def _rope_tables(self, count: int) -> dict:
+    def rope_tables(self, count: int) -> dict:
         """Per rotary key, cos and sin [positions, head_dim] of positions 0..n-1 with n >= count (made again at twice
         the size when a forward reaches past them, never past the model's positions while the forward stays within
         them: a long-context model would otherwise hold a table twice the size of any position it reaches)."""
@@ -290,7 +318,7 @@ class StaticDecoder:
         """Each sequence's mask for a layer of this window, as the kernels take it (empty: attend everything)."""
         return [self.no_mask if p.masks[window] is None else p.masks[window] for p in parts]
 
-    def _fused_layer(self, i: int, layer: _Layer, h, cos, sin, parts: list[Part]) -> torch.Tensor:
+    def _fused_layer(self, i: int, layer: LayerWeights, h, cos, sin, parts: list[Part]) -> torch.Tensor:
         """Layer i of short sequences in one kernel call; cos, sin [rows, head_dim] (the kernels' layout)."""
         masks = self._part_masks(parts, self.windows[i])
         if len(parts) == 1:
@@ -317,12 +345,12 @@ class StaticDecoder:
             raise ValueError("a stacked forward's feeds must share one draft vocabulary")
         if len(feeds) == 1 and state_rows[0] in (None, out_rows[0]):  # normalise only the rows that need logits
             b, m = out_rows[0]
-            states = rms_norm(h[b : b + m], self.norm, self.norm_eps)
-            return [Forward(self._head(states, vocab), states if state_rows[0] else None)]
-        states = rms_norm(h, self.norm, self.norm_eps)
+            states = self.final_states(h[b : b + m])
+            return [Forward(self.logits(states, vocab), states if state_rows[0] else None)]
+        states = self.final_states(h)
         if len(feeds) == 1:
             b, m = out_rows[0]
-            logits = [self._head(states[b : b + m], vocab)]
+            logits = [self.logits(states[b : b + m], vocab)]
         else:
             counts = [m for _, m in out_rows]
             index = torch.cat([torch.arange(b, b + m, device=self.device) for b, m in out_rows])
@@ -331,7 +359,11 @@ class StaticDecoder:
             logits = self._widen(softcap(stacked(head, states[index]), self.final_cap), vocab).split(counts)
         return [Forward(lg, None if s is None else states[s[0] : s[0] + s[1]]) for lg, s in zip(logits, state_rows)]
 
-    def _head(self, states: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+    def final_states(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm of hidden states [m, H] (each row alone)."""
+        return rms_norm(h, self.norm, self.norm_eps)
+
+    def logits(self, states: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [m, V] of final states [m, H], soft-capped where the model caps them (Gemma); with a draft
         `vocab` (`Feed.vocab`), those tokens' logits from their rows of the head, every other -inf."""
         head = self.head if vocab is None else self._vocab_head(vocab)
@@ -357,11 +389,6 @@ class StaticDecoder:
         if causal and n == 1 and all(w is None or past < w for w in set(self.windows)):
             return {w: None for w in set(self.windows)}
         return window_masks(positions, tree_mask, past, self.windows)
-
-
-def _post(x: torch.Tensor, norm: tuple | None) -> torch.Tensor:
-    """A sub-layer's output before its residual add: normed by Gemma's sandwich norm (weight, eps), else itself."""
-    return x if norm is None else rms_norm(x, *norm)
 
 
 def _rows(cos: torch.Tensor, sin: torch.Tensor, part: Part) -> tuple[torch.Tensor, torch.Tensor]:

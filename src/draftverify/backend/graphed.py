@@ -15,9 +15,10 @@ of a one-token step in any dtype, where the eager and static backends round a se
 one-row one on a GPU (docs/backends.md). Prefill pays for it: a prompt runs `rows` tokens a forward.
 
 The weights and the layer recipe are the static decoder's (`StaticDecoder`: the stock model's own modules, products
-on its weights). Off CUDA the same forward runs without a graph (the tests run it on a CPU); a layer-skipping draft
-forward (`Feed.skip`) also runs without one. Soft-capped attention (Gemma 2) and rotary frequencies that change per
-forward are refused at construction.
+on its weights), read only through `decoder.DecoderParts`; its layers run op by op as the static decoder's do
+(`ops.run_layer`), with this module's attention. Off CUDA the same forward runs without a graph (the tests run it on
+a CPU); a layer-skipping draft forward (`Feed.skip`) also runs without one. Soft-capped attention (Gemma 2) and
+rotary frequencies that change per forward are refused at construction.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import torch
 
 from draftverify.backend.attention import rotated
 from draftverify.backend.cache import StaticCache
-from draftverify.backend.decoder import StaticDecoder, _post
+from draftverify.backend.decoder import DecoderParts, StaticDecoder
 from draftverify.backend.feed import Feed, Forward
-from draftverify.backend.ops import gated, rms_norm, softcap, vocab_logits
+from draftverify.backend.ops import run_layer, vocab_logits
 from draftverify.errors import require
 
 GRAPH_ROWS = 32  # new tokens of every forward (`GraphedDecoder.rows`)
@@ -67,13 +68,14 @@ class GraphedDecoder:
     cache holds them all)."""
 
     def __init__(self, model: torch.nn.Module, draft: bool = False, packs=None, rows: int | None = None, context=None):
-        self.inner = inner = StaticDecoder(model, draft, packs)
+        self.inner: DecoderParts = StaticDecoder(model, draft, packs)
+        inner = self.inner
         rows = rows or GRAPH_ROWS
         require(
             all(layer.softcap is None for layer in inner.layers),
             "backend 'graph' cannot run soft-capped attention (Gemma 2): use --backend eager",
         )
-        require(inner._rope_fixed, "backend 'graph' needs fixed rotary frequencies: use --backend eager")
+        require(inner.rope_fixed, "backend 'graph' needs fixed rotary frequencies: use --backend eager")
         require(inner.max_length is not None, "backend 'graph' needs the model's max_position_embeddings")
         self.rows, self.tree_rows = rows, rows * TREE_FORWARDS
         self.device, self.dtype = inner.device, inner.dtype
@@ -82,7 +84,7 @@ class GraphedDecoder:
         self.input_device = torch.device("cpu")  # feeds' tokens stay on the host: they travel in one copy
         # per rotary key, cos and sin [positions, head dim] of every position a row may take (a tree's or window's
         # rows may sit up to `tree_rows` past the context)
-        self.tables = inner._rope_tables(self.max_length + self.tree_rows)
+        self.tables = inner.rope_tables(self.max_length + self.tree_rows)
         # the graphs' inputs (`_inputs`): token ids | row positions | write slots | shared bounds | tails' slots
         # [rows, 2 TAIL], and which tail entries each row reads
         self.index = torch.zeros(4 * rows + rows * 2 * TAIL, dtype=torch.long, device=self.device)
@@ -234,20 +236,17 @@ class GraphedDecoder:
         skip_mlp = set(skip.mlp) if skip is not None else ()
         h = inner.embed(tokens)  # [rows, H] (the stock module: Gemma's scaling included)
         for i, layer in enumerate(inner.layers):
-            if i not in skip_attn:
-                q, k, v = rotated(
-                    inner, layer, layer.qkv(rms_norm(h, layer.norm_in, layer.eps)), *ropes[inner.rope_keys[i]]
-                )
+
+            def attention(qkv, i=i, layer=layer):  # writes the rows' keys and values at their slots, then attends
+                q, k, v = rotated(inner, layer, qkv, *ropes[inner.rope_keys[i]])
                 keys, values = cache.keys[i], cache.values[i]
                 keys.index_copy_(1, slots, k.transpose(0, 1).to(keys.dtype))
                 values.index_copy_(1, slots, v.transpose(0, 1).to(values.dtype))
-                out = self._attend(q, keys, values, span, masks[inner.windows[i]], layer.scaling).to(h.dtype)
-                h = h + _post(layer.o(out), layer.norm_attn_out)
-            if i not in skip_mlp:
-                up = gated(layer.gate_up(rms_norm(h, layer.norm_mlp, layer.eps)), layer.activation)
-                h = h + _post(layer.down(up), layer.norm_mlp_out)
-        states = rms_norm(h, inner.norm, inner.norm_eps)
-        return states, softcap(inner.head(states), inner.final_cap)
+                return self._attend(q, keys, values, span, masks[inner.windows[i]], layer.scaling).to(h.dtype)
+
+            h = run_layer(layer, h, attention, skip_attention=i in skip_attn, skip_mlp=i in skip_mlp)
+        states = inner.final_states(h)
+        return states, inner.logits(states)
 
     def _attend(self, q, keys: torch.Tensor, values: torch.Tensor, span: int, mask, scaling: float) -> torch.Tensor:
         """Attention of the loaded rows, in fp32, each row's keys by position (`keys_by_position`): scores against

@@ -1,5 +1,6 @@
 """Small shared operations of the static path: the compiled kernels, RMSNorm, the gated MLP's act(gate) * up,
-soft-capping, rotary halves, and the attention masks every path (static, eager, feature head) builds alike."""
+soft-capping, rotary halves, the attention masks every path (static, eager, feature head) builds alike, and the
+decoder layer op by op (`run_layer`), which the static and the graphed decoders both run."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ __all__ = [
     "cpu_kernels",
     "gated",
     "layer_windows",
+    "post_norm",
     "rms_norm",
+    "run_layer",
     "rotate_half",
     "silu_mul",
     "softcap",
@@ -83,6 +86,26 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def post_norm(x: torch.Tensor, norm: tuple | None) -> torch.Tensor:
+    """A sub-layer's output before its residual add: normed by Gemma's sandwich norm (weight, eps), else itself."""
+    return x if norm is None else rms_norm(x, *norm)
+
+
+def run_layer(layer, h: torch.Tensor, attention, product=None, skip_attention=False, skip_mlp=False) -> torch.Tensor:
+    """One decoder layer op by op: h [rows, H] -> [rows, H]. `layer`: its weights (`decoder.LayerWeights`);
+    `attention(qkv)`: the attention of the fused projection's rows [rows, q + k + v] -> [rows, heads * d] (it
+    writes the cache); `product(linear, x)`: how a linear takes the rows (`Spans`; None: `linear(x)`). A skipped
+    sub-layer (a layer-skipping draft's) leaves h as it is."""
+    product = product or (lambda linear, x: linear(x))
+    if not skip_attention:
+        qkv = product(layer.qkv, rms_norm(h, layer.norm_in, layer.eps))
+        h = h + post_norm(product(layer.o, attention(qkv)), layer.norm_attn_out)
+    if not skip_mlp:
+        up = gated(product(layer.gate_up, rms_norm(h, layer.norm_mlp, layer.eps)), layer.activation)
+        h = h + post_norm(product(layer.down, up), layer.norm_mlp_out)
+    return h
 
 
 def layer_windows(config) -> list[int | None]:

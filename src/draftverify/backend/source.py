@@ -4,7 +4,7 @@ A weight source (`loading.gguf_weights.GGUFWeights`) gives, by the stock module'
 `linear(name)` a `kernels.blocks.PackedWeight`, `fused(names)` those of several fused along out (q|k|v, gate|up: packed
 once, no second copy of the parts), `shape(name)`, `bias(name)` / `vector(name)` fp32 tensors, `has(name)` and
 `release()` (the packing is done: the file's pages may leave resident memory).
-`source_layer` builds the same per-layer fields `decoder._Layer` reads from a stock module, with the products
+`source_layer` builds the same per-layer fields `decoder.LayerWeights` reads from a stock module, with the products
 `BlockLinear`s (backend/linear.py), so the decoder's forward runs unchanged on either.
 """
 
@@ -20,7 +20,7 @@ from draftverify.backend.recipe import Recipe, activation
 
 @dataclass
 class SourceLayer:
-    """One layer's weights as `decoder._Layer` holds them (`fused`: the products as the kernels' one-call `layer`
+    """One layer's weights as `decoder.LayerWeights` holds them (`fused`: the products as the kernels' one-call `layer`
     takes them, for a plain pre-norm SiLU layer; else None)."""
 
     qkv: BlockLinear

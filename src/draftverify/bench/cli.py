@@ -163,7 +163,7 @@ def _engine(specs, target, draft, dtype: str, device: str, backend: str):
 
     if not llamacpp.available() and not any(s.engine == "llama.cpp" for s in specs):
         typer.echo(f"note: {llamacpp.INSTALL_HINT} (then add llamacpp,llamacpp-f32 to --methods)", err=True)
-    drafts = draft if any(s.loads_draft for s in specs) else "none"
+    drafts = draft if any(s.drafts.loads for s in specs) else "none"
     return Engine.load(target, drafts, dtype=dtype, device=device, backend=backend)
 
 

@@ -19,7 +19,7 @@ def method_rows(specs) -> list[dict]:
             "peer": s.is_peer,
             "engine": s.engine,
             "gguf": s.gguf,
-            "needs_draft": s.needs_draft,
+            "needs_draft": s.drafts.required,
             "warm": s.warm,
             "config": dataclasses.asdict(s.config),
         }

@@ -39,6 +39,7 @@ from draftverify.costs import WIDTHS, forward_times
 from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError, require
 from draftverify.loading import stock_model
+from draftverify.methods.base import Artifact
 from draftverify.sampling import Sampling
 
 FORMATS = ("auto", "chat", "raw")
@@ -108,10 +109,11 @@ class Bench:
         require(prompts, "no prompts to benchmark: check --datasets, --prompts, --limit and --per-category")
         require(specs and specs[0].is_baseline, "the autoregressive baseline must come first")
         for spec in specs:
+            drafts = spec.drafts
             require(
-                engine.draft is not None
-                or not spec.needs_draft
-                or (engine.feature_head is not None and spec.takes_head),
+                not drafts.required
+                or drafts.choose(has_head=engine.feature_head is not None) is Artifact.FEATURE_HEAD
+                or engine.draft is not None,
                 f"method {spec.label!r} needs a draft model: pass --draft (e.g. self:layers=8) "
                 "or drop it from --methods",
             )
@@ -350,7 +352,7 @@ class Bench:
 
     def add_oracles(self, log: RecordLog) -> None:
         """Teacher-force the draft over each prompt's autoregressive output (first repeat)."""
-        if self.engine.draft is None or not any(s.needs_draft for s in self.specs):
+        if self.engine.draft is None or not any(s.drafts.required for s in self.specs):
             return
         baseline = self.specs[0].label
         for prompt_id, ids in self.ids.items():

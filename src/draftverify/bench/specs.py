@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from draftverify.errors import DraftVerifyError, require
 from draftverify.methods import METHODS, Method
+from draftverify.methods.base import Artifact, Drafts
 from draftverify.methods.spec import MethodSpec, read_spec, refuse_duplicates, split_specs
 
 BASELINE = "autoregressive"
@@ -86,19 +87,18 @@ class LlamaCppLookupConfig:
 class Peer:
     """A decoding method another engine implements: transformers' `generate` or llama.cpp.
 
-    It answers what the bench asks of a method class (`name`, `Config`, `presets`, `needs_draft`,
-    `loads_draft()`, `takes_head`, `make_config`), so a spec reads the same whichever it names."""
+    It answers what the bench asks of a method class (`name`, `Config`, `presets`, `drafts`, `make_config`), so a
+    spec reads the same whichever it names."""
 
     name: str
     Config: type
-    needs_draft: bool
+    drafts_with: Drafts = Drafts()
     presets: dict = dataclasses.field(default_factory=dict)
     engine: str = "transformers"  # transformers | llama.cpp (other kernels: exactness not expected)
     gguf: str | None = None  # llama.cpp peers: "file" (the target's own GGUF) or "f32" (its F32 re-export)
-    takes_head = False
 
-    def loads_draft(self) -> bool:
-        return self.needs_draft
+    def drafts(self, config=None) -> Drafts:
+        return self.drafts_with
 
     def make_config(self, preset: str | None = None, **overrides):
         """The Config from a preset plus overrides: the very code that builds a method's config."""
@@ -109,16 +109,14 @@ PEERS = {
     "hf-assisted": Peer(
         "hf-assisted",
         AssistedConfig,
-        needs_draft=True,
+        Drafts((Artifact.DRAFT_MODEL,), required=True),
         presets={"heuristic": {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic"}},
     ),
-    "hf-prompt-lookup": Peer("hf-prompt-lookup", HfPromptLookupConfig, needs_draft=False),
-    "hf-autoregressive": Peer("hf-autoregressive", NoOptions, needs_draft=False),
-    "llamacpp": Peer("llamacpp", NoOptions, needs_draft=False, engine="llama.cpp", gguf="file"),
-    "llamacpp-f32": Peer("llamacpp-f32", NoOptions, needs_draft=False, engine="llama.cpp", gguf="f32"),
-    "llamacpp-prompt-lookup": Peer(
-        "llamacpp-prompt-lookup", LlamaCppLookupConfig, needs_draft=False, engine="llama.cpp", gguf="file"
-    ),
+    "hf-prompt-lookup": Peer("hf-prompt-lookup", HfPromptLookupConfig),
+    "hf-autoregressive": Peer("hf-autoregressive", NoOptions),
+    "llamacpp": Peer("llamacpp", NoOptions, engine="llama.cpp", gguf="file"),
+    "llamacpp-f32": Peer("llamacpp-f32", NoOptions, engine="llama.cpp", gguf="f32"),
+    "llamacpp-prompt-lookup": Peer("llamacpp-prompt-lookup", LlamaCppLookupConfig, engine="llama.cpp", gguf="file"),
 }
 
 
@@ -157,17 +155,9 @@ class BenchSpec(MethodSpec):
         return PEERS[self.name].gguf if self.is_peer else None
 
     @property
-    def needs_draft(self) -> bool:
-        return entry(self.name).needs_draft
-
-    @property
-    def loads_draft(self) -> bool:
-        """Whether the engine should load the default drafts for it (it needs or may use them)."""
-        return entry(self.name).loads_draft()
-
-    @property
-    def takes_head(self) -> bool:
-        return entry(self.name).takes_head
+    def drafts(self) -> Drafts:
+        """What it drafts with (`Method.drafts` of its config)."""
+        return entry(self.name).drafts(self.config)
 
     @property
     def is_baseline(self) -> bool:

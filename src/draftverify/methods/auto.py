@@ -30,7 +30,7 @@ from draftverify.drafters.draft_model import DraftModel
 from draftverify.drafters.feature import TREE_WIDTHS, FeatureHeadDrafter
 from draftverify.drafters.prompt_lookup import PromptLookup, PromptLookupConfig
 from draftverify.errors import require
-from draftverify.methods.base import Method, register
+from draftverify.methods.base import Artifact, Drafts, Method, register
 from draftverify.methods.lookahead import Lookahead, lookahead_drafter
 from draftverify.methods.speculative import Speculative
 from draftverify.models import Runner
@@ -84,7 +84,6 @@ class AutoConfig:
 class Auto(Method):
     name = "auto"
     Config = AutoConfig
-    uses_draft = True
     presets = {"with-context": {"use": "context+lookup"}, "head": {"use": "head+lookup"}}
 
     def __init__(self, target: Runner, draft=None, config=None, feature_head=None):
@@ -92,9 +91,11 @@ class Auto(Method):
         self.figures = Figures()  # what this instance learnt: kept across its requests (warm start)
 
     @classmethod
-    def drafts_with_model(cls, config, has_head: bool) -> bool:
-        """Only when its candidates name the draft model, as `candidates` reads them."""
-        return "draft" in (config.names() or DEFAULT_CANDIDATES)
+    def drafts(cls, config=None) -> Drafts:
+        """What its candidates name, as `candidates` reads them; it runs with what there is."""
+        use = (config or cls.Config()).names() or DEFAULT_CANDIDATES
+        model = (Artifact.DRAFT_MODEL,) if "draft" in use else ()
+        return Drafts(model, (Artifact.FEATURE_HEAD,) if "head" in use else ())
 
     def share(self, first: "Auto") -> None:
         self.figures = first.figures  # one set of figures for every batch slot

@@ -1,13 +1,16 @@
-"""What every decoding method shares: a registry, configs with presets, and the one round.
+"""What every decoding method shares: a registry, configs with presets, what it drafts with, and the one round.
 
 A method is a named configuration: its Config (with presets) says which drafter proposes and
 how long its drafts are; `rounds` hands that drafter to `round.rounds`, the loop every method shares.
+`Method.drafts(config)` declares, once, what it drafts with (`Drafts`): the engine hands it its draft by
+that declaration, and the CLI, the server and the bench decide by it whether to load the default drafts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from abc import ABC
+from enum import Enum
 from typing import ClassVar
 
 from draftverify.drafters.base import Drafter
@@ -26,6 +29,57 @@ def register(cls: type["Method"]) -> type["Method"]:
     return cls
 
 
+class Artifact(Enum):
+    """Something a method drafts with."""
+
+    DRAFT_MODEL = "draft model"  # the engine's draft model (--draft): a small model, or the target's first layers
+    FEATURE_HEAD = "feature head"  # the engine's feature head (EAGLE-style; the default model ships one)
+    ACCEPTANCE_HEAD = "acceptance head"  # the method's own (SpecDec++), named by its config
+    SKIP_SET = "skip set"  # the method's own: the target's sub-layers its draft skips (self-speculative)
+
+
+ENGINE_ARTIFACTS = (Artifact.DRAFT_MODEL, Artifact.FEATURE_HEAD)  # what the engine loads and hands to methods
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafts:
+    """What a method drafts with: the one declaration the engine, the CLI, the server and the bench read.
+
+    draft     what the engine hands the method as its draft, in order of preference: the first one the engine
+              has (the feature head where it has one; the draft model, which may turn out to be absent)
+    beside    what else it drafts with: the engine's feature head beside its draft (`auto`), or an artifact of its
+              own (an acceptance head, a skip set), which it loads itself
+    required  it cannot run without a draft (refused in one line); else it runs with what there is
+    """
+
+    draft: tuple[Artifact, ...] = ()
+    beside: tuple[Artifact, ...] = ()
+    required: bool = False
+
+    def __post_init__(self):
+        require(all(a in ENGINE_ARTIFACTS for a in self.draft), f"a draft is one of {ENGINE_ARTIFACTS}: {self.draft}")
+        require(self.draft or not self.required, "a method that requires a draft names what it drafts with")
+
+    def choose(self, has_head: bool) -> Artifact | None:
+        """What the engine hands as the draft: the first of `draft` it has (`has_head`: it has a feature head)."""
+        return next((a for a in self.draft if a is not Artifact.FEATURE_HEAD or has_head), None)
+
+    @property
+    def loads(self) -> bool:
+        """Whether the engine's drafts (draft model, feature head) are worth loading for this method."""
+        return any(a in ENGINE_ARTIFACTS for a in (*self.draft, *self.beside))
+
+    def describe(self) -> str:
+        """E.g. "drafts with the feature head or the draft model (required), beside an acceptance head"."""
+        if not (self.draft or self.beside):
+            return "drafts with nothing"
+        what = " or ".join(f"the {a.value}" for a in self.draft)
+        if self.draft:
+            what = f"drafts with {what}" + (" (required)" if self.required else " when there is one")
+        beside = ", ".join(f"the {a.value}" for a in self.beside)
+        return f"{what}, beside {beside}" if what and beside else what or f"drafts with {beside}"
+
+
 @dataclasses.dataclass(frozen=True)
 class NoConfig:
     """A method without settings."""
@@ -35,49 +89,38 @@ class Method(ABC):
     """A decoding method: `run(session)` decodes one request and emits its tokens.
 
     Subclasses set `name`, `Config` (a frozen dataclass validated in `__post_init__`),
-    `presets` (named Config settings, e.g. the papers' hyperparameters) and `needs_draft` (a
-    draft: a draft model's Runner or a `FeatureHead`; `draft_source` says which);
+    `presets` (named Config settings, e.g. the papers' hyperparameters) and `drafts_with` (what it
+    drafts with, `Drafts`; a method whose declaration depends on its config overrides `drafts`);
     optionally `aliases`, other names the method is found by; and `drafter(s)`.
     """
 
     name: ClassVar[str]
     Config: ClassVar[type] = NoConfig
     presets: ClassVar[dict[str, dict]] = {}
-    needs_draft: ClassVar[bool] = False
-    takes_head: ClassVar[bool] = False  # drafts with a feature head (FeatureHead) when the engine has one
-    uses_draft: ClassVar[bool] = False  # drafts with the engine's draft model or head when it has them, needing neither
+    drafts_with: ClassVar[Drafts] = Drafts()
     aliases: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, target: Runner, draft=None, config=None, feature_head=None):
-        """`draft`: the draft (see `needs_draft`); `feature_head`: the engine's feature head, if any, for a method that
-        may use it beside a draft model (`auto`). The engine hands the feature head itself as `draft` to a method
-        that `takes_head`: `draft_source` is then "feature head", else "model" (or None without a draft)."""
+        """`draft`: the draft the engine chose by `drafts` (a draft model's Runner or the feature head itself;
+        `draft_source` says which, None without one); `feature_head`: the engine's feature head, if any, for a
+        method that drafts with it beside a draft model (`auto`) or ranks a draft model's vocabulary by it."""
+        self.config = config if config is not None else self.Config()
         require(
-            draft is not None or not self.needs_draft,
+            draft is not None or not self.drafts(self.config).required,
             f"method {self.name!r} needs a draft model: pass --draft (e.g. self:layers=8) or pick another method",
         )
         self.target = target
         self.draft = draft
         self.feature_head = feature_head
-        self.config = config if config is not None else self.Config()
-        self.draft_source = None if draft is None else "feature head" if draft is feature_head else "model"
+        self.draft_source = (
+            None if draft is None else Artifact.FEATURE_HEAD if draft is feature_head else Artifact.DRAFT_MODEL
+        )
 
     @classmethod
-    def loads_draft(cls) -> bool:
-        """Whether the default drafts are worth loading for this method (it needs or may use them)."""
-        return cls.needs_draft or cls.uses_draft
-
-    @classmethod
-    def drafts_with_head(cls, config, has_head: bool) -> bool:
-        """Whether an instance with `config` is handed the engine's feature head as its draft, the engine having
-        one (`has_head`) or not."""
-        return cls.takes_head and has_head
-
-    @classmethod
-    def drafts_with_model(cls, config, has_head: bool) -> bool:
-        """Whether an instance with `config` drafts with the engine's draft model (which the engine then loads), the
-        engine having a feature head (`has_head`) or not. A method handed the head drafts with it instead."""
-        return cls.loads_draft() and not cls.drafts_with_head(config, has_head)
+    def drafts(cls, config=None) -> Drafts:
+        """What an instance with `config` (None: the default one) drafts with: `drafts_with` unless it depends on
+        the config."""
+        return cls.drafts_with
 
     @classmethod
     def make_config(cls, preset: str | None = None, **overrides):
@@ -116,7 +159,7 @@ class Method(ABC):
     def draft_model(self) -> Runner:
         """The draft model's runner, refusing a feature head (for methods that draft with a model of their own)."""
         require(
-            self.draft_source == "model",
+            self.draft_source is Artifact.DRAFT_MODEL,
             f"method {self.name!r} needs a draft model, not a feature head: pass --draft "
             "with a model folder (e.g. --draft self:layers=8), or use speculative / ouroboros",
         )

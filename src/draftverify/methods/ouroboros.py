@@ -46,7 +46,7 @@ from draftverify.drafters.lengthened import Lengthened
 from draftverify.drafters.phrases import Phrases
 from draftverify.drafters.pool import PhrasePool
 from draftverify.errors import require
-from draftverify.methods.base import register
+from draftverify.methods.base import Artifact, Drafts, register
 from draftverify.methods.lookahead import PoolMethod
 from draftverify.policies import POLICIES, DraftPolicy, make_policy
 from draftverify.session import Session
@@ -100,15 +100,14 @@ class OuroborosConfig:
 
 
 # N and K where the request leaves them unset, by the draft source (`Method.draft_source`; Ouroboros needs a draft).
-PHRASES = {"feature head": {"N": 4, "K": 1}, "model": {"N": 3, "K": 2}}
+PHRASES = {Artifact.FEATURE_HEAD: {"N": 4, "K": 1}, Artifact.DRAFT_MODEL: {"N": 3, "K": 2}}
 
 
 @register
 class Ouroboros(PoolMethod):
     name = "ouroboros"
     Config = OuroborosConfig
-    needs_draft = True
-    takes_head = True
+    drafts_with = Drafts((Artifact.FEATURE_HEAD, Artifact.DRAFT_MODEL), required=True)
     presets = {
         "cpu": {},  # the defaults: small trees and drafts, for a CPU where each verified row costs a share of a step
         "specbench": {"gamma": 6, "W": 15, "N": 5, "G": 15, "K": 3},  # reference Spec-Bench script
@@ -126,7 +125,8 @@ class Ouroboros(PoolMethod):
 
     def pool_drafter(self, s: Session, pool: PhrasePool) -> Drafter:
         c = self.config
-        if self.draft_source == "feature head":  # the head's tree, the root's phrases beside it, lengthened by suffixes
+        # the head's tree, the root's phrases beside it, lengthened by suffixes
+        if self.draft_source is Artifact.FEATURE_HEAD:
             head = FeatureHeadDrafter(self.draft, self.target)
             if not (c.lengthening or c.phrase_drafting):
                 return head

@@ -25,7 +25,7 @@ from draftverify.errors import require
 from draftverify.loading import model_identity
 from draftverify.loading.hf import model_source
 from draftverify.loading.store import missing
-from draftverify.methods.base import Method, register
+from draftverify.methods.base import Artifact, Drafts, Method, register
 from draftverify.models import Runner
 from draftverify.policies import POLICIES, AdaptiveThreshold, DraftPolicy, make_policy
 from draftverify.round import Rounds, rounds
@@ -87,6 +87,7 @@ class SelfSpeculativeConfig:
 class SelfSpeculative(Method):
     name = "self-speculative"
     Config = SelfSpeculativeConfig
+    drafts_with = Drafts(beside=(Artifact.SKIP_SET,))  # the target itself drafts, its skip set's sub-layers bypassed
     # Draft & Verify, Table 6 (alpha per task), Table 3 (fixed K), Table 4 (static gamma), App. D (strategies)
     presets = {
         "code": {"alpha": 0.9},

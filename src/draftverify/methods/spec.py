@@ -13,12 +13,13 @@ bad spec is refused at once, in one line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
 
 from draftverify.errors import require
-from draftverify.methods.base import METHODS, Method
+from draftverify.methods.base import METHODS, Drafts, Method
 
 SPEC = re.compile(r"^(?P<name>[A-Za-z0-9_\-]+)(?::(?P<preset>[A-Za-z0-9_\-.]+))?(?:\[(?P<options>[^\[\]]*)\])?$")
 EXAMPLE = "speculative[k=4,policy=heuristic]"
@@ -36,6 +37,19 @@ def method_class(name: str) -> type[Method]:
     """The registered method `name`, or a one-line error listing the known ones."""
     require(name in METHODS, f"unknown method {name!r}: use one of {', '.join(sorted(METHODS))}")
     return METHODS[name]
+
+
+def drafts_of(name: str, preset: str | None = None, options: dict | None = None) -> Drafts:
+    """What method `name` with `preset` and `options` drafts with (`Method.drafts`). Options that are not its
+    Config's are generation knobs (`generate`'s), left for `generate` to check."""
+    cls = method_class(name)
+    fields = {f.name for f in dataclasses.fields(cls.Config)}
+    return cls.drafts(cls.make_config(preset, **{k: v for k, v in (options or {}).items() if k in fields}))
+
+
+def loads_drafts(specs: list[MethodSpec]) -> bool:
+    """Whether the engine's default drafts (draft model, feature head) are worth loading for `specs`."""
+    return any(drafts_of(s.name, s.preset, dict(s.options)).loads for s in specs)
 
 
 def split_specs(text: str) -> list[str]:

@@ -27,7 +27,7 @@ shipped for the default pair; a head made for another pair is refused.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from draftverify.drafters.acceptance_head import DEFAULT_CAP, DEFAULT_H, AcceptanceHead, AcceptanceHeadPolicy, load_head
@@ -38,7 +38,7 @@ from draftverify.errors import DraftVerifyError, require
 from draftverify.loading import model_identity
 from draftverify.loading.hf import model_source
 from draftverify.loading.store import find, missing
-from draftverify.methods.base import Method, register
+from draftverify.methods.base import Artifact, Drafts, Method, register
 from draftverify.methods.ouroboros import Ouroboros, OuroborosConfig
 from draftverify.session import Session
 
@@ -83,7 +83,7 @@ class HeadStops:
 
     def make_policy(self) -> AcceptanceHeadPolicy:
         if self._head is None:  # loaded once, checked against this draft/target pair
-            over_head = self.draft_source == "feature head"
+            over_head = self.draft_source is Artifact.FEATURE_HEAD
             drafts = self.draft if over_head else self.draft_model().model
             draft_identity = drafts.identity if over_head else model_identity(drafts)
             target_identity, default = model_identity(self.target.model), self.config.head == DEFAULT_HEAD
@@ -106,7 +106,7 @@ class HeadStops:
             self._head = head.to(self.draft.fc.weight.device if over_head else self.draft.device)
         h = self.config.h
         if h is None:
-            h = HEAD_H if self.draft_source == "feature head" else DEFAULT_H
+            h = HEAD_H if self.draft_source is Artifact.FEATURE_HEAD else DEFAULT_H
         return AcceptanceHeadPolicy(self._head, h, self.config.cap)
 
 
@@ -115,16 +115,17 @@ class SpecDecPP(HeadStops, Method):
     name = "specdec-pp"
     aliases = ("specdec++",)  # the name; bench specs cannot hold "+"
     Config = SpecDecPPConfig
-    needs_draft = True
-    takes_head = True
+    drafts_with = Drafts((Artifact.FEATURE_HEAD, Artifact.DRAFT_MODEL), (Artifact.ACCEPTANCE_HEAD,), required=True)
     presets = {"paper": {"h": 0.7, "cap": 20}, **THRESHOLD_PRESETS}  # paper: best overall, with a w_rej = 6 head
 
     @classmethod
-    def drafts_with_head(cls, config, has_head: bool) -> bool:
-        return has_head and config.drafter == "head"
+    def drafts(cls, config=None) -> Drafts:
+        if config is None or config.drafter == "head":
+            return cls.drafts_with
+        return replace(cls.drafts_with, draft=(Artifact.DRAFT_MODEL,))
 
     def drafter(self, s: Session) -> Drafter:
-        if self.draft_source == "feature head":
+        if self.draft_source is Artifact.FEATURE_HEAD:
             c = self.config
             return FeatureHeadDrafter(self.draft, self.target, depth=c.cap, vocab=c.vocab, policy=self.make_policy())
         return DraftModel(self.draft_model(), self.make_policy(), vocab=self.draft_vocab(self.config.vocab))
@@ -150,9 +151,8 @@ class OuroborosPP(HeadStops, Ouroboros):
     Config = OuroborosPPConfig
     presets = {**Ouroboros.presets, **THRESHOLD_PRESETS}
 
-    @classmethod
-    def drafts_with_head(cls, config, has_head: bool) -> bool:
-        return False  # its sentence draft is the draft model's, phrase by phrase, the head reading its states
+    # its sentence draft is the draft model's, phrase by phrase, the acceptance head reading its states
+    drafts_with = Drafts((Artifact.DRAFT_MODEL,), (Artifact.ACCEPTANCE_HEAD,), required=True)
 
 
 def check_head_settings(h: float | None, cap: int) -> None:

@@ -25,7 +25,7 @@ from draftverify.drafters.base import Drafter
 from draftverify.drafters.draft_model import DraftModel
 from draftverify.drafters.feature import DRAFT_VOCAB, WIDTH, FeatureHeadDrafter
 from draftverify.errors import require
-from draftverify.methods.base import Method, register
+from draftverify.methods.base import Artifact, Drafts, Method, register
 from draftverify.policies import POLICIES, DraftPolicy, make_policy
 from draftverify.session import Session
 
@@ -56,8 +56,7 @@ class SpeculativeConfig:
 class Speculative(Method):
     name = "speculative"
     Config = SpeculativeConfig
-    needs_draft = True
-    takes_head = True
+    drafts_with = Drafts((Artifact.FEATURE_HEAD, Artifact.DRAFT_MODEL), required=True)
     presets = {
         "k2": {"policy": "constant", "k": 2},
         "k4": {"policy": "constant", "k": 4},
@@ -71,7 +70,7 @@ class Speculative(Method):
         return make_policy(self.config.policy, self.config.k, self.config.threshold, self.target, self.draft_model())
 
     def drafter(self, s: Session) -> Drafter:
-        if self.draft_source == "feature head":
+        if self.draft_source is Artifact.FEATURE_HEAD:
             return FeatureHeadDrafter(
                 self.draft,
                 self.target,

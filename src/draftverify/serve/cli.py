@@ -112,7 +112,7 @@ def serve(
     """Serve the target behind an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming,
     /metrics)."""
     from draftverify.engine import Engine
-    from draftverify.methods import METHODS
+    from draftverify.methods.spec import loads_drafts
     from draftverify.serve.access import check_tls, config_fields
     from draftverify.serve.app import ServeConfig, create_app, parse_methods
 
@@ -132,7 +132,7 @@ def serve(
     )
     engine = Engine.load(
         target,
-        draft if any(METHODS[s.name].loads_draft() for s in specs) else "none",
+        draft if loads_drafts(specs) else "none",
         dtype=dtype,
         device=device,
         device_map=device_map,

@@ -51,10 +51,9 @@ class EngineArgs:
 
     def load(self, methods):
         from draftverify.engine import Engine
-        from draftverify.methods import METHODS
+        from draftverify.methods.spec import loads_drafts
 
-        needs_draft = any(METHODS[s.name].loads_draft() for s in methods)
-        draft = self.draft if needs_draft else "none"
+        draft = self.draft if loads_drafts(methods) else "none"
         return Engine.load(self.target, draft, dtype=self.dtype, device=self.device, backend=self.backend)
 
 
