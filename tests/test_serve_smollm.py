@@ -1,4 +1,4 @@
-"""Issue 42's bars on the real default model (SmolLM2-135M-Instruct, static path), through the `openai` client
+"""The server on the real default model (SmolLM2-135M-Instruct, static path), through the `openai` client
 against `create_app(engine, methods auto,autoregressive)`: logprobs agree to the last bit, and a json_schema
 answer validates and is token-identical between `auto` and `autoregressive`; `n: 3` gives plain decoding's answer."""
 

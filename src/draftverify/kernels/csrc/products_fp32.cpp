@@ -7,9 +7,9 @@
 // Autoregressive decoding and drafting multiply one row by every weight matrix, so their time
 // is the time to stream the weights from memory once. Each thread walks its output rows in
 // order, one sequential weight stream that the hardware prefetcher follows, with four
-// independent 8-lane FMA accumulators to hide the FMA latency; on the 2-core test machine it
-// streams SmolLM2-135M's fp32 weights faster than oneDNN's prepacked one-row product (the
-// forward cost curves in docs/benchmarks/). Several rows go to oneDNN (static.py). Output rows are split across torch's own thread pool
+// independent 8-lane FMA accumulators to hide the FMA latency, which is why one row comes here rather
+// than to oneDNN's prepacked product (the bench's forward cost curve compares the two). Several rows go
+// to oneDNN (backend/linear.py). Output rows are split across torch's own thread pool
 // (at::parallel_for), so no second thread pool competes for the cores.
 //
 #include "ops.h"
