@@ -11,122 +11,81 @@
 // and FMA'd into every row of the pass; a one-row product reads only the packed bytes. Every (row, output) sum is
 // formed the same way for any number of rows (two 16-lane accumulators over the blocks in order, then one fixed
 // reduction), so each row of a forward is bit for bit the one-row product of that row: verification is lossless.
-#include <ATen/Parallel.h>
-
-#include "ops.h"
-#include "products.h"
-#include "simd.h"
+#include "block_passes.h"
 
 namespace {
-using dv::kAheadRows;
 using dv::V16;
 
 enum Layout : int64_t { U4 = 0, U8 = 1, F16 = 2, BF16 = 3, F32 = 4 };
-
-struct Packed {
-  const uint8_t* codes;  // U4 [N, K / 2], U8 [N, K], F16 / BF16 [N, K] of 2 bytes, F32 [N, K] of 4
-  const float* d;        // [N, K / S] (code layouts)
-  const float* m;        // [N, K / S] (code layouts)
-  const float* bias;     // [N] or null
-  int64_t K;
-};
 
 template <int L>
 constexpr int64_t row_bytes(int64_t K) {
   return L == U4 ? K / 2 : L == U8 ? K : L == F32 ? 4 * K : 2 * K;
 }
 
-// Block b (weights 32 b .. 32 b + 31) of output row n, rebuilt in fp32: lanes 0..15 in w0, 16..31 in w1.
+// A packed block weight of layout L (sub-blocks of S weights) as the pass loop (block_passes.h) reads it.
 template <int L, int S>
-inline void rebuild(const Packed& w, int64_t n, int64_t b, V16& w0, V16& w1) {
-  const uint8_t* row = w.codes + n * row_bytes<L>(w.K);
-  if constexpr (L == F32) {
-    const float* f = reinterpret_cast<const float*>(row) + b * 32;
-    w0 = V16::load(f);
-    w1 = V16::load(f + 16);
-  } else if constexpr (L == F16 || L == BF16) {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(row) + b * 32;
-    w0 = L == F16 ? V16::halves(h) : V16::bhalves(h);
-    w1 = L == F16 ? V16::halves(h + 16) : V16::bhalves(h + 16);
-  } else {
-    if constexpr (L == U4) {
-      V16::nibbles(row + b * 16, w0, w1);
+struct Packed {
+  const uint8_t* codes;  // U4 [N, K / 2], U8 [N, K], F16 / BF16 [N, K] of 2 bytes, F32 [N, K] of 4
+  const float* d;        // [N, K / S] (code layouts)
+  const float* m;        // [N, K / S] (code layouts)
+  const float* b;        // [N] or null
+  int64_t K;
+
+  // Block `blk` (weights 32 blk .. 32 blk + 31) of output row n, rebuilt in fp32: lanes 0..15 in w0, 16..31 in w1.
+  inline void rebuild(int64_t n, int64_t blk, V16& w0, V16& w1) const {
+    const uint8_t* row = codes + n * row_bytes<L>(K);
+    if constexpr (L == F32) {
+      const float* f = reinterpret_cast<const float*>(row) + blk * 32;
+      w0 = V16::load(f);
+      w1 = V16::load(f + 16);
+    } else if constexpr (L == F16 || L == BF16) {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(row) + blk * 32;
+      w0 = L == F16 ? V16::halves(h) : V16::bhalves(h);
+      w1 = L == F16 ? V16::halves(h + 16) : V16::bhalves(h + 16);
     } else {
-      w0 = V16::ubytes(row + b * 32);
-      w1 = V16::ubytes(row + b * 32 + 16);
-    }
-    const int64_t s0 = (n * w.K + b * 32) / S, s1 = S == 16 ? s0 + 1 : s0;
-    w0 = V16::fma(w0, V16::set1(w.d[s0]), V16::set1(w.m[s0]));
-    w1 = V16::fma(w1, V16::set1(w.d[s1]), V16::set1(w.m[s1]));
-  }
-}
-
-template <int L, int S>
-inline void prefetch_row(const Packed& w, int64_t n) {
-  const char* q = reinterpret_cast<const char*>(w.codes + n * row_bytes<L>(w.K));
-  for (int64_t at = 0; at < row_bytes<L>(w.K); at += 64) _mm_prefetch(q + at, _MM_HINT_T0);
-  if constexpr (L == U4 || L == U8) {
-    const int64_t subs = w.K / S;
-    const char *d = reinterpret_cast<const char*>(w.d + n * subs), *m = reinterpret_cast<const char*>(w.m + n * subs);
-    for (int64_t at = 0; at < subs * 4; at += 64) {
-      _mm_prefetch(d + at, _MM_HINT_T0);
-      _mm_prefetch(m + at, _MM_HINT_T0);
+      if constexpr (L == U4) {
+        V16::nibbles(row + blk * 16, w0, w1);
+      } else {
+        w0 = V16::ubytes(row + blk * 32);
+        w1 = V16::ubytes(row + blk * 32 + 16);
+      }
+      const int64_t s0 = (n * K + blk * 32) / S, s1 = S == 16 ? s0 + 1 : s0;
+      w0 = V16::fma(w0, V16::set1(d[s0]), V16::set1(m[s0]));
+      w1 = V16::fma(w1, V16::set1(d[s1]), V16::set1(m[s1]));
     }
   }
-}
 
-// Rows r0..r0+R of x [M, K] against output rows n0..n1 of W: y [M, N].
-template <int R, int L, int S>
-void block_pass(const float* x, const Packed& w, float* y, int64_t N, int64_t r0, int64_t n0, int64_t n1) {
-  const int64_t K = w.K, blocks = K / 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    if (n + kAheadRows < N) prefetch_row<L, S>(w, n + kAheadRows);
-    V16 acc0[R], acc1[R];
-    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = V16::zero();
-    for (int64_t b = 0; b < blocks; ++b) {
-      V16 w0, w1;
-      rebuild<L, S>(w, n, b, w0, w1);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + (r0 + r) * K + b * 32;
-        acc0[r] = V16::fma(w0, V16::load(xr), acc0[r]);
-        acc1[r] = V16::fma(w1, V16::load(xr + 16), acc1[r]);
+  inline void prefetch(int64_t n) const {
+    const char* q = reinterpret_cast<const char*>(codes + n * row_bytes<L>(K));
+    for (int64_t at = 0; at < row_bytes<L>(K); at += 64) _mm_prefetch(q + at, _MM_HINT_T0);
+    if constexpr (L == U4 || L == U8) {
+      const int64_t subs = K / S;
+      const char *dp = reinterpret_cast<const char*>(d + n * subs), *mp = reinterpret_cast<const char*>(m + n * subs);
+      for (int64_t at = 0; at < subs * 4; at += 64) {
+        _mm_prefetch(dp + at, _MM_HINT_T0);
+        _mm_prefetch(mp + at, _MM_HINT_T0);
       }
     }
-    const float bias = w.bias ? w.bias[n] : 0.0f;
-    for (int r = 0; r < R; ++r) y[(r0 + r) * N + n] = V16::sum(V16::add(acc0[r], acc1[r])) + bias;
   }
-}
 
-// Passes of kRows rows of x; the last pass takes what is left, up to kLast (as the Q4_1 / Q8_0 product does).
-constexpr int kRows = 6;
-#ifdef __AVX512F__
-constexpr int kLast = 8;
-#else
-constexpr int kLast = kRows;
-#endif
-
-template <int R, int L, int S>
-void last_pass(const float* x, const Packed& w, float* y, int64_t rows, int64_t N, int64_t r0, int64_t n0, int64_t n1) {
-  if constexpr (R > 0) {
-    if (rows == R) block_pass<R, L, S>(x, w, y, N, r0, n0, n1);
-    else last_pass<R - 1, L, S>(x, w, y, rows, N, r0, n0, n1);
-  }
-}
+  inline float bias(int64_t n) const { return b ? b[n] : 0.0f; }
+};
 
 template <int L, int S>
-void block_rows(const float* x, const Packed& w, float* y, int64_t M, int64_t N, int64_t n0, int64_t n1) {
-  int64_t r = 0;
-  for (; M - r > kLast; r += kRows) block_pass<kRows, L, S>(x, w, y, N, r, n0, n1);
-  last_pass<kLast, L, S>(x, w, y, M - r, N, r, n0, n1);
+void run(const float* x, const uint8_t* codes, const float* d, const float* m, const float* bias, float* y, int64_t M,
+         int64_t K, int64_t N) {
+  dv::block_product(x, Packed<L, S>{codes, d, m, bias, K}, y, M, K, N);
 }
 
-using RowsFn = void (*)(const float*, const Packed&, float*, int64_t, int64_t, int64_t, int64_t);
+using RunFn = void (*)(const float*, const uint8_t*, const float*, const float*, const float*, float*, int64_t,
+                       int64_t, int64_t);
 
-RowsFn pick(int64_t layout, int64_t sub) {
-  if (layout == U4) return sub == 16 ? block_rows<U4, 16> : block_rows<U4, 32>;
-  if (layout == U8) return sub == 16 ? block_rows<U8, 16> : block_rows<U8, 32>;
-  if (layout == F32) return block_rows<F32, 32>;
-  return layout == F16 ? block_rows<F16, 32> : block_rows<BF16, 32>;
+RunFn pick(int64_t layout, int64_t sub) {
+  if (layout == U4) return sub == 16 ? run<U4, 16> : run<U4, 32>;
+  if (layout == U8) return sub == 16 ? run<U8, 16> : run<U8, 32>;
+  if (layout == F32) return run<F32, 32>;
+  return layout == F16 ? run<F16, 32> : run<BF16, 32>;
 }
 }  // namespace
 
@@ -146,11 +105,8 @@ at::Tensor block_linear(at::Tensor x, int64_t layout, int64_t sub, at::Tensor co
               "block_linear: d and m must be float32 [N, K / sub]");
   TORCH_CHECK(!bias.numel() || (bias.scalar_type() == at::kFloat && bias.numel() == N && bias.is_contiguous()), "block_linear: bias");
   auto y = at::empty({M, N}, x.options());
-  const Packed w{reinterpret_cast<const uint8_t*>(codes.data_ptr()), coded ? d.data_ptr<float>() : nullptr,
-                 coded ? m.data_ptr<float>() : nullptr, bias.numel() ? bias.data_ptr<float>() : nullptr, K};
-  const RowsFn rows = pick(layout, sub);
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows(xp, w, yp, M, N, n0, n1); });
+  pick(layout, sub)(x.data_ptr<float>(), reinterpret_cast<const uint8_t*>(codes.data_ptr()),
+                    coded ? d.data_ptr<float>() : nullptr, coded ? m.data_ptr<float>() : nullptr,
+                    bias.numel() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N);
   return y;
 }
