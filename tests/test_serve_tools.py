@@ -233,7 +233,7 @@ def api(smollm):
 
 def ask(api, method: str, **kwargs):
     return api.chat.completions.create(
-        model=None, temperature=0, max_tokens=48, extra_body={"method": method}, **kwargs
+        model=None, temperature=0, extra_body={"method": method}, **{"max_tokens": 48, **kwargs}
     )
 
 
