@@ -185,6 +185,7 @@ BAD = [
     ({"tools": [{"type": "retrieval"}]}, "tools", "not a function tool"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "not understood"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "get_time"}}, "tool_choice", "not understood"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "not both"),
     ({"messages": ASK + [{"role": "tool", "content": "21 C"}]}, "messages[1].tool_call_id", "tool_call_id"),

@@ -105,7 +105,8 @@ def tool_plan(req, engine) -> ToolPlan | None:
         raise _bad("give response_format or tools, not both: the calls have their own grammar", "response_format")
     if choice in ("auto", "required"):
         return ToolPlan(functions, choice == "required", req.parallel_tool_calls is not False)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
         raise _bad(
             f'tool_choice={json.dumps(choice)} is not understood: give "auto", "none", "required" or '
