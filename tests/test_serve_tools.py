@@ -131,6 +131,33 @@ def test_auto_is_free_until_the_trigger_then_constrained():
     assert allowed_after('Sure.<tool_call>\n{"name": "get_') == {"w", "t"}
 
 
+@pytest.mark.slow
+def test_marker_tokens_are_named_as_tokens():
+    """Qwen2.5's `<tool_call>` and `</tool_call>` are added tokens, special to llguidance: no text matches them,
+    so the grammar names them as tokens; the model's own marker token then opens and closes the call."""
+    from types import SimpleNamespace
+
+    from draftverify.loading import load_model
+    from draftverify.serve.tools import marker_tokens
+
+    tok = make_tokenizer()
+    assert not marker_tokens(SimpleNamespace(target=SimpleNamespace(tokenizer=tok), eos_ids=lambda: (0,)))
+    if not QWEN.exists():
+        pytest.skip(f"{QWEN} is not here")
+    qwen = load_model(QWEN, device="cpu")
+    tok = qwen.tokenizer
+    assert marker_tokens(SimpleNamespace(target=qwen, eos_ids=lambda: (151645,)))
+    start, end = tok.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    call = tok('\n{"name": "get_time", "arguments": {"city": "Rome"}}\n')["input_ids"]
+    for required in (False, True):
+        grammar = Grammar(Format("lark", ToolPlan(SCHEMAS, required, True, tokens=True).grammar()), tok, (151645,))
+        prefix = [] if required else tok("Sure.")["input_ids"]
+        assert grammar.allowed(prefix, [[]], len(tok))[0][start]
+        after = grammar.allowed(prefix + [start], [[]], len(tok))[0]
+        assert [tok.decode([i]) for i in range(len(tok)) if after[i]] == ["\n"]
+        assert grammar.allowed(prefix + [start] + call, [[]], len(tok))[0][end]
+
+
 def test_history_renders_through_qwens_template_and_as_hermes_text():
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [

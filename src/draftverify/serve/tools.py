@@ -27,7 +27,7 @@ from draftverify.errors import DraftVerifyError
 from draftverify.serve.protocol import ApiError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-CALL_HEAD, CALL_TAIL = '\n{"name": ', "}\n" + CLOSE  # around `"<name>", "arguments": <arguments>`
+CALL_HEAD, CALL_TAIL = '\n{"name": ', "}\n"  # between the markers, around `"<name>", "arguments": <arguments>`
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 # Arguments as Python's json.dumps writes them (and the templates' `tojson`), the form the models were trained on.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -54,21 +54,24 @@ class ToolPlan:
     functions: dict
     required: bool
     parallel: bool
+    tokens: bool = False  # `<tool_call>` and `</tool_call>` are special tokens of their own (Qwen2.5's), not text
 
     def grammar(self) -> str:
         """The Lark grammar of the reply (`%json` for each function's arguments)."""
+        # a special token is named bare (`<tool_call>`: it is never text), text markers as string literals
+        start, end = (OPEN, CLOSE) if self.tokens else (json.dumps(OPEN), json.dumps(CLOSE))
         lines = ["%llguidance {}"]
         if self.required:
-            lines += ['start: call ("\\n" call)*' if self.parallel else "start: call", f"call: {json.dumps(OPEN)} body"]
-        else:  # free text, then at `<tool_call>` (the first, lazily) the call
+            lines += ['start: call ("\\n" call)*' if self.parallel else "start: call", f"call: {start} body"]
+        else:  # free text, then at `<tool_call>` (the first, lazily when it is text) the call
             lines += [
                 "start: call* TEXT" if self.parallel else "start: TEXT | call",
                 "TEXT: /(.|\\n)*/",
-                f"trigger[lazy]: TEXT {json.dumps(OPEN)}",
+                f"trigger: TEXT {start}" if self.tokens else f"trigger[lazy]: TEXT {start}",
                 "call: trigger body",
             ]
         names = " | ".join(f"fn_{i}" for i in range(len(self.functions)))
-        lines.append(f"body: {json.dumps(CALL_HEAD)} ({names}) {json.dumps(CALL_TAIL)}")
+        lines.append(f"body: {json.dumps(CALL_HEAD)} ({names}) {json.dumps(CALL_TAIL)} {end}")
         for i, (name, schema) in enumerate(self.functions.items()):
             head = json.dumps(f'{json.dumps(name)}, "arguments": ')
             lines.append(f"fn_{i}: {head} %json {json.dumps({**schema, 'x-guidance': JSON_STYLE})}")
@@ -95,6 +98,7 @@ def tool_plan(req, engine) -> ToolPlan | None:
     """A chat request's `tools`, `tool_choice` and `parallel_tool_calls` -> what its reply may call; None for a
     plain reply. Every tool is checked (a 400 naming it), offered or not."""
     functions = check_tools(req.tools or [], engine)
+    tokens = marker_tokens(engine)
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if functions else "none")
     if choice == "none":
         return None
@@ -104,7 +108,7 @@ def tool_plan(req, engine) -> ToolPlan | None:
     if fmt is not None and fmt.get("type") != "text":
         raise _bad("give response_format or tools, not both: the calls have their own grammar", "response_format")
     if choice in ("auto", "required"):
-        return ToolPlan(functions, choice == "required", req.parallel_tool_calls is not False)
+        return ToolPlan(functions, choice == "required", req.parallel_tool_calls is not False, tokens)
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
@@ -117,7 +121,20 @@ def tool_plan(req, engine) -> ToolPlan | None:
         raise _bad(
             f"tool_choice names {name!r}, which is not in tools: give one of {', '.join(functions)}", "tool_choice"
         )
-    return ToolPlan({name: functions[name]}, True, False)
+    return ToolPlan({name: functions[name]}, True, False, tokens)
+
+
+def marker_tokens(engine) -> bool:
+    """Whether `<tool_call>` and `</tool_call>` are tokens of their own that llguidance reads as special (an
+    added token is, as Qwen2.5's are): the grammar then names them as tokens, since no text matches them."""
+    from draftverify.constraints import ll_tokenizer
+
+    tok = engine.target.tokenizer
+    ids = [tok.convert_tokens_to_ids(marker) for marker in (OPEN, CLOSE)]
+    if not all(isinstance(i, int) and tok.convert_ids_to_tokens(i) == m for i, m in zip(ids, (OPEN, CLOSE))):
+        return False
+    lltok = ll_tokenizer(tok, engine.eos_ids())
+    return all(i < lltok.vocab_size and lltok.is_special_token(i) for i in ids)
 
 
 def check_tools(tools: list, engine) -> dict:
