@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 
 from draftverify.errors import DraftVerifyError
-from draftverify.serve.protocol import ApiError
+from draftverify.serve.api_error import ApiError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CALL_HEAD, CALL_TAIL = '\n{"name": ', "}\n"  # between the markers, around `"<name>", "arguments": <arguments>`
