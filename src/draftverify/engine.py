@@ -237,10 +237,15 @@ class Engine:
         return self._targets[i]
 
     def encode(
-        self, prompt: str | list[int] | list[dict], chat: bool = False, chat_template: str | None = None
+        self,
+        prompt: str | list[int] | list[dict],
+        chat: bool = False,
+        chat_template: str | None = None,
+        tools: list | None = None,
     ) -> list[int]:
         """Prompt text (raw or as one chat user turn), a chat message list, or token ids -> ids. `chat_template`:
-        a Jinja template used instead of the tokenizer's own."""
+        a Jinja template used instead of the tokenizer's own; `tools`: OpenAI function tools for a template that
+        takes them (serve/tools.py)."""
         tok = self.target.tokenizer
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
             ids = list(prompt)
@@ -252,7 +257,12 @@ class Engine:
                 "this tokenizer has no chat template: drop --chat and send a raw prompt",
             )
             ids = tok.apply_chat_template(
-                messages, chat_template=chat_template, add_generation_prompt=True, tokenize=True, return_dict=True
+                messages,
+                chat_template=chat_template,
+                tools=tools,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
             )["input_ids"]
         else:
             require(prompt.strip() != "", "the prompt is empty: give some text")

@@ -44,6 +44,7 @@ from draftverify.serve.protocol import (
     parse_request,
 )
 from draftverify.serve.scheduler import Job, Outcome, Scheduler, Ticket, timeout_error
+from draftverify.serve.tools import ToolPlan, chat_prompt, tool_plan
 
 log = logging.getLogger("draftverify.serve")
 
@@ -154,8 +155,9 @@ class Service:
                 method.save_pool()
                 log.info("saved pool %s (%d phrases)", method.config.pool_file, len(method.pool))
 
-    def job(self, req: CompletionRequest | ChatRequest, kind: str) -> Job:
-        """Check the request against the model and the loaded methods; tokenise its prompt."""
+    def job(self, req: CompletionRequest | ChatRequest, kind: str, tools: ToolPlan | None = None) -> Job:
+        """Check the request against the model and the loaded methods; tokenise its prompt. `tools`: what the
+        reply may call (its grammar joins the knobs)."""
         if req.model is not None and req.model != self.model_name:
             raise ApiError(
                 404,
@@ -167,8 +169,8 @@ class Service:
         field = "messages" if kind == "chat" else "prompt"
         try:
             if kind == "chat":
-                messages = [m.model_dump(exclude_none=True) for m in req.messages]
-                ids = self.engine.encode(messages, chat=True, chat_template=self.chat_template)
+                messages, shown = chat_prompt(req, self.chat_template or self.engine.target.tokenizer.chat_template)
+                ids = self.engine.encode(messages, chat=True, chat_template=self.chat_template, tools=shown)
             else:
                 vocab = self.engine.target.model.get_input_embeddings().num_embeddings
                 bad = [t for t in req.prompt if not 0 <= t < vocab] if isinstance(req.prompt, list) else []
@@ -205,7 +207,7 @@ class Service:
             req.top_k,
             req.seed,
             tuple(req.stop),
-            knobs(req, kind),
+            {**knobs(req, kind), "response_format": tools.response_format()} if tools else knobs(req, kind),
         )
 
     def _method(self, asked: str | None) -> MethodSpec:
@@ -293,10 +295,11 @@ async def generate(request: Request, kind: str):
     """One completion request of `kind` ("completion" or "chat"): its choices queued, then streamed or awaited."""
     service: Service = request.app.state.service
     req = parse_request(await read_body(request, service.config.max_body_bytes), kind, service.config.strict)
-    job = service.job(req, kind)
+    tools = tool_plan(req, service.engine) if kind == "chat" else None
+    job = service.job(req, kind, tools)
     tickets = [Ticket(one, service.config.timeout_s) for one in choice_jobs(job, req.n)]
     service.scheduler.submit(*tickets)
-    reply, tokenizer = Reply(kind, service.model_name), service.engine.target.tokenizer
+    reply, tokenizer = Reply(kind, service.model_name, tools), service.engine.target.tokenizer
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         events = keep_alive(

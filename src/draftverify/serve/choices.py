@@ -25,6 +25,7 @@ from typing import AsyncIterator, Callable
 from draftverify.serve.extras import logprobs_object
 from draftverify.serve.protocol import FINISH_REASONS, ApiError, Reply, TextStream, sse, stats_object, usage
 from draftverify.serve.scheduler import Chunk, Job, Outcome, Ticket
+from draftverify.serve.tools import stream_chunks
 
 
 def choice_jobs(job: Job, n: int) -> list[Job]:
@@ -105,6 +106,7 @@ async def stream_choices(
 async def one_choice(reply: Reply, index: int, ticket: Ticket, follow: Callable, tokenizer) -> AsyncIterator:
     """One choice's chunks (dicts), then (its result, {index, stats}), or an ApiError."""
     text = TextStream(tokenizer, list(ticket.job.stop))
+    calls = reply.tools.stream() if reply.tools is not None else None  # the text as content and tool calls
     if reply.kind == "chat":
         yield reply.chunk(first=True, index=index)
     async for event in follow(ticket):
@@ -112,16 +114,23 @@ async def one_choice(reply: Reply, index: int, ticket: Ticket, follow: Callable,
             offset = len(text.sent)
             delta = text.push(event.tokens)
             logprobs = logprobs_object(reply.kind, tokenizer, event.logprobs, offset)
-            if delta or logprobs is not None:
+            if calls is not None:
+                for chunk in stream_chunks(reply, index, calls.push(delta), logprobs):
+                    yield chunk
+            elif delta or logprobs is not None:
                 yield reply.chunk(delta, logprobs=logprobs, index=index)
         elif event.error is not None:
             yield event.error
         else:
             result = event.result
             tail = text.finish(result.text)
-            if tail:
+            if calls is not None:
+                for chunk in stream_chunks(reply, index, calls.push(tail, final=True)):
+                    yield chunk
+            elif tail:
                 yield reply.chunk(tail, index=index)
             stats = stats_object(result.stats, ticket.job.method, ticket.started - ticket.submitted)
             finish = FINISH_REASONS[result.stats.finish_reason]
+            finish = calls.finish_reason(finish) if calls is not None else finish
             yield reply.chunk(finish=finish, index=index, draftverify=stats, timings=stats.pop("timings"))
             yield (result, {"index": index, "stats": stats})

@@ -2,11 +2,11 @@
 
 Requests are parsed strictly: a field of the wrong type, an unknown field (a typo such as
 `temprature` would otherwise silently decode greedily), or an OpenAI field this server cannot
-honour at a non-neutral value (`best_of=2`, `tools`...) is a 400 naming the field. Extensions: `method`
+honour at a non-neutral value (`best_of=2`, `functions`...) is a 400 naming the field. Extensions: `method`
 picks one of the server's loaded methods, `top_k` and `min_p` filter the sampling distribution,
 `response_format` also takes {"type": "regex", "regex": ...} and {"type": "lark", "lark": ...}, and
 every response carries a `draftverify` object with the request's speculative stats and llama-server's
-`timings`.
+`timings`. Chat's `tools`, `tool_choice`, `tool` messages and assistant `tool_calls`: serve/tools.py.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ NEUTRAL = {
     "functions": (None, []),
     "parallel_tool_calls": (None, True, False),
 }
+CHAT_TOOLS = ("tools", "tool_choice", "parallel_tool_calls")  # chat takes them (serve/tools.py), completions not
 
 
 class _Strict(BaseModel):
@@ -49,8 +50,10 @@ class StreamOptions(_Strict):
 
 
 class Message(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant", "tool"]
+    tool_calls: list[dict] | None = None  # an assistant's calls (checked in serve/tools.py)
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+    content: str | None = Field(None, validate_default=True)  # None only beside tool_calls
     name: str | None = None
 
     @field_validator("content", mode="before")
@@ -69,6 +72,13 @@ class Message(_Strict):
                     raise ValueError('only text parts are supported: send {"type": "text", "text": "..."}')
                 texts.append(part["text"])
             return "".join(texts)
+        return content
+
+    @field_validator("content")
+    @classmethod
+    def _present(cls, content, info):
+        if content is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("Field required: give the message's text")
         return content
 
 
@@ -131,6 +141,9 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict] | None = None  # OpenAI function tools (serve/tools.py)
+    tool_choice: str | dict | None = None  # "auto" (with tools), "none", "required" or {"type": "function", ...}
+    parallel_tool_calls: bool | None = None  # false: at most one call
 
 
 def parse_request(raw: bytes, kind: str, strict: bool = True) -> CompletionRequest | ChatRequest:
@@ -145,7 +158,7 @@ def parse_request(raw: bytes, kind: str, strict: bool = True) -> CompletionReque
     if not strict:
         data = llama_fields(data, kind)
     for field, allowed in NEUTRAL.items():
-        if field in data:
+        if field in data and not (kind == "chat" and field in CHAT_TOOLS):
             value = data.pop(field)
             if not any(value == a and type(value) is type(a) for a in allowed):
                 raise ApiError(
@@ -183,8 +196,9 @@ def _field_error(error: dict, model: type[BaseModel]) -> ApiError:
 class Reply:
     """The bodies of one response: whole (non-streamed) or as stream chunks."""
 
-    def __init__(self, kind: str, model: str):
+    def __init__(self, kind: str, model: str, tools=None):
         self.kind, self.model = kind, model
+        self.tools = tools  # a chat reply's serve.tools.ToolPlan: its text read as content and tool calls
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -201,6 +215,8 @@ class Reply:
         """One choice of a whole (non-streamed) response."""
         if self.kind == "chat":
             message = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                message, finish = self.tools.message(text, finish)
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
