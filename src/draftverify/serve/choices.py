@@ -24,6 +24,7 @@ from typing import AsyncIterator, Callable
 
 from draftverify.serve.extras import logprobs_object
 from draftverify.serve.protocol import FINISH_REASONS, ApiError, Reply, TextStream, sse, stats_object, usage
+from draftverify.serve.provenance import Marks
 from draftverify.serve.scheduler import Chunk, Job, Outcome, Ticket
 
 
@@ -105,6 +106,7 @@ async def stream_choices(
 async def one_choice(reply: Reply, index: int, ticket: Ticket, follow: Callable, tokenizer) -> AsyncIterator:
     """One choice's chunks (dicts), then (its result, {index, stats}), or an ApiError."""
     text = TextStream(tokenizer, list(ticket.job.stop))
+    marks = Marks(tokenizer) if ticket.job.provenance else None
     if reply.kind == "chat":
         yield reply.chunk(first=True, index=index)
     async for event in follow(ticket):
@@ -112,15 +114,17 @@ async def one_choice(reply: Reply, index: int, ticket: Ticket, follow: Callable,
             offset = len(text.sent)
             delta = text.push(event.tokens)
             logprobs = logprobs_object(reply.kind, tokenizer, event.logprobs, offset)
+            if marks is not None:
+                marks.push(event.tokens, event.provenance)
             if delta or logprobs is not None:
-                yield reply.chunk(delta, logprobs=logprobs, index=index)
+                yield reply.chunk(delta, logprobs=logprobs, index=index, **(marks.take(delta) if marks else {}))
         elif event.error is not None:
             yield event.error
         else:
             result = event.result
             tail = text.finish(result.text)
             if tail:
-                yield reply.chunk(tail, index=index)
+                yield reply.chunk(tail, index=index, **(marks.take(tail) if marks else {}))
             stats = stats_object(result.stats, ticket.job.method, ticket.started - ticket.submitted)
             finish = FINISH_REASONS[result.stats.finish_reason]
             yield reply.chunk(finish=finish, index=index, draftverify=stats, timings=stats.pop("timings"))
