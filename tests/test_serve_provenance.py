@@ -65,6 +65,7 @@ def test_drafted_and_accepted_tokens_name_their_drafter_the_target_its_own(clien
     stats = next(e["draftverify"] for e in events if isinstance(e, dict) and e.get("draftverify"))
     assert last["accepted"] == stats["accepted"] == by.count("draft-model")
     assert last["drafted"] == stats["drafted"] and last["target_forwards"] == stats["target_forwards"]
+    assert last["new_tokens"] == stats["new_tokens"] == len(by)
     assert set(t["by"] for t in marked(stream(client, "autoregressive"))) == {None}
 
 

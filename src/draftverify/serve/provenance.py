@@ -7,13 +7,14 @@ correction token, a plain step's token, the first token after the prefill) is th
 streamed chunk with text then carries
 
     "x_draftverify": {"tokens": [{"text": "...", "by": "prompt-lookup" | null}, ...],
-                      "drafted": D, "accepted": A, "target_forwards": F}
+                      "drafted": D, "accepted": A, "target_forwards": F, "new_tokens": N}
 
 `tokens` are the tokens whose text the chunk's delta holds, their texts adding up to the delta exactly: a token whose
 text the stream holds back (an incomplete character, a possible stop string) comes with the chunk that sends it, a
 token that completes a character carries the whole character, and a token cut by a stop string carries its part
-before the stop. D, A and F are the request's running counts (drafted and accepted candidate tokens, target
-forwards; docs/metrics.md). Provenance only reads what the round knew: the tokens are the same with or without it.
+before the stop. D, A, F and N are the request's running counts (drafted and accepted candidate tokens, target
+forwards, tokens emitted, a token of no text such as the end of the reply included; docs/metrics.md). Provenance
+only reads what the round knew: the tokens are the same with or without it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def tally(session, n: int) -> dict:
         "drafted": stats.drafted,
         "accepted": stats.accepted,
         "target_forwards": stats.target_forwards,
+        "new_tokens": len(session.output),
     }
 
 
