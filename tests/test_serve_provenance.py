@@ -17,7 +17,7 @@ from draftverify.drafters.draft_model import DraftModel
 from draftverify.drafters.prompt_lookup import PromptLookup, PromptLookupConfig
 from draftverify.serve.provenance import Marks
 
-METHODS = "speculative:k4,prompt-lookup,autoregressive,auto[use=draft+lookup]"
+METHODS = "speculative:k4,prompt-lookup,autoregressive,auto[use=draft+lookup],lookahead,ouroboros"
 PROMPT = "Hello"  # the tiny target repeats one character: every token has text, prompt lookup copies it
 MIXED = "1, 2, 3, 1, 2,"  # a reply with tokens of no text among the others
 
@@ -85,6 +85,17 @@ def test_auto_names_the_candidates_that_drafted(client):
     stats = next(e["draftverify"] for e in events if isinstance(e, dict) and e.get("draftverify"))
     assert set(by) <= {None, "prompt-lookup", "draft-model"} and len(by) - by.count(None) == stats["accepted"]
     assert streamed_text(events) == streamed_text(stream(client, "autoregressive", provenance=False))
+
+
+@pytest.mark.parametrize(
+    "method, drafters", [("lookahead", {"lookahead"}), ("ouroboros", {"draft-model", "phrase-pool"})]
+)
+def test_every_accepted_token_has_its_drafter(client, method, drafters):
+    events = stream(client, method, prompt=MIXED)
+    by = [t["by"] for t in marked(events)]
+    stats = next(e["draftverify"] for e in events if isinstance(e, dict) and e.get("draftverify"))
+    assert set(by) - {None} <= drafters and len(by) - by.count(None) <= stats["accepted"]
+    assert streamed_text(events) == streamed_text(stream(client, method, provenance=False, prompt=MIXED))
 
 
 def test_auto_sources_are_its_chosen_candidates():
