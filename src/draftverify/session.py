@@ -43,6 +43,9 @@ class Session:
     done: bool = False
     stop_text_at: int | None = None  # where the first stop string starts in the decoded text
     processor: object = None  # a logits.Processor: penalties, logit_bias, a grammar, logprobs (None: none)
+    provenance: bool = False  # have the round say who drafted the tokens it emits (`drafted_by`; serve/provenance.py)
+    drafted_by: list[str] = field(default_factory=list)  # with provenance: the drafter of each of the first tokens
+    # of the chunk being emitted (the accepted drafted ones); the chunk's other tokens are the target's own
     others: int = 0  # rows the rest of the batch fed to the last shared forward (0: decoding alone; `batch`)
     _generators: dict = field(default_factory=dict)
     _decoded: Detokenizer | None = None  # the output's text token by token, for stop strings

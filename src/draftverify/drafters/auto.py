@@ -218,6 +218,10 @@ class AutoDrafter(Drafter):
         elif step.accepted:
             wait.backoff = 1
 
+    def sources(self, proposal: Proposal, step: Step) -> list[str]:
+        """The chosen candidate's, for its own proposal."""
+        return self.candidates[self.round.chosen].sources(self.round.proposal, step)
+
     def finish(self, s: Session) -> None:
         for d in self.candidates.values():
             d.finish(s)

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from draftverify.session import Session
 from draftverify.step import Proposal, Step
 
-__all__ = ["Drafter", "Proposal", "Step", "add", "standalone"]
+__all__ = ["Drafter", "Proposal", "Step", "add", "attribute", "standalone"]
 
 
 class Drafter(ABC):
@@ -24,6 +24,7 @@ class Drafter(ABC):
     # propose() runs no model and changes nothing but its own index of the request's text: `auto` may ask it and
     # not use the answer
     free: bool = False
+    label: str = ""  # who drafted, as provenance names it (`sources`; the server's web page colours by it)
 
     def start(self, s: Session, seq: list[int], hidden=None) -> None:
         """A request begins: `seq` is the prompt and the first emitted token. `hidden` [len(prompt), H]: the
@@ -39,11 +40,26 @@ class Drafter(ABC):
     def finish(self, s: Session) -> None:
         """The request ended (also on error or cancellation)."""
 
+    def sources(self, proposal: Proposal, step: Step) -> list[str]:
+        """Who drafted each of the `step.accepted` drafted tokens that `step` accepted of `proposal` (read only when
+        the session asks for provenance): this drafter, unless it combines others."""
+        return [self.label or type(self).__name__] * step.accepted
+
 
 def add(counters: dict, **amounts: int) -> None:
     """Add to drafter-specific counters in `Stats.extra`."""
     for key, amount in amounts.items():
         counters[key] = counters.get(key, 0) + amount
+
+
+def attribute(accepted: list[int], parts: list[tuple[str, list[list[int]]]]) -> list[str]:
+    """Who drafted each accepted token of a proposal made of parts, each (label, its paths): the first part with a
+    path through the accepted path up to that token (a part whose paths all differ there did not propose it)."""
+    out = []
+    for i in range(len(accepted)):
+        head = accepted[: i + 1]
+        out.append(next((label for label, paths in parts if any(p[: i + 1] == head for p in paths)), parts[-1][0]))
+    return out
 
 
 STANDALONE: dict[str, tuple[type[Drafter], type, dict]] = {}  # method name -> (drafter, Config, presets)

@@ -22,6 +22,8 @@ from draftverify.session import Session
 
 
 class DraftModel(Drafter):
+    label = "draft-model"
+
     def __init__(self, draft: Runner, policy: DraftPolicy, skip=None, vocab: torch.Tensor | None = None):
         self.draft, self.policy, self.skip, self.vocab = draft, policy, skip, vocab
 

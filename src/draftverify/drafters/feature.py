@@ -104,6 +104,7 @@ def acceptance(head: FeatureHead, target: Runner, s: Session) -> Acceptance:
 
 class FeatureHeadDrafter(Drafter):
     needs_hidden = True
+    label = "feature-head"
 
     def __init__(
         self,

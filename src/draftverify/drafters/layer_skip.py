@@ -13,6 +13,8 @@ from draftverify.session import Session
 
 
 class LayerSkip(DraftModel):
+    label = "layer-skip"
+
     def start(self, s: Session, seq: list[int], hidden=None) -> None:
         pass  # the target's cache: the round has just filled it
 

@@ -30,7 +30,7 @@ from dataclasses import replace
 
 from draftverify.backend.ops import argmax_rows
 from draftverify.costs import at_context, marginal_times
-from draftverify.drafters.base import Drafter, Proposal, Step, add
+from draftverify.drafters.base import Drafter, Proposal, Step, add, attribute
 from draftverify.drafters.lookahead import ngrams
 from draftverify.drafters.pool import PhrasePool
 from draftverify.session import Session
@@ -144,6 +144,11 @@ class Lengthened(Drafter):
             extra = max(_matched(c, known) for c in roots) - max(_matched(c, known) for c in paths)
             self.root_gain = DECAY * self.root_gain + (1 - DECAY) * max(0, extra)
         self.root_offered = waiting
+
+    def sources(self, proposal: Proposal, step: Step) -> list[str]:
+        """The inner drafter's for the accepted tokens its own paths hold, the pool's for its phrases' tokens."""
+        inner = self.inner_proposal.paths or [self.inner_proposal.chain]
+        return attribute(step.tokens[: step.accepted], [(self.inner.label, inner), ("phrase-pool", proposal.paths)])
 
     def observe(self, s: Session, seq: list[int], proposal: Proposal, step: Step) -> None:
         self.score(seq + step.tokens)

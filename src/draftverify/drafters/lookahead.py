@@ -68,6 +68,7 @@ def ngrams(tokens: Sequence[int], n: int) -> list[tuple[int, ...]]:
 
 class LookaheadDrafter(Drafter):
     free = True  # a pool lookup; the window's rows are built, not run
+    label = "lookahead"
 
     def __init__(self, pool: PhrasePool, W: int, N: int, G: int, context: bool):
         self.pool, self.W, self.N, self.G, self.context = pool, W, N, G, context

@@ -27,6 +27,8 @@ from draftverify.step import verify_step
 
 
 class Phrases(Drafter):
+    label = "draft-model"  # the draft model's phrase drafting over the pool
+
     def __init__(self, draft: Runner, pool: PhrasePool, policy: DraftPolicy, config):
         self.draft, self.pool, self.policy, self.c = draft, pool, policy, config  # config: OuroborosConfig
         self.window: JacobiWindow | None = None

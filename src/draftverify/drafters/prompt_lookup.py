@@ -54,6 +54,7 @@ class PromptLookupConfig:
 )  # hf: transformers' defaults
 class PromptLookup(Drafter):
     free = True
+    label = "prompt-lookup"
 
     def __init__(self, config: PromptLookupConfig):
         self.k, self.k1, self.max_ngram, self.min_ngram = config.k, config.k1, config.max_ngram, config.min_ngram

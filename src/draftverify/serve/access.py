@@ -17,7 +17,7 @@ from pathlib import Path
 
 from draftverify.errors import require
 
-OPEN_ROUTES = ("/health",)  # answered without a key
+OPEN_ROUTES = ("/health", "/")  # answered without a key (the web page holds no data: it asks the user for a key)
 
 
 def read_keys(keys: list[str] | tuple[str, ...], key_file: Path | None = None) -> tuple[str, ...]:

@@ -28,7 +28,7 @@ from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError, require
 from draftverify.methods import METHODS
 from draftverify.methods.spec import MethodSpec, parse_specs
-from draftverify.serve import access
+from draftverify.serve import access, provenance
 from draftverify.serve.choices import choice_jobs, outcomes, stream_choices, whole_response
 from draftverify.serve.extras import check_format, knobs
 from draftverify.serve.http import CountRequests, read_body
@@ -36,6 +36,7 @@ from draftverify.serve.keepalive import keep_alive
 from draftverify.serve.llama import check_template
 from draftverify.serve.llama import routes as llama_routes
 from draftverify.serve.metrics import Metrics
+from draftverify.serve.page import routes as page_routes
 from draftverify.serve.protocol import (
     ApiError,
     ChatRequest,
@@ -208,6 +209,7 @@ class Service:
             req.seed,
             tuple(req.stop),
             {**knobs(req, kind), "response_format": tools.response_format()} if tools else knobs(req, kind),
+            provenance=provenance.wanted(req),
         )
 
     def _method(self, asked: str | None) -> MethodSpec:
@@ -262,6 +264,7 @@ def create_app(engine: Engine, config: ServeConfig | None = None) -> FastAPI:
     app.add_exception_handler(HTTPException, http_error)
     app.include_router(routes)
     app.include_router(llama_routes)
+    app.include_router(page_routes)
     return app
 
 

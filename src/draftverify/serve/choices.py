@@ -24,6 +24,7 @@ from typing import AsyncIterator, Callable
 
 from draftverify.serve.extras import logprobs_object
 from draftverify.serve.protocol import FINISH_REASONS, ApiError, Reply, TextStream, sse, stats_object, usage
+from draftverify.serve.provenance import Marks
 from draftverify.serve.scheduler import Chunk, Job, Outcome, Ticket
 from draftverify.serve.tools import stream_chunks
 
@@ -107,6 +108,7 @@ async def one_choice(reply: Reply, index: int, ticket: Ticket, follow: Callable,
     """One choice's chunks (dicts), then (its result, {index, stats}), or an ApiError."""
     text = TextStream(tokenizer, list(ticket.job.stop))
     calls = reply.tools.stream() if reply.tools is not None else None  # the text as content and tool calls
+    marks = Marks(tokenizer) if ticket.job.provenance else None
     if reply.kind == "chat":
         yield reply.chunk(first=True, index=index)
     async for event in follow(ticket):
@@ -114,11 +116,13 @@ async def one_choice(reply: Reply, index: int, ticket: Ticket, follow: Callable,
             offset = len(text.sent)
             delta = text.push(event.tokens)
             logprobs = logprobs_object(reply.kind, tokenizer, event.logprobs, offset)
-            if calls is not None:
+            if marks is not None:
+                marks.push(event.tokens, event.provenance)
+            if calls is not None:  # a tool call's chunks carry no provenance
                 for chunk in stream_chunks(reply, index, calls.push(delta), logprobs):
                     yield chunk
             elif delta or logprobs is not None:
-                yield reply.chunk(delta, logprobs=logprobs, index=index)
+                yield reply.chunk(delta, logprobs=logprobs, index=index, **(marks.take(delta) if marks else {}))
         elif event.error is not None:
             yield event.error
         else:
@@ -128,7 +132,7 @@ async def one_choice(reply: Reply, index: int, ticket: Ticket, follow: Callable,
                 for chunk in stream_chunks(reply, index, calls.push(tail, final=True)):
                     yield chunk
             elif tail:
-                yield reply.chunk(tail, index=index)
+                yield reply.chunk(tail, index=index, **(marks.take(tail) if marks else {}))
             stats = stats_object(result.stats, ticket.job.method, ticket.started - ticket.submitted)
             finish = FINISH_REASONS[result.stats.finish_reason]
             finish = calls.finish_reason(finish) if calls is not None else finish

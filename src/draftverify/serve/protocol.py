@@ -82,6 +82,10 @@ class Message(_Strict):
         return content
 
 
+class Options(_Strict):
+    provenance: bool = False  # stream chunks say who drafted each token (serve/provenance.py)
+
+
 class _Common(_Strict):
     model: str | None = None
     method: str | None = None  # extension: which of the server's methods decodes this request
@@ -100,6 +104,7 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, decoded together as members of the batch (serve/choices.py)
+    draftverify: Options | None = None  # extension: {"provenance": true}
 
     @field_validator("temperature")
     @classmethod

@@ -28,6 +28,7 @@ from draftverify.engine import Engine, Result
 from draftverify.errors import DraftVerifyError
 from draftverify.serve.metrics import Metrics
 from draftverify.serve.protocol import ApiError
+from draftverify.serve.provenance import tally
 
 log = logging.getLogger("draftverify.serve")
 
@@ -48,12 +49,14 @@ class Job:
     seed: int | None
     stop: tuple[str, ...]
     knobs: dict = field(default_factory=dict)  # penalties, logit_bias, min_p, response_format, logprobs (extras.knobs)
+    provenance: bool = False  # the chunks say who drafted each token (serve/provenance.py)
 
 
 @dataclass
 class Chunk:
     tokens: list[int]  # accepted tokens, in order
     logprobs: list | None = None  # logits.Logprob per token, when the request asked for them
+    provenance: dict | None = None  # who drafted each token and the running counts (`provenance.tally`), if asked
 
 
 @dataclass
@@ -218,7 +221,8 @@ class Scheduler:
         sessions = []  # the session, once made: its processor holds the logprobs of the tokens
 
         def on_tokens(tokens: list[int]) -> bool:
-            ticket.post(Chunk(tokens, chunk_logprobs(sessions[0], len(tokens))))
+            marks = tally(sessions[0], len(tokens)) if job.provenance else None
+            ticket.post(Chunk(tokens, chunk_logprobs(sessions[0], len(tokens)), marks))
             ticket.cut = self._cut_reason(ticket)
             return ticket.cut is None
 
@@ -239,6 +243,7 @@ class Scheduler:
                 **job.options,
                 **job.knobs,
             )
+            session.provenance = job.provenance
             sessions.append(session)
         except Exception as exc:  # this request's error; keep serving
             return ticket.post(Outcome(error=failure(exc)))
