@@ -42,7 +42,8 @@ def atomic_path(path: str | Path, folder: bool = False) -> Iterator[Path]:
     does not exist yet: the writer creates it. With `folder=True` it is an empty folder; a new
     `path` is then renamed into place as a whole, while an existing folder `path` receives the
     temporary's files one by one (each rename atomic), keeping files it has that were not
-    written, and holds the temporary itself so that no access to its parent is needed.
+    written, and holds the temporary itself so that no access to its parent is needed; a new `path`
+    that another process made meanwhile receives them the same way.
     Parent folders are created.
     """
     path = Path(path).absolute()
@@ -53,11 +54,16 @@ def atomic_path(path: str | Path, folder: bool = False) -> Iterator[Path]:
         if folder:
             tmp.mkdir()
         yield tmp
+        if not merge:
+            try:
+                os.replace(tmp, path)
+            except OSError:  # another process wrote the folder meanwhile (loads at once): its files get ours
+                if not (folder and path.is_dir()):
+                    raise
+                merge = True
         if merge:
             for item in sorted(tmp.iterdir()):
                 os.replace(item, path / item.name)
-        else:
-            os.replace(tmp, path)
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -181,7 +181,7 @@ class StaticDecoder:
             source.release()  # the layer is packed: its file pages need not stay resident beside the packs
         self.norm, self.norm_eps = source_norm(source, "norm", recipe.norm_offset), eps
         self.head = BlockLinear([source.head(arithmetic)], arithmetic=arithmetic)
-        source.release()
+        source.packed()  # every weight is packed: the file's pages leave, the packs are cached on disk
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     @property

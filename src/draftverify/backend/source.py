@@ -3,7 +3,8 @@
 A weight source (`loading.gguf_weights.GGUFWeights`) gives, by the stock module's names ("layers.3.self_attn.q_proj"),
 `linear(name)` a `kernels.blocks.PackedWeight`, `fused(names)` those of several fused along out (q|k|v, gate|up: packed
 once, no second copy of the parts), `shape(name)`, `bias(name)` / `vector(name)` fp32 tensors, `has(name)` and
-`release()` (the packing is done: the file's pages may leave resident memory).
+`release()` (a layer is packed: the file's pages read so far may leave resident memory) and `packed()` (the decoder
+has every weight: released, and the packs kept in the source's cache, loading/tile_cache.py).
 `source_layer` builds the same per-layer fields `decoder.LayerWeights` reads from a stock module, with the products
 `BlockLinear`s (backend/linear.py), so the decoder's forward runs unchanged on either.
 """

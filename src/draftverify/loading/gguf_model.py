@@ -16,7 +16,7 @@ import importlib
 
 import torch
 
-from draftverify.loading.gguf_weights import GGUFWeights, rows_of
+from draftverify.loading.gguf_weights import GGUFWeights
 
 # A lookup of at most this many ids (a decoding step's, a draft's) reads rows kept from earlier lookups; a longer
 # one (a prompt) dequantizes its rows in one go. At most KEPT_ROWS rows are kept per embedding (then it starts over).
@@ -32,7 +32,7 @@ class RowEmbedding(torch.nn.Module):
     def __init__(self, source: GGUFWeights, name: str, scale: float | None = None):
         super().__init__()
         self.source, self.name = source, name
-        self.num_embeddings, self.embedding_dim = source.linear(name).shape
+        self.num_embeddings, self.embedding_dim = source.shape(name)
         # Gemma's scaled embedding: the rows times the scale rounded to fp32, as the stock module's buffer holds it
         self.scale = None if scale is None else torch.tensor(scale, dtype=torch.float32)
         self._kept: dict[int, torch.Tensor] = {}  # id -> its row [H] (scaled), from short lookups
@@ -41,7 +41,7 @@ class RowEmbedding(torch.nn.Module):
         flat = ids.reshape(-1).cpu()
         if 0 < flat.numel() <= FEW_IDS:
             return self._few(flat.tolist()).view(*ids.shape, self.embedding_dim)
-        return self._scaled(rows_of(self.source.linear(self.name), flat)).view(*ids.shape, self.embedding_dim)
+        return self._scaled(self.source.rows(self.name, flat)).view(*ids.shape, self.embedding_dim)
 
     def _few(self, ids: list[int]) -> torch.Tensor:
         """Rows [n, H] of a few ids, each dequantized once and kept."""
@@ -51,7 +51,7 @@ class RowEmbedding(torch.nn.Module):
             if len(kept) + len(missing) > KEPT_ROWS:  # start over with this lookup's rows
                 kept.clear()
                 missing = list(dict.fromkeys(ids))
-            rows = self._scaled(rows_of(self.source.linear(self.name), torch.tensor(missing)))
+            rows = self._scaled(self.source.rows(self.name, torch.tensor(missing)))
             kept.update(zip(missing, rows))
         return kept[ids[0]][None].clone() if len(ids) == 1 else torch.stack([kept[i] for i in ids])  # the caller's own
 
@@ -60,7 +60,7 @@ class RowEmbedding(torch.nn.Module):
 
     def rows(self, n: int) -> torch.Tensor:
         """The first n rows, fp32 [n, H] (what `model_identity` fingerprints)."""
-        return rows_of(self.source.linear(self.name), torch.arange(min(n, self.num_embeddings)))
+        return self.source.rows(self.name, torch.arange(min(n, self.num_embeddings)))
 
     @property
     def weight(self) -> torch.Tensor:

@@ -19,8 +19,8 @@ Gemma's norm vectors are the file's minus 1 in fp32, as that loader subtracts it
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,7 @@ from draftverify.errors import require
 from draftverify.kernels.blocks import PackedWeight, pack
 from draftverify.kernels.gguf_file import GGUFFile
 from draftverify.kernels.q8 import TileArena
+from draftverify.loading import tile_cache
 
 # Logical name (inside a layer) -> GGUF tensor name (inside "blk.N."), per GGUF architecture: the names
 # llama.cpp's converter writes (gguf's tensor name map), as transformers' GGUF loader reads them back.
@@ -86,7 +87,7 @@ class GGUFWeights:
     """The weights of one GGUF file by logical name (see the module docstring). Packs each weight once, on first
     use, and shares it with every decoder built from this source (a truncated draft of the target included)."""
 
-    def __init__(self, path: str | Path, config, tokenizer=None, file: GGUFFile | None = None):
+    def __init__(self, path: str | Path, config, tokenizer=None, file: GGUFFile | None = None, cache: bool = False):
         self.path = Path(path)
         self.file = file if file is not None else GGUFFile(self.path)  # `file`: this path, already opened
         self.config = config
@@ -102,6 +103,9 @@ class GGUFWeights:
         self._fused: dict[tuple, list] = {}  # `fused`: shared by every decoder of the file
         self._tiles = TileArena()  # the q8 tiles of every weight, on 2 MB pages (`kernels.q8.TileArena`)
         self._said: set[str] = set()
+        # `cache`: packed weights are read from and kept in the user cache (loading/tile_cache.py), per arithmetic
+        self._cache = {} if cache else None  # arithmetic -> the cached entries (entry key -> weights), {} when none
+        self._missed: set[str] = set()  # the arithmetics something was packed in since the cache was read
 
     def name(self, name: str, suffix: str = "weight") -> str:
         """The GGUF tensor name of the logical `name` in this file's architecture."""
@@ -111,28 +115,24 @@ class GGUFWeights:
         return self.name(name, suffix) in self.file.tensors
 
     def linear(self, name: str, arithmetic: str = "fp32"):
-        """The weight [out, in] of the logical linear `name`, packed from the file's blocks (once): a PackedWeight,
-        or in the q8 arithmetic the form its product takes (`backend.linear.for_arithmetic`; the PackedWeight is
-        then not kept beside it unless something asked for it in fp32)."""
+        """The weight [out, in] of the logical linear `name`, packed from the file's blocks (once, or read from the
+        cache): a PackedWeight, or in the q8 arithmetic the form its product takes (`backend.linear.for_arithmetic`;
+        the PackedWeight is then not kept beside it unless something asked for it in fp32)."""
         if name == "lm_head" and self.tied:
             name = "embed_tokens"
         found = self._packed.get((name, arithmetic))
         if found is None:
             from draftverify.backend.linear import for_arithmetic
 
-            found = self._placed(for_arithmetic(self._fp32(name), arithmetic, self._tiles))
+            cached = self._cached(arithmetic, ["linear", name])
+            found = cached[0] if cached else self._placed(for_arithmetic(self._fp32(name), arithmetic, self._tiles))
             self._packed[name, arithmetic] = found
-            if name == "embed_tokens" and arithmetic == "fp32":  # the head's copy serves the embedding's rows too
-                self.__dict__["embedding"] = found
         return found
 
     def _fp32(self, name: str) -> PackedWeight:
-        """The PackedWeight of `name`: the one kept for the fp32 arithmetic (or the embedding's), else packed now
-        and not kept."""
+        """The PackedWeight of `name`: the one kept for the fp32 arithmetic, else packed now and not kept."""
         found = self._packed.get((name, "fp32"))
-        if found is None and name == "embed_tokens":
-            found = self.__dict__.get("embedding")
-        return found or self._pack(name)
+        return found if found is not None else self._pack(name)
 
     def _pack(self, name: str) -> PackedWeight:
         info = self._tensor(self.name(name))
@@ -154,11 +154,36 @@ class GGUFWeights:
         if found is None:
             from draftverify.backend.linear import concat_runs, for_arithmetic
 
-            parts = [self._fp32(n) for n in names]
-            found = self._fused[key] = [
-                self._placed(for_arithmetic(w, arithmetic, self._tiles)) for w in concat_runs(parts)
-            ]
+            found = self._cached(arithmetic, ["fused", list(names)])
+            if found is None:
+                parts = [self._fp32(n) for n in names]
+                found = [self._placed(for_arithmetic(w, arithmetic, self._tiles)) for w in concat_runs(parts)]
+            self._fused[key] = found
         return found
+
+    def _cached(self, arithmetic: str, key: list) -> list | None:
+        """The weights of entry `key` from this file's cache in `arithmetic` (read on first use), or None: then the
+        caller packs them, and `packed()` writes the cache again."""
+        if self._cache is None:
+            return None
+        if arithmetic not in self._cache:
+            self._cache[arithmetic] = tile_cache.load(tile_cache.cache_file(self.path, arithmetic)) or {}
+        found = self._cache[arithmetic].get(json.dumps(key))
+        if found is None:
+            self._missed.add(arithmetic)
+        return found
+
+    def packed(self) -> None:
+        """A decoder has every weight it multiplies: the file's pages leave resident memory (`release`), and the
+        weights packed in an arithmetic the cache did not hold whole are written to it (all that arithmetic's
+        weights, so the next load reads them all)."""
+        self.release()
+        for arithmetic in sorted(self._missed):
+            entries = {json.dumps(["linear", n]): [w] for (n, a), w in self._packed.items() if a == arithmetic}
+            entries |= {json.dumps(["fused", list(n)]): ws for (n, a), ws in self._fused.items() if a == arithmetic}
+            tile_cache.store(tile_cache.cache_file(self.path, arithmetic), entries)
+            self._cache[arithmetic] = entries
+        self._missed.clear()
 
     def _placed(self, w):
         """A PackedWeight multiplied as it is (the fp32 arithmetic's, or a layout q8 does not take) with its codes and
@@ -194,15 +219,23 @@ class GGUFWeights:
     def head(self, arithmetic: str = "fp32"):
         return self.linear("lm_head", arithmetic)
 
-    @cached_property
-    def embedding(self) -> PackedWeight:
-        """The token embedding's blocks, for its rows (`embed_rows`): outside the arena, since no step streams it
-        whole, unless the tied head's copy (`linear`) is there to share."""
-        return self._fp32("embed_tokens")
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [n] of the logical weight `name`, fp32 [n, in]: from its fp32 PackedWeight when one is kept, else
+        only those rows' blocks packed from the file (a row's blocks alone decide its values: the same bits)."""
+        if name == "lm_head" and self.tied:
+            name = "embed_tokens"
+        kept = self._packed.get((name, "fp32"))
+        if kept is not None:
+            return rows_of(kept, ids)
+        info = self._tensor(self.name(name))
+        order = self._rope_rows(name, int(info.shape[0]))
+        picked = ids.numpy() if order is None else order[ids.numpy()]
+        part = pack(np.ascontiguousarray(info.raw[picked]), info.ggml_type, (len(picked), int(info.shape[1])))
+        return part.dequantize()
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of token ids [n] -> fp32 [n, H], only those rows dequantized (exact)."""
-        return rows_of(self.embedding, ids.view(-1).cpu())
+        return self.rows("embed_tokens", ids.view(-1).cpu())
 
     def _tensor(self, full: str):
         info = self.file.tensors.get(full)

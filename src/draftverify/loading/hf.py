@@ -158,13 +158,14 @@ def direct_gguf(path: Path, device: str, dtype: torch.dtype, device_map, attn_im
 
 def load_gguf_direct(path: Path, file=None) -> Loaded:
     """A GGUF file as a `GGUFModel` (loading/gguf_model.py): config and tokenizer from the cached metadata, the
-    weights packed from the mapped file on first use; the stock module only if something asks (`stock()`).
+    weights packed from the mapped file on first use, or read from their cache (loading/tile_cache.py); the stock
+    module only if something asks (`stock()`).
     `file`: the file already opened (`direct_gguf`), read again otherwise."""
     from draftverify.loading.gguf_model import GGUFModel
     from draftverify.loading.gguf_weights import GGUFWeights
 
     config, generation, tokenizer = gguf_metadata(path)
-    model = GGUFModel(GGUFWeights(path, config, tokenizer, file), generation)
+    model = GGUFModel(GGUFWeights(path, config, tokenizer, file, cache=True), generation)
     return Loaded(model, tokenizer, name=path.name, source=path)
 
 
