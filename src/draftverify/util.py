@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import math
 import os
@@ -156,3 +157,9 @@ def command_line(prog: str, argv: list[str]) -> str:
     """`prog argv...` as a user would type it again, after the `RUN_ENV` settings this process runs under."""
     settings = [f"{name}={shlex.quote(os.environ[name])}" for name in RUN_ENV if os.environ.get(name)]
     return " ".join([*settings, prog, shlex.join(argv)])
+
+
+def file_key(path: Path) -> str:
+    """What names a file's caches: its resolved path, size and mtime (a new download gets a new key)."""
+    stat = path.stat()
+    return hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]

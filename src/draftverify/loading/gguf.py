@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from contextlib import contextmanager
@@ -21,13 +20,7 @@ from pathlib import Path
 import torch
 
 from draftverify.loading.tokenizers import FINGERPRINT, tokenizer_fingerprint
-from draftverify.util import atomic_path, atomic_write, cache_root
-
-
-def file_key(path: Path) -> str:
-    """What names a file's caches: its resolved path, size and mtime (a new download gets a new key)."""
-    stat = path.stat()
-    return hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+from draftverify.util import atomic_path, atomic_write, cache_root, file_key
 
 
 def metadata_folder(path: Path) -> Path:

@@ -228,6 +228,8 @@ class GGUFWeights:
         if kept is not None:
             return rows_of(kept, ids)
         info = self._tensor(self.name(name))
+        if ids.numel() == 0:  # no rows (an empty input): nothing to pack
+            return torch.empty(0, int(info.shape[1]), dtype=torch.float32)
         order = self._rope_rows(name, int(info.shape[0]))
         picked = ids.numpy() if order is None else order[ids.numpy()]
         part = pack(np.ascontiguousarray(info.raw[picked]), info.ggml_type, (len(picked), int(info.shape[1])))

@@ -50,8 +50,7 @@ def kernel_build() -> str:
 
 def cache_file(path: Path, arithmetic: str) -> Path:
     """Where the packed weights of the GGUF file at `path`, in `arithmetic`, are cached."""
-    from draftverify.loading.gguf import file_key
-    from draftverify.util import cache_root
+    from draftverify.util import cache_root, file_key
 
     key = hashlib.sha1(f"{file_key(path)}:{arithmetic}:{kernel_build()}:{VERSION}".encode()).hexdigest()[:16]
     return cache_root() / "gguf-packed" / f"{path.stem}-{arithmetic}-{key}.bin"
