@@ -112,7 +112,8 @@ def test_a_batch_reuses_the_cache_with_identical_outputs(engine):
     while batch.members:
         assert all(m.error is None for m in batch.step())
     assert [s.output for s in sessions] == plain
-    assert sessions[0].stats.cached_tokens >= first.stats.prompt_tokens and sessions[1].stats.cached_tokens == 0
+    assert sessions[0].stats.cached_tokens >= first.stats.prompt_tokens
+    assert 0 < sessions[1].stats.cached_tokens < first.stats.prompt_tokens  # the chat template's system turn only
 
 
 def test_least_recently_used_entries_go_past_the_budget(engine):
