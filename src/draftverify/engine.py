@@ -91,9 +91,7 @@ class Engine:
         The engine owns what its runners and drafters build or learn once (`shared`: packed weights, measured
         cost curves, the feature head's calibration); another engine in the same process has its own, so two
         engines never steer each other. Pass another engine's `shared` to reuse what it built and learned.
-
-        `prefix_cache_bytes`: the budget of the prefix cache (`prefix_cache`: a request reuses the target's keys and
-        values of the longest prefix an earlier request computed, exactly; off on the eager and graph backends); 0: off.
+        `prefix_cache_bytes`: the prefix cache's budget (`draftverify.prefix_cache`; 0: off; `use_prefix_cache`).
         """
         self.target = target
         self.feature_head = feature_head
@@ -121,7 +119,7 @@ class Engine:
         lower = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # a target loaded in lower precision computes in it
         self.arithmetic = "q8" if q8 > 0 else lower.get(self.target_runner.dtype, "fp32")
         self._methods: dict[tuple, Method] = {}
-        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
+        self.prefix_cache = PrefixCache.resized(None, prefix_cache_bytes)
         self._targets: list[Runner] = [self.target_runner]  # per batch slot
         self._drafts: list[Runner | None] = []  # per batch slot, once the draft is resolved
         if not isinstance(self._pending_draft, LazyDraft):
@@ -193,24 +191,14 @@ class Engine:
         source = LazyDraft(lambda: load_draft_source(draft, loaded, dtype=weights, device=draft_device or device))
         if draft is not None:  # a draft asked for by name is loaded now: a bad spec fails at load, not mid-request
             source = source.load()
-        return cls(
-            loaded,
-            source,
-            backend=backend,
-            feature_head=feature_head,
-            arithmetic=arithmetic,
-            prefix_cache_bytes=prefix_cache_bytes,
-        )
+        engine = cls(loaded, source, backend=backend, feature_head=feature_head, arithmetic=arithmetic)
+        engine.use_prefix_cache(prefix_cache_bytes)
+        return engine
 
     def use_prefix_cache(self, budget: int) -> None:
-        """Keep a prefix cache of `budget` bytes from now on (0: none; a budget changed keeps the entries that fit)."""
-        require(budget >= 0, f"prefix cache budget {budget} must be at least 0 bytes (0: off)")
-        if budget == 0:
-            self.prefix_cache = None
-        elif self.prefix_cache is None:
-            self.prefix_cache = PrefixCache(budget)
-        else:
-            self.prefix_cache.resize(budget)
+        """Keep a prefix cache of `budget` bytes from now on (0: none; a budget changed keeps the entries that fit:
+        a request reuses the target's keys and values of the longest prefix an earlier one computed, exactly)."""
+        self.prefix_cache = PrefixCache.resized(self.prefix_cache, budget)
 
     def describe_drafts(self) -> str:
         """One line: the draft model and the feature head in use."""

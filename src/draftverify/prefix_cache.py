@@ -63,6 +63,15 @@ class PrefixCache:
         self.hits = self.misses = self.tokens_reused = self.evictions = 0
         self._next = 0
 
+    @classmethod
+    def resized(cls, cache: PrefixCache | None, budget: int) -> PrefixCache | None:
+        """`cache` with a budget of `budget` bytes: None for 0, a new cache for None, else `cache` resized."""
+        require(budget >= 0, f"prefix cache budget {budget} must be at least 0 bytes (0: off)")
+        if budget == 0 or cache is None:
+            return cls(budget) if budget else None
+        cache.resize(budget)
+        return cache
+
     @staticmethod
     def usable(target) -> bool:
         """Whether `target`'s cached rows are the bits a fresh prefill gives (else the cache is off for it)."""
