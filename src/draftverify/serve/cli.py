@@ -137,14 +137,8 @@ def serve(
         prefix_cache_mb=prefix_cache_mb,
         **config_fields(api_key, api_key_file, cors_origin, max_tokens, strict, chat_template, keep_alive),
     )
-    engine = Engine.load(
-        target,
-        draft if loads_drafts(specs) else "none",
-        dtype=dtype,
-        device=device,
-        device_map=device_map,
-        backend=backend,
-    )
+    drafts = draft if loads_drafts(specs) else "none"
+    engine = Engine.load(target, drafts, dtype=dtype, device=device, device_map=device_map, backend=backend)
     app = create_app(engine, config)
     launch(app, host, port, log_level, ssl_certfile, ssl_keyfile)
 
