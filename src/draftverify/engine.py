@@ -24,6 +24,7 @@ from draftverify.methods import Method
 from draftverify.methods.base import Artifact
 from draftverify.methods.spec import method_class
 from draftverify.models import Runner, Shared
+from draftverify.prefix_cache import PrefixCache
 from draftverify.sampling import Sampling
 from draftverify.session import Session, Stopping
 from draftverify.stats import Stats
@@ -80,6 +81,7 @@ class Engine:
         feature_head: FeatureHead | None = None,
         shared: Shared | None = None,
         arithmetic: str = "fp32",
+        prefix_cache_bytes: int = 0,
     ):
         """`draft`: what drafts (a `loading.DraftSource`, as `load_draft_source` gives; a draft model or a feature
         head is taken as one; a `LazyDraft` is loaded when a method first drafts with it); `feature_head`: a feature
@@ -89,6 +91,7 @@ class Engine:
         The engine owns what its runners and drafters build or learn once (`shared`: packed weights, measured
         cost curves, the feature head's calibration); another engine in the same process has its own, so two
         engines never steer each other. Pass another engine's `shared` to reuse what it built and learned.
+        `prefix_cache_bytes`: the prefix cache's budget (`draftverify.prefix_cache`; 0: off; `use_prefix_cache`).
         """
         self.target = target
         self.feature_head = feature_head
@@ -116,6 +119,7 @@ class Engine:
         lower = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # a target loaded in lower precision computes in it
         self.arithmetic = "q8" if q8 > 0 else lower.get(self.target_runner.dtype, "fp32")
         self._methods: dict[tuple, Method] = {}
+        self.prefix_cache = PrefixCache.resized(None, prefix_cache_bytes)
         self._targets: list[Runner] = [self.target_runner]  # per batch slot
         self._drafts: list[Runner | None] = []  # per batch slot, once the draft is resolved
         if not isinstance(self._pending_draft, LazyDraft):
@@ -168,6 +172,7 @@ class Engine:
         draft_device: str | None = None,
         device_map: str | None = None,
         backend: str = "auto",
+        prefix_cache_bytes: int = 0,
     ) -> "Engine":
         """Load the target (a folder, a .gguf file or a known model's short name, e.g. "qwen2.5-coder-1.5b", fetched
         on first use: `loading.known`; default: SmolLM2-135M-Instruct) and a draft spec (see `loading.drafts`); with no
@@ -176,6 +181,7 @@ class Engine:
         `backend`: `auto` (the static fast path where the architecture allows, else eager),
         `static` or `eager`; see `draftverify.models.choose_backend`. `dtype`: the weights' dtype and the target's
         arithmetic (`draftverify.arithmetic`): "q8", "fp32", "bf16", "fp16" or "auto" (its default rule).
+        `prefix_cache_bytes`: the prefix cache's budget (see `__init__`; 0: off).
         """
         weights, _ = split_dtype(dtype)  # the draft's
         loaded, arithmetic = load_target(target, dtype, device, device_map, backend)
@@ -185,7 +191,14 @@ class Engine:
         source = LazyDraft(lambda: load_draft_source(draft, loaded, dtype=weights, device=draft_device or device))
         if draft is not None:  # a draft asked for by name is loaded now: a bad spec fails at load, not mid-request
             source = source.load()
-        return cls(loaded, source, backend=backend, feature_head=feature_head, arithmetic=arithmetic)
+        engine = cls(loaded, source, backend=backend, feature_head=feature_head, arithmetic=arithmetic)
+        engine.use_prefix_cache(prefix_cache_bytes)
+        return engine
+
+    def use_prefix_cache(self, budget: int) -> None:
+        """Keep a prefix cache of `budget` bytes from now on (0: none; a budget changed keeps the entries that fit:
+        a request reuses the target's keys and values of the longest prefix an earlier one computed, exactly)."""
+        self.prefix_cache = PrefixCache.resized(self.prefix_cache, budget)
 
     def describe_drafts(self) -> str:
         """One line: the draft model and the feature head in use."""
@@ -361,6 +374,7 @@ class Engine:
         m = self.method(method, preset, slot=slot, **options)
         session = Session(ids, sampling, stopping, self.target.tokenizer, streamer, on_tokens, processor=processor)
         session.stats.method = method
+        session.prefix_cache = self.prefix_cache
         session.stats.prompt_tokens = len(ids)
         if self.target_runner.device.type == "cuda":
             session.stats.sync_device = self.target_runner.device

@@ -3,8 +3,10 @@
 Every method runs `rounds(s, target, drafter)` (through `Method.rounds`): a generator that yields
 each target forward as a `backend.Feed` and is sent its `backend.Forward`. `drive` runs the forwards
 one by one for one request (`decode` is `drive` over `rounds`); `batch.Batch` stacks the forwards of
-several requests (each on its own cache) into one. The prologue prefills the prompt and emits the
-first token (the *root*: the last emitted token, which the target's cache does not hold yet).
+several requests (each on its own cache) into one. The prologue prefills the prompt (all but the
+longest prefix an earlier request left in the engine's `prefix_cache`, where the target's rows are exact in any
+forward) and emits the first token (the *root*: the last emitted token, which the target's cache does not hold yet);
+a request that ends normally leaves its prompt and reply's keys and values there.
 Then each round:
 
 1. the drafter proposes candidates after the root (`Drafter.propose` -> `Proposal`): a tree of
@@ -33,6 +35,7 @@ from draftverify.backend.feed import Feed, Forward
 from draftverify.backend.ops import argmax_rows
 from draftverify.drafters.base import Drafter
 from draftverify.models import Runner
+from draftverify.prefix_cache import keep, prefill_start
 from draftverify.sampling import sample
 from draftverify.session import Session
 from draftverify.step import Proposal, finish_step, prepare_step
@@ -60,16 +63,18 @@ def rounds(s: Session, target: Runner, drafter: Drafter | None = None) -> Rounds
     it, so that one caller runs it alone (`drive`) and another stacks several requests' forwards into one
     (`batch.Batch`). `target` is the request's own runner: its cache is the request's."""
     hidden = drafter is not None and drafter.needs_hidden
-    target.reset()
+    reused, states = prefill_start(s, target, hidden)  # a prefix held by the prefix cache is not prefilled again
     with s.stats.timer("verify"):  # the prefill: logits for the first new token, the prompt's hidden states if asked
-        first = yield Feed(s.prompt, last=1, hidden="all" if hidden else False)
+        first = yield Feed(s.prompt[reused:], last=1, hidden="all" if hidden else False)
     s.stats.target_forwards += 1
+    if hidden:
+        states = first.hidden if states is None else torch.cat([states, first.hidden])
     root = pick(first.logits[-1], s, target.device)
     if not s.emit([root]):
-        return
+        return keep(s, target, states)
     seq = s.prompt + [root]
     if drafter is not None:
-        drafter.start(s, seq, first.hidden)
+        drafter.start(s, seq, states)
     limit = target.max_length or 1 << 30
     try:
         while True:
@@ -90,7 +95,7 @@ def rounds(s: Session, target: Runner, drafter: Drafter | None = None) -> Rounds
             if s.provenance:  # the accepted drafted tokens lead the chunk; the one after them is the target's
                 s.drafted_by = drafter.sources(proposal, step) if step.accepted else []
             if not s.emit(step.tokens):
-                return
+                return keep(s, target, states)  # what the cache holds, for a later request (`prefix_cache`)
             seq += step.tokens
             root = seq[-1]
     finally:

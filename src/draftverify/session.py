@@ -46,6 +46,7 @@ class Session:
     provenance: bool = False  # have the round say who drafted the tokens it emits (`drafted_by`; serve/provenance.py)
     drafted_by: list[str] = field(default_factory=list)  # with provenance: the drafter of each of the first tokens
     # of the chunk being emitted (the accepted drafted ones); the chunk's other tokens are the target's own
+    prefix_cache: object = None  # the engine's prefix_cache.PrefixCache (None: every prompt prefilled whole)
     others: int = 0  # rows the rest of the batch fed to the last shared forward (0: decoding alone; `batch`)
     _generators: dict = field(default_factory=dict)
     _decoded: Detokenizer | None = None  # the output's text token by token, for stop strings

@@ -24,6 +24,7 @@ import torch
 class Stats:
     method: str = ""
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of prefilled (`prefix_cache`)
     new_tokens: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0

@@ -85,6 +85,21 @@ class StaticCache:
         """Per layer, the keys and values of the slots in use: [kv heads, slots, head dim] each."""
         return [(k[:, : self.length], v[:, : self.length]) for k, v in zip(self.keys, self.values)]
 
+    @torch.inference_mode()
+    def export(self, length: int) -> list[torch.Tensor]:
+        """Copies of slots 0..length-1 (length <= `self.length`): per layer the keys, then per layer the values,
+        [kv heads, length, head dim] each (the prefix cache's snapshot, `prefix_cache.PrefixCache`)."""
+        return [buf[:, :length].clone() for buf in self.keys + self.values]
+
+    @torch.inference_mode()
+    def load(self, kv: list[torch.Tensor], length: int) -> None:
+        """Hold exactly `length` slots, copied from an `export` of at least that many."""
+        self.length = 0
+        self.reserve(length)
+        for buf, saved in zip(self.keys + self.values, kv):
+            buf[:, :length].copy_(saved[:, :length])
+        self.length = length
+
 
 class EagerCache:
     """The stock model's cache (a transformers `DynamicCache`), with the length counted here: a layer skipped

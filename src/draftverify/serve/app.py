@@ -101,6 +101,7 @@ class ServeConfig:
     strict: bool = False  # refuse llama-server's fields (n_probs, cache_prompt, id_slot) as unknown too
     chat_template: str | None = None  # a Jinja chat template (its text) used instead of the model's
     keep_alive_s: float = 15.0  # a stream's `: keep-alive` comment after this many silent seconds; 0: none
+    prefix_cache_mb: int = 1024  # the engine's prefix cache budget (`draftverify.prefix_cache`); 0: off
 
     def __post_init__(self):
         require(self.methods, "no method given: pass e.g. --methods speculative")
@@ -109,6 +110,7 @@ class ServeConfig:
         require(self.prompt_part >= 0, f"prompt_part={self.prompt_part} must be at least 0 (0: prompts fed whole)")
         require(self.timeout_s > 0, f"timeout={self.timeout_s} must be positive (seconds)")
         require(self.shutdown_grace_s >= 0, f"shutdown_grace={self.shutdown_grace_s} must be at least 0 (seconds)")
+        require(self.prefix_cache_mb >= 0, f"prefix_cache_mb={self.prefix_cache_mb} must be at least 0 (0: off)")
         require(self.default_max_tokens >= 1, f"default_max_tokens={self.default_max_tokens} must be at least 1")
         access.check_access(self)
 
@@ -137,7 +139,8 @@ class Service:
             if getattr(method.config, "pool_file", None):
                 log.info("pool %s: %d phrases", method.config.pool_file, len(method.pool))
                 self.pooled.append(method)
-        self.metrics = Metrics()
+        engine.use_prefix_cache(config.prefix_cache_mb << 20)
+        self.metrics = Metrics(prefix_cache=lambda: engine.prefix_cache)
         self.scheduler = Scheduler(engine, config.max_queue, self.metrics, config.max_batch, config.prompt_part)
 
     def start(self) -> None:

@@ -78,6 +78,11 @@ SERVE_CHAT_TEMPLATE = typer.Option(
 SERVE_KEEP_ALIVE = typer.Option(
     15.0, help="Seconds of silence after which a stream sends an SSE comment ': keep-alive' (0: never)."
 )
+SERVE_PREFIX_CACHE_MB = typer.Option(
+    1024,
+    help="Budget in MiB of the prefix cache: a request reuses the keys and values of the longest prompt prefix an "
+    "earlier request computed (a chat's earlier turns), exactly; least recently used entries go first (0: off).",
+)
 
 
 def serve(
@@ -108,6 +113,7 @@ def serve(
     strict: bool = SERVE_STRICT,
     chat_template: Optional[Path] = SERVE_CHAT_TEMPLATE,
     keep_alive: float = SERVE_KEEP_ALIVE,
+    prefix_cache_mb: int = SERVE_PREFIX_CACHE_MB,
 ):
     """Serve the target behind an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming,
     /metrics)."""
@@ -128,16 +134,11 @@ def serve(
         shutdown_grace_s=shutdown_grace,
         default_max_tokens=default_max_tokens,
         pool_file=pool_file,
+        prefix_cache_mb=prefix_cache_mb,
         **config_fields(api_key, api_key_file, cors_origin, max_tokens, strict, chat_template, keep_alive),
     )
-    engine = Engine.load(
-        target,
-        draft if loads_drafts(specs) else "none",
-        dtype=dtype,
-        device=device,
-        device_map=device_map,
-        backend=backend,
-    )
+    drafts = draft if loads_drafts(specs) else "none"
+    engine = Engine.load(target, drafts, dtype=dtype, device=device, device_map=device_map, backend=backend)
     app = create_app(engine, config)
     launch(app, host, port, log_level, ssl_certfile, ssl_keyfile)
 

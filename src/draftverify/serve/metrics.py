@@ -6,7 +6,9 @@ something was drafted (unknown is not 0). The acceptance counters follow what ot
 read (vLLM's `spec_decode_num_accepted_tokens_per_pos`): drafted and accepted tokens per method, and
 per draft position how many verifications accepted a token there, so
 `accepted_at_position_total{position="k"} / verifications_total` is the rate at which the k-th drafted
-token is accepted. Each app has a registry of its own (two apps in one process never mix counters).
+token is accepted. The engine's prefix cache (`draftverify.prefix_cache`) is read when scraped: requests that reused
+a cached prefix (hits) or found none (misses), prompt tokens reused, evictions, and the bytes and entries held. Each
+app has a registry of its own (two apps in one process never mix counters).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from draftverify.stats import Stats
 
@@ -33,7 +35,8 @@ class Metrics:
     """The server's counters in a registry of their own (prometheus_client's metrics are thread-safe: the request
     handlers and the decoding thread both write)."""
 
-    def __init__(self):
+    def __init__(self, prefix_cache=lambda: None):
+        """`prefix_cache`: gives the engine's `PrefixCache` when scraped (None: no prefix cache, no counters)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.state = {"queue_depth": 0, "queue_capacity": 0, "busy": 0}  # read when scraped (`render`)
         self.totals: dict[str, dict[str, float]] = {}  # method -> {drafted, accepted, new_tokens, forwards}
@@ -64,6 +67,7 @@ class Metrics:
         ):
             Gauge(f"draftverify_{name}", help_, registry=self.registry).set_function(lambda n=name: self.state[n])
         self.registry.register(_Ratios(self))
+        self.registry.register(_PrefixCounters(prefix_cache))
 
     def request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()
@@ -116,6 +120,39 @@ class _Ratios:
                 per_forward.add_metric([method], t["new_tokens"] / t["forwards"])
         yield rate
         yield per_forward
+
+    def describe(self):
+        return []
+
+
+PREFIX_COUNTERS = {  # PrefixCache counter -> (metric name, help)
+    "hits": ("prefix_cache_hits", "Requests that reused a cached prefix of their prompt."),
+    "misses": ("prefix_cache_misses", "Requests that found no cached prefix (their whole prompt prefilled)."),
+    "tokens_reused": ("prefix_cache_reused_tokens", "Prompt tokens taken from the prefix cache, not prefilled."),
+    "evictions": ("prefix_cache_evictions", "Prefix cache entries dropped to stay within the budget."),
+}
+PREFIX_GAUGES = {
+    "nbytes": ("prefix_cache_bytes", "Bytes the prefix cache holds."),
+    "entries": ("prefix_cache_entries", "Prefixes the prefix cache holds."),
+    "budget": ("prefix_cache_budget_bytes", "The prefix cache's budget in bytes (--prefix-cache-mb)."),
+}
+
+
+class _PrefixCounters:
+    """The engine's prefix cache counters, read when scraped; absent while the engine keeps no prefix cache."""
+
+    def __init__(self, prefix_cache):
+        self.prefix_cache = prefix_cache
+
+    def collect(self):
+        cache = self.prefix_cache()
+        if cache is None:
+            return
+        values = {**cache.counters(), "budget": cache.budget}
+        for key, (name, help_) in PREFIX_COUNTERS.items():
+            yield CounterMetricFamily(f"draftverify_{name}", help_, value=values[key])
+        for key, (name, help_) in PREFIX_GAUGES.items():
+            yield GaugeMetricFamily(f"draftverify_{name}", help_, value=values[key])
 
     def describe(self):
         return []
