@@ -194,7 +194,7 @@ def test_a_lengthened_drafter_stays_exact_and_uses_its_suffixes(tiny, arch):
 
 LAYERS = [  # docs/architecture.md, lowest first: a module imports from its own layer and those before it
     {"util", "errors", "cli_options", "prompt_files", "machine"},
-    {"session", "detokenize", "stats", "sampling", "logits", "constraints"},
+    {"session", "detokenize", "stats", "sampling", "logits", "constraints", "prefix_cache"},
     {"kernels", "backend", "loading", "models", "costs", "feature_head", "feature_head_cache", "arithmetic"},
     {"verify", "tree", "step"},
     {"drafters", "policies"},  # drafters/ holds the per-method helpers: pool, skipsets, head
