@@ -11,6 +11,9 @@ from typing import Optional
 
 import typer
 
+from draftverify.cli_options import backend_option, device_option, draft_option, dtype_option, target_option
+from draftverify.serve.cli import SERVE_DEFAULT_MAX_TOKENS, SERVE_MODEL_NAME, SERVE_TIMEOUT
+
 REPLICAS = typer.Option(2, help="Engine replicas, each a Ray actor with its own model copy.")
 NUM_CPUS = typer.Option(
     1.0, help="CPUs Ray reserves per replica (fractions allowed, e.g. 0.5); also its torch threads (at least 1)."
@@ -21,21 +24,13 @@ ADDRESS = typer.Option(
     "Default: start a local cluster in this process.",
 )
 CLUSTER_CPUS = typer.Option(None, help="CPUs of the local cluster (default: all).")
-TARGET = typer.Option(None, "--target", "-t", help="Target model: a local HF folder or a .gguf file (default model).")
-DRAFT = typer.Option(None, "--draft", "-d", help="Draft spec for the methods that need one, as in `draftverify serve`.")
 METHODS = typer.Option("auto", "--methods", "-m", help="Methods to load, comma-separated; the first is the default.")
 HOST = typer.Option("127.0.0.1", help="Address Ray Serve's HTTP proxy listens on.")
 PORT = typer.Option(8000, help="Port Ray Serve's HTTP proxy listens on.")
-MODEL_NAME = typer.Option(None, help='The model id clients send as "model" (default: the target\'s name).')
 MAX_QUEUE = typer.Option(16, help="Requests that may wait per replica; more get 429.")
 MAX_BATCH = typer.Option(8, help="Requests a replica decodes together.")
-TIMEOUT = typer.Option(600.0, help="Seconds a request may take; later it is cut off (504).")
 SHUTDOWN_GRACE = typer.Option(30.0, help="Seconds a stopping replica's generations may go on.")
-DEFAULT_MAX_TOKENS = typer.Option(256, help="New tokens when a request gives no max_tokens.")
 POOL_FILE = typer.Option(None, help="Phrase pool file; each replica must have its own path.")
-DTYPE = typer.Option("auto", help="Weights dtype: auto, fp32, bf16 or fp16.")
-DEVICE = typer.Option("auto", help="Device: auto, cpu, cuda or cuda:N.")
-BACKEND = typer.Option("auto", help="Forward path: auto, static or eager.")
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -46,21 +41,21 @@ def ray_serve(
     num_cpus: float = NUM_CPUS,
     address: Optional[str] = ADDRESS,
     cluster_cpus: Optional[float] = CLUSTER_CPUS,
-    target: Optional[str] = TARGET,
-    draft: Optional[str] = DRAFT,
+    target: Optional[str] = target_option(),
+    draft: Optional[str] = draft_option("Draft model for the methods that need one"),
     methods: str = METHODS,
     host: str = HOST,
     port: int = PORT,
-    model_name: Optional[str] = MODEL_NAME,
+    model_name: Optional[str] = SERVE_MODEL_NAME,
     max_queue: int = MAX_QUEUE,
     max_batch: int = MAX_BATCH,
-    timeout: float = TIMEOUT,
+    timeout: float = SERVE_TIMEOUT,
     shutdown_grace: float = SHUTDOWN_GRACE,
-    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    default_max_tokens: int = SERVE_DEFAULT_MAX_TOKENS,
     pool_file: Optional[Path] = POOL_FILE,
-    dtype: str = DTYPE,
-    device: str = DEVICE,
-    backend: str = BACKEND,
+    dtype: str = dtype_option(),
+    device: str = device_option(),
+    backend: str = backend_option(),
 ):
     options = dict(locals())  # the options, before anything else is named here
     from draftverify.errors import DraftVerifyError
