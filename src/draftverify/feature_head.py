@@ -55,14 +55,15 @@ class HeadConfig:
     target: dict  # Loaded.identity of the target it was trained for
 
     @classmethod
-    def for_target(cls, target, vocab: list[int]) -> "HeadConfig":
+    def for_target(cls, target, vocab: list[int], width: int | None = None) -> "HeadConfig":
+        """The head's shapes for `target`: its attention's and norms', an MLP `width` wide (None: the target's)."""
         c = target.model.config
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         theta = getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         return cls(
             c.hidden_size,
-            c.intermediate_size,
+            width or c.intermediate_size,
             heads,
             getattr(c, "num_key_value_heads", heads),
             head_dim,
@@ -168,15 +169,16 @@ class FeatureHead(nn.Module):
         return fast(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 
     def init_from(self, target, layer: int = -1) -> None:
-        """Start from a target decoder layer's weights (a better start than random: same feature space)."""
+        """Start from a target decoder layer's weights (a better start than random: same feature space); a narrower
+        MLP starts from the layer's first units."""
         src = target.model.get_decoder().layers[layer]
-        a, m = src.self_attn, src.mlp
+        a, m, width = src.self_attn, src.mlp, self.config.intermediate_size
         with torch.no_grad():
             self.q.weight.copy_(a.q_proj.weight)
             self.kv.weight.copy_(torch.cat([a.k_proj.weight, a.v_proj.weight]))
             self.o.weight.copy_(a.o_proj.weight)
-            self.gate_up.weight.copy_(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-            self.down.weight.copy_(m.down_proj.weight)
+            self.gate_up.weight.copy_(torch.cat([m.gate_proj.weight[:width], m.up_proj.weight[:width]]))
+            self.down.weight.copy_(m.down_proj.weight[:, :width])
             self.norm_in.weight.copy_(src.input_layernorm.weight)
             self.norm_post.weight.copy_(src.post_attention_layernorm.weight)
             self.norm_out.weight.copy_(target.model.get_decoder().norm.weight)

@@ -30,7 +30,7 @@ from draftverify.prompt_files import read_prompts
 from draftverify.tools.make_draft.data import load_checked
 from draftverify.tools.make_draft.feature_card import model_card
 from draftverify.tools.make_draft.feature_losses import acceptance, batches, frequent_vocab, head_losses, padded
-from draftverify.tools.make_draft.feature_settings import SAVE_DTYPES, TRAINING_KEYS, HeadTraining
+from draftverify.tools.make_draft.feature_settings import SAVE_DTYPES, TRAINING_KEYS, HeadTraining, head_width
 from draftverify.tools.make_draft.features import FeatureCache, FeaturePlan, Sequence
 from draftverify.util import atomic_path, atomic_write, eos_ids
 
@@ -130,7 +130,11 @@ def start_run(
         vocab = state["vocab"]
     else:
         vocab = list(start.config.vocab) if start else frequent_vocab(data.train, config.vocab, eos_ids(target))
-    head = FeatureHead(HeadConfig.for_target(target, vocab))
+    if state:
+        width = state["weights"]["down.weight"].shape[1]
+    else:
+        width = start.config.intermediate_size if start else head_width(target.model.config, config.width)
+    head = FeatureHead(HeadConfig.for_target(target, vocab, width))
     head.bind(target)
     head.float()
     if state:
