@@ -21,8 +21,9 @@ def weight(
     """Random codes and scales; `centre` c: M = -c D (a type with signed codes), which the kernel folds into I;
     `half`: scales exact in fp16 (as Q4_0..Q8_0's are), which the kernel's tiles keep in fp16."""
     g = torch.Generator().manual_seed(seed)
-    top = {"u4": 16, "u5": 32}.get(layout, 256)
-    layout = "u8" if layout == "u5" else layout  # u5: u8 codes below 32 (Q5_*), which `prepare` packs in 5 bits
+    top = {"u4": 16, "u5": 32, "u6": 64}.get(layout, 256)
+    # u5: u8 codes below 32 (Q5_*), which `prepare` packs in 5 bits; u6: below 64 (Q6_K), multiplied unsplit on AVX2
+    layout = "u8" if layout in ("u5", "u6") else layout
     q = torch.randint(0, top, (out, k), generator=g, dtype=torch.int32).to(torch.uint8)
     if layout == "u4":
         c = q.view(out, k // 32, 2, 16)
@@ -44,7 +45,8 @@ def activations(rows: int, k: int, seed: int = 1) -> torch.Tensor:
 
 
 CASES = [("u4", 32, 576), ("u4", 16, 576), ("u8", 32, 256), ("u8", 16, 320), ("u5", 32, 576), ("u5", 16, 320)]
-CENTRES = {"u4": 8, "u8": 128, "u5": 16}  # Q4_0's, Q8_0's and Q5_0's
+CASES += [("u6", 32, 576), ("u6", 16, 320)]
+CENTRES = {"u4": 8, "u8": 128, "u5": 16, "u6": 32}  # Q4_0's, Q8_0's, Q5_0's and Q6_K's
 
 
 @needs_kernels
@@ -65,11 +67,12 @@ def test_kernel_matches_reference_bit_for_bit(layout, sub, k, centred, half):
 @needs_kernels
 @pytest.mark.parametrize("layout,sub,k", CASES)
 def test_the_largest_codes_times_the_largest_activations_are_exact(layout, sub, k):
-    """Every code at its largest (15, 31 or 255) times activations that round to +-127 everywhere: the integer sums
+    """Every code at its largest (15, 31, 63 or 255) times activations that round to +-127 everywhere: the integer sums
     at their bounds. AVX2's maddubs adds pairs of products in int16, and the kernel adds a half block's pairs in
-    int16 before widening them (4 x 2 x 31 x 127 = 31496 < 32767): a wider sum would saturate, and differ here."""
+    int16 before widening them (4 x 2 x 31 x 127 = 31496 < 32767; codes below 64: two chunks' pairs, 32004): a wider
+    sum would saturate, and differ here."""
     w = weight(layout, sub, 32, k)
-    w.codes.fill_(0xFF if layout == "u4" else {"u5": 31}.get(layout, 255))
+    w.codes.fill_(0xFF if layout == "u4" else {"u5": 31, "u6": 63}.get(layout, 255))
     x = torch.ones(4, k)
     x[1] = -1.0
     x[2, ::2] = -1.0  # alternating signs: pairs of products that cancel
@@ -104,8 +107,10 @@ def test_tiles_in_an_arena_are_the_same_tiles_on_2mb_aligned_buffers(monkeypatch
         assert torch.equal(placed.codes, alone.codes) and torch.equal(placed.d, alone.d)
         assert torch.equal(placed.m, alone.m)
         assert all(t.data_ptr() % 64 == 0 for t in (placed.codes, placed.d) if t.numel())
-        base = placed.codes.untyped_storage().data_ptr()
-        firsts[base] = min(firsts.get(base, placed.codes.data_ptr()), placed.codes.data_ptr())
+        for t in (placed.codes, placed.d, placed.m):  # a new buffer may begin with any of the three
+            if t.numel():
+                base = t.untyped_storage().data_ptr()
+                firsts[base] = min(firsts.get(base, t.data_ptr()), t.data_ptr())
         if w.shape[1] == 576:
             assert torch.equal(q8k.matmul(placed, x), q8k.matmul(alone, x))
     assert len(firsts) > 1  # the first buffer filled up

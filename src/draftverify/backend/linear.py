@@ -160,6 +160,7 @@ PRODUCTS_Q8: dict[str, tuple[str, range]] = {
     "u4": ("q8", range(1, 1 << 62)),
     "u8": ("q8", range(1, 1 << 62)),
     "u5": ("q8", range(1, 1 << 62)),  # the q8 tiles of u8 codes below 32 (`kernels.q8.prepare`)
+    "u6": ("q8", range(1, 1 << 62)),  # and of u8 codes below 64
 }
 PRODUCT_TABLES = {"fp32": PRODUCTS, "q8": PRODUCTS_Q8}  # arithmetic -> its table (`arithmetic.ARITHMETICS`)
 

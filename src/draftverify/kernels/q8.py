@@ -25,7 +25,9 @@ import torch
 from draftverify.kernels.blocks import PackedWeight
 
 CODE_LAYOUTS = ("u4", "u8")
-TILE_LAYOUTS = {"u4": 0, "u8": 1, "u5": 2}  # csrc/products_q8.cpp's `Layout` (u5: u8 codes below 32, in 5 bits)
+# csrc/products_q8.cpp's `Layout` (u5: u8 codes below 32, in 5 bits; u6: u8 codes below 64, Q6_K's, in bytes, which
+# AVX2 multiplies without splitting them into nibbles)
+TILE_LAYOUTS = {"u4": 0, "u8": 1, "u5": 2, "u6": 3}
 
 
 def supports(w: PackedWeight) -> bool:
@@ -58,8 +60,8 @@ TILE = 16  # outputs a tile: one int8 dot-product instruction's int32 lanes on A
 @dataclass(frozen=True)
 class Q8Weight:
     """A PackedWeight's codes and scales in the q8 kernel's tiles (csrc/products_q8.cpp's header): `layout` "u4",
-    "u8", or "u5" (u8 codes all below 32: nibbles and a bit plane, 5 bits a weight); `codes` uint8 [tiles, tile
-    bytes]; `d` (and `m`) [tiles, in / sub, 16], fp16 where every scale is exact in fp16 (the Q4_0..Q8_0 types:
+    "u8", "u5" (u8 codes all below 32: nibbles and a bit plane, 5 bits a weight) or "u6" (u8 codes below 64, as
+    bytes); `codes` uint8 [tiles, tile bytes]; `d` (and `m`) [tiles, in / sub, 16], fp16 where every scale is exact in fp16 (the Q4_0..Q8_0 types:
     their scales are the file's fp16 values), else fp32; `centre` c >= 0 when M = -c D everywhere (then `m` is
     empty), else -1. `type_name`, `shape` and `sub` are the PackedWeight's."""
 
@@ -87,7 +89,7 @@ def centre(w: PackedWeight) -> int:
     return int(c) if bool(torch.equal(m, d * -c)) else -1
 
 
-BLOCK_BYTES = {"u4": 256, "u8": 512, "u5": 320}  # bytes of 32 k of a tile (csrc/products_q8.cpp `block_bytes`)
+BLOCK_BYTES = {"u4": 256, "u8": 512, "u5": 320, "u6": 512}  # bytes of 32 k of a tile (csrc/products_q8.cpp `block_bytes`)
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # linux/mman.h
 
@@ -148,7 +150,10 @@ def prepare(w: PackedWeight, arena: TileArena | None = None) -> Q8Weight:
         raise ValueError("q8.prepare needs the compiled kernels: multiply the PackedWeight with q8.matmul instead")
     out, k = w.shape
     tiles = -(-out // TILE)
-    layout = "u5" if w.layout == "u8" and int(w.codes.max()) < 32 else w.layout  # Q5_0 / Q5_1 / Q5_K: 5 bits
+    layout = w.layout
+    if w.layout == "u8":  # Q5_0 / Q5_1 / Q5_K: 5 bits; Q6_K: 6
+        top = int(w.codes.max())
+        layout = "u5" if top < 32 else "u6" if top < 64 else "u8"
     nbytes = tiles * (k // 32) * BLOCK_BYTES[layout]
     flat = (arena.take(nbytes) if arena is not None else torch.empty(nbytes, dtype=torch.uint8)).view(tiles, -1)
     kernels.q8_repack(w.codes.contiguous(), TILE_LAYOUTS[w.layout], TILE_LAYOUTS[layout], out, k, flat)

@@ -181,6 +181,7 @@ TilesFn pick_centred(bool centred, bool half) { return centred ? pick_scales<L, 
 TilesFn pick(int64_t layout, int64_t sub, bool centred, bool half) {
   if (layout == U4) return sub == 16 ? pick_centred<U4, 16>(centred, half) : pick_centred<U4, 32>(centred, half);
   if (layout == U5) return sub == 16 ? pick_centred<U5, 16>(centred, half) : pick_centred<U5, 32>(centred, half);
+  if (layout == U6) return sub == 16 ? pick_centred<U6, 16>(centred, half) : pick_centred<U6, 32>(centred, half);
   return sub == 16 ? pick_centred<U8, 16>(centred, half) : pick_centred<U8, 32>(centred, half);
 }
 }  // namespace
@@ -193,13 +194,13 @@ bool vnni() {
 #endif
 }
 
-// A weight as q8_linear takes it, checked: layout 0 (u4), 1 (u8) or 2 (u5); sub 16 or 32; codes uint8 in tiles (top of
+// A weight as q8_linear takes it, checked: layout 0 (u4), 1 (u8), 2 (u5) or 3 (u6); sub 16 or 32; codes uint8 in tiles (top of
 // this file) for N outputs of K inputs; d, m [tiles, K / sub, 16], both float32 or both float16 (m empty when
 // centre >= 0: M = -centre D); bias [N], or empty or undefined (none).
 dv::Q8Weight dv::q8_weight(int64_t layout, int64_t sub, int64_t N, const at::Tensor& codes, const at::Tensor& d,
                            const at::Tensor& m, int64_t centre, const at::Tensor& bias, int64_t K) {
-  TORCH_CHECK((layout == U4 || layout == U8 || layout == U5) && (sub == 16 || sub == 32),
-              "q8_linear: layout 0 (u4), 1 (u8) or 2 (u5), sub 16 or 32");
+  TORCH_CHECK((layout == U4 || layout == U8 || layout == U5 || layout == U6) && (sub == 16 || sub == 32),
+              "q8_linear: layout 0 (u4), 1 (u8), 2 (u5) or 3 (u6), sub 16 or 32");
   const int64_t tiles = (N + 15) / 16;
   TORCH_CHECK(K % 32 == 0 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.numel() == tiles * (K / 32) * block_bytes(static_cast<int>(layout)),
@@ -258,13 +259,13 @@ at::Tensor q8_linear(at::Tensor x, int64_t layout, int64_t sub, int64_t N, at::T
 }
 
 // A block weight's codes (blocks.py's layouts: u4, byte j of each 32 k holding q_j | q_{j+16} << 4; u8, a byte a
-// code) for N outputs of K, rewritten in the tiles of the top of this file for `layout` 0 (u4), 1 (u8) or 2 (u5:
-// u8 codes below 32, which the caller has checked), written into `out` (uint8 [tiles, tile bytes], contiguous: the
+// code) for N outputs of K, rewritten in the tiles of the top of this file for `layout` 0 (u4), 1 (u8), 2 (u5:
+// u8 codes below 32) or 3 (u6: u8 codes below 64; the caller has checked the codes' range), written into `out` (uint8 [tiles, tile bytes], contiguous: the
 // caller places it, kernels/q8.py `TileArena`), the last tile padded with zero codes. A byte shuffle: the codes are
 // not changed, only placed.
 void q8_repack(at::Tensor codes, int64_t from, int64_t layout, int64_t N, int64_t K, at::Tensor out) {
-  TORCH_CHECK((from == U4 || from == U8) && (layout == U4 || layout == U8 || layout == U5) && (layout == U4) == (from == U4),
-              "q8_repack: u4 codes go to u4 tiles, u8 codes to u8 or u5 tiles");
+  TORCH_CHECK((from == U4 || from == U8) && layout >= U4 && layout <= U6 && (layout == U4) == (from == U4),
+              "q8_repack: u4 codes go to u4 tiles, u8 codes to u8, u5 or u6 tiles");
   const int64_t row_bytes = from == U4 ? K / 2 : K;
   TORCH_CHECK(K % 32 == 0 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == N * row_bytes,
               "q8_repack: codes must be uint8 [N, K / 2] (u4) or [N, K] (u8), K a multiple of 32");
@@ -292,7 +293,7 @@ void q8_repack(at::Tensor codes, int64_t from, int64_t layout, int64_t N, int64_
         for (int64_t b = 0; b < blocks; ++b) {
           uint8_t* blk = dst + t * tile_bytes + b * block_bytes(L);
           const uint8_t* qb = q.data() + 32 * b;
-          if (L == U8) {
+          if (L == U8 || L == U6) {
             for (int g = 0; g < 8; ++g) std::memcpy(blk + 64 * g + 4 * o, qb + 4 * g, 4);
             continue;
           }

@@ -14,7 +14,7 @@ namespace {
 template <int L>
 inline void half_codes(const uint8_t* ct, int64_t b, int h, Q::I* w) {
   const uint8_t* block = ct + b * block_bytes(L);
-  if constexpr (L == U8) {
+  if constexpr (L == U8 || L == U6) {
     for (int g = 0; g < 4; ++g) w[g] = Q::load(block + (4 * h + g) * 64);
   } else {
     for (int j = 0; j < 2; ++j) {
@@ -28,8 +28,9 @@ inline void half_codes(const uint8_t* ct, int64_t b, int h, Q::I* w) {
 // Asks for the codes of half h of block b of the tile at ct (a prefetch: never faults, so past the last tile too).
 template <int L>
 inline void prefetch_half(const uint8_t* ct, int64_t b, int h) {
-  const char* half = reinterpret_cast<const char*>(ct + b * block_bytes(L)) + h * (L == U8 ? 256 : 128);
-  for (int line = 0; line < (L == U8 ? 4 : 2); ++line) _mm_prefetch(half + 64 * line, _MM_HINT_T0);
+  constexpr bool bytes = L == U8 || L == U6;
+  const char* half = reinterpret_cast<const char*>(ct + b * block_bytes(L)) + h * (bytes ? 256 : 128);
+  for (int line = 0; line < (bytes ? 4 : 2); ++line) _mm_prefetch(half + 64 * line, _MM_HINT_T0);
   if constexpr (L == U5) _mm_prefetch(reinterpret_cast<const char*>(ct + b * block_bytes(L) + 256), _MM_HINT_T0);
 }
 

@@ -8,11 +8,12 @@
 #include <cstring>
 
 namespace {
-enum Layout : int64_t { U4 = 0, U8 = 1, U5 = 2 };
+enum Layout : int64_t { U4 = 0, U8 = 1, U5 = 2, U6 = 3 };
 
-// Bytes of one block of 32 k of a tile: 16 outputs x 32 codes as nibbles (u4), bytes (u8), or nibbles then one
-// high bit each (u5: per chunk of 8 k, 16 bytes, output o's byte holding bit 4 of its codes k = 8 j + i as bit i).
-constexpr int64_t block_bytes(int L) { return L == U4 ? 256 : L == U8 ? 512 : 320; }
+// Bytes of one block of 32 k of a tile: 16 outputs x 32 codes as nibbles (u4), bytes (u8; u6: bytes of codes below
+// 64, Q6_K's, which AVX2 multiplies without splitting them), or nibbles then one high bit each (u5: per chunk of 8 k,
+// 16 bytes, output o's byte holding bit 4 of its codes k = 8 j + i as bit i).
+constexpr int64_t block_bytes(int L) { return L == U4 ? 256 : L == U8 || L == U6 ? 512 : 320; }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // 16 int32 / float lanes in one register; codes of a chunk in one register.
@@ -78,8 +79,8 @@ struct Q {
     lo = {add_high(lo.a, a, bit), add_high(lo.b, b, bit)};
     hi = {add_high(hi.a, a, bit_hi), add_high(hi.b, b, bit_hi)};
   }
-  // Lane j: sum of 4 codes (u8) x 4 activations (s8). maddubs adds pairs in int16 with saturation: codes <= 31 keep a
-  // pair within 2 * 31 * 127, so u8 codes are split into nibbles.
+  // Lane j: sum of 4 codes (u8) x 4 activations (s8). maddubs adds pairs in int16 with saturation: codes <= 63 keep a
+  // pair within 2 * 63 * 127, so only u8 codes are split into nibbles.
   template <int L> static __m256i dot8(__m256i w, __m256i x) {
 #if defined(__AVXVNNI__)
     return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
@@ -115,6 +116,21 @@ struct Q {
       }
       return I{_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones)};
     };
+    if constexpr (L == U6) {  // codes <= 63: two chunks' pairs add in int16 (at most 2 * 2 * 63 * 127 = 32004)
+      __m256i a[2], b[2];
+      for (int half = 0; half < 2; ++half) {
+        a[half] = b[half] = _mm256_setzero_si256();
+        for (int g = 2 * half; g < 2 * half + 2; ++g) {
+          int32_t v;
+          std::memcpy(&v, x + 4 * g, 4);
+          const __m256i xg = _mm256_set1_epi32(v);
+          a[half] = _mm256_add_epi16(a[half], _mm256_maddubs_epi16(w[g].a, xg));
+          b[half] = _mm256_add_epi16(b[half], _mm256_maddubs_epi16(w[g].b, xg));
+        }
+      }
+      return add(acc, {_mm256_add_epi32(_mm256_madd_epi16(a[0], ones), _mm256_madd_epi16(a[1], ones)),
+                       _mm256_add_epi32(_mm256_madd_epi16(b[0], ones), _mm256_madd_epi16(b[1], ones))});
+    }
     if constexpr (L != U8) return add(acc, pairs([](__m256i c) { return c; }));
     const I lo = pairs([](__m256i c) { return lo4(c); }), hi = pairs([](__m256i c) { return hi4(c); });
     return add(acc, {_mm256_add_epi32(lo.a, _mm256_slli_epi32(hi.a, 4)), _mm256_add_epi32(lo.b, _mm256_slli_epi32(hi.b, 4))});
