@@ -214,3 +214,34 @@ def test_a_whole_build_on_a_tiny_model(tiny, root, tmp_path):
     ids = engine.encode("apple river 3")
     ar = engine.generate(ids, method="autoregressive", max_new_tokens=12, eos_token_id=[])
     assert engine.generate(ids, method="specdec-pp", max_new_tokens=12, eos_token_id=[]).tokens == ar.tokens
+
+
+def test_every_shipped_build_is_whole_and_within_the_package_budget():
+    """Each target's drafts in the package (`assets/drafts/<target key>/<arithmetic>/`): every artifact its manifest
+    lists exists and loads (a feature head, an acceptance head's tensors, a skip set), and what they point at,
+    together per target, stays within 40 MB."""
+    from safetensors import safe_open
+
+    from draftverify.feature_head import is_feature_head
+    from draftverify.util import same_weights
+
+    targets = [p for p in store.SHIPPED_ROOT.iterdir() if p.is_dir()]
+    assert targets
+    for target in targets:
+        files: set = set()
+        for folder in (p for p in target.iterdir() if p.is_dir()):
+            manifest = store.read_manifest(folder)
+            assert manifest is not None, folder
+            for kind, relative in manifest["artifacts"].items():
+                path = (folder / relative).resolve()
+                assert path.exists(), (folder, kind)
+                if kind == "head":
+                    head = FeatureHead.load(path)
+                    assert is_feature_head(path) and same_weights(head.config.target, manifest["target"])
+                elif kind == "acceptance":
+                    with safe_open(str(path), "pt") as f:
+                        assert list(f.keys())
+                else:
+                    assert json.loads(path.read_text())
+                files |= set(path.rglob("*")) if path.is_dir() else {path}
+        assert sum(f.stat().st_size for f in files if f.is_file()) <= 40e6, target.name
