@@ -38,13 +38,13 @@ def engine(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture
-def sizes(monkeypatch):
-    """The rows each member fed to each stacked forward, in member order."""
+def fed(monkeypatch):
+    """Per stacked forward, {runner: the rows it fed}, in member order."""
     found, spied = [], batch_module.forward_many
     monkeypatch.setattr(
         batch_module,
         "forward_many",
-        lambda runners, feeds: found.append([f.size for f in feeds]) or spied(runners, feeds),
+        lambda runners, feeds: found.append({r: f.size for r, f in zip(runners, feeds)}) or spied(runners, feeds),
     )
     return found
 
@@ -57,9 +57,9 @@ def give_curve(engine: Engine, costs: dict | None) -> None:
         engine.shared.curves[runner.model] = {(runner.backend, runner.draft, True, TREE_WIDTHS): Curve(costs, 0)}
 
 
-def decode_together(engine: Engine, batch: Batch, requests: list, long: list[int]) -> list:
-    """Start `requests` ((prompt, method, new tokens)), one step for their prefills, then add the long prompt (2 new
-    tokens) and step to the end; returns every request's output, the long prompt's last."""
+def decode_together(engine: Engine, batch: Batch, requests: list, *longs: list[int]) -> list:
+    """Start `requests` ((prompt, method, new tokens)), one step for their prefills, then add the long prompts (2 new
+    tokens each) and step to the end; returns every request's output, the long prompts' last."""
     sessions = []
 
     def join(prompt, method, n):
@@ -71,21 +71,27 @@ def decode_together(engine: Engine, batch: Batch, requests: list, long: list[int
     for request in requests:
         join(*request)
     batch.step()
-    join(long, "autoregressive", 2)
+    for long in longs:
+        join(long, "autoregressive", 2)
     while batch.members:
         assert all(m.error is None for m in batch.step())
     return [s.output for s in sessions]
 
 
-def prompt_steps(sizes: list[list[int]], length: int) -> list[tuple[int, int]]:
-    """(the long prompt's rows, the others' rows) of each step that fed the prompt (the last member, added last)."""
-    steps, fed = [], 0
-    for row in sizes[1:]:
-        if fed == length:
-            break
-        fed += row[-1]
-        steps.append((row[-1], sum(row[:-1])))
-    assert fed == length
+def alone(engine: Engine, requests: list, *longs: list[int]) -> list:
+    """What `decode_together` gives, each request decoded alone."""
+    outputs = [engine.generate(p, method=m, max_new_tokens=n, eos_token_id=[]).tokens for p, m, n in requests]
+    return outputs + [engine.generate(long, method="autoregressive", max_new_tokens=2).tokens for long in longs]
+
+
+def prompt_steps(fed: list[dict], runner, length: int) -> list[tuple[int, int]]:
+    """(rows of `runner`'s prompt, the others' rows) of each step that fed some of that prompt, `length` rows."""
+    steps, done = [], 0
+    for row in fed:
+        if runner in row and done < length:
+            done += row[runner]
+            steps.append((row[runner], sum(row.values()) - row[runner]))
+    assert done == length
     return steps
 
 
@@ -97,16 +103,16 @@ def test_rows_within_prices_the_whole_forward():
     assert rows_within(COSTS, 0, 100.0, 512) == 512  # beyond the widest width the table goes on linearly
 
 
-def test_a_long_prompt_takes_what_the_budget_leaves_beside_the_others_rows(engine, sizes):
+def test_a_long_prompt_takes_what_the_budget_leaves_beside_the_others_rows(engine, fed):
     give_curve(engine, COSTS)
     loop = [5, 6, 7, 8] * 4
     requests = [([9, 4, 9], "autoregressive", 4), ([3, 4, 5], "autoregressive", 8)]
     requests += [(loop, "prompt-lookup", 40), (loop[1:], "prompt-lookup", 40), ([11, 12], "autoregressive", 40)]
     long = [(7 * i + 3) % 60 + 2 for i in range(150)]
-    outputs = decode_together(engine, Batch(prompt_part=512, max_gap_s=BUDGET), requests, long)
-    alone = [engine.generate(p, method=m, max_new_tokens=n, eos_token_id=[]).tokens for p, m, n in requests]
-    assert outputs == alone + [engine.generate(long, method="autoregressive", max_new_tokens=2).tokens]
-    steps = prompt_steps(sizes, len(long))
+    assert decode_together(engine, Batch(prompt_part=512, max_gap_s=BUDGET), requests, long) == alone(
+        engine, requests, long
+    )
+    steps = prompt_steps(fed, engine.slot(len(requests))[0], len(long))
     rest = len(long)
     for part, others in steps:
         assert part == (rest if rest <= 18 else min(max(LEAST_PART, rows_within(COSTS, others, BUDGET, 512)), rest - 1))
@@ -116,14 +122,32 @@ def test_a_long_prompt_takes_what_the_budget_leaves_beside_the_others_rows(engin
     assert len({part for part, _ in steps}) > 2  # the parts grow as the others leave
 
 
-def test_without_a_curve_parts_are_fixed_and_without_a_budget_the_cap(engine, sizes):
+def test_prompts_waiting_together_take_turns_within_the_budget(engine, fed):
+    """The first long prompt in line gets the step's room; the second waits (is in no forward) until the first's
+    prompt is done, then gets the room beside the first's decoding."""
+    give_curve(engine, COSTS)
+    requests = [([9, 4, 9], "autoregressive", 30), ([3, 4, 5], "autoregressive", 30)]
+    first, second = [(7 * i + 3) % 60 + 2 for i in range(100)], [(5 * i + 1) % 60 + 2 for i in range(80)]
+    batch = Batch(prompt_part=512, max_gap_s=BUDGET)
+    assert decode_together(engine, batch, requests, first, second) == alone(engine, requests, first, second)
+    one, two = (engine.slot(len(requests) + i)[0] for i in (0, 1))
+    ones, twos = prompt_steps(fed, one, len(first)), prompt_steps(fed, two, len(second))
+    waited = [row for row in fed if one in row and two not in row]
+    assert len(waited) == len(ones) - 1 and ones[:-1] == [(16, 2)] * len(waited)  # 18 rows in all: the budget's
+    assert ones[-1] == (len(first) - 16 * len(waited), 2 + twos[0][0])  # its rest, 18 rows at most: whole
+    assert twos[0][0] == 16 - ones[-1][0] and twos[1] == (15, 3)  # 15: beside three decoding
+    assert all(forward_time(COSTS, sum(row.values())) <= BUDGET for row in fed[1:])
+
+
+def test_without_a_curve_parts_are_fixed_and_without_a_budget_the_cap(engine, fed):
     give_curve(engine, None)
     long = [(5 * i + 1) % 60 + 2 for i in range(300)]
     decode_together(engine, Batch(prompt_part=512, max_gap_s=BUDGET), [([9, 4, 9], "autoregressive", 12)], long)
-    assert [part for part, _ in prompt_steps(sizes, len(long))] == [FIXED_PART, FIXED_PART, 300 - 2 * FIXED_PART]
-    sizes.clear()
+    parts = [part for part, _ in prompt_steps(fed, engine.slot(1)[0], len(long))]
+    assert parts == [FIXED_PART, FIXED_PART, 300 - 2 * FIXED_PART]
+    fed.clear()
     decode_together(engine, Batch(prompt_part=100, max_gap_s=0.0), [([9, 4, 9], "autoregressive", 12)], long)
-    assert [part for part, _ in prompt_steps(sizes, len(long))] == [100, 100, 100]
+    assert [part for part, _ in prompt_steps(fed, engine.slot(1)[0], len(long))] == [100, 100, 100]
 
 
 def test_the_server_measures_the_curve_that_sizes_the_parts_before_serving(engine):

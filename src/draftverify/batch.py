@@ -96,6 +96,7 @@ class Batch:
         live = [m for m in self.members if not m.done]
         if live:
             split = self._part_rows(live)
+            live = [m for m in live if split.get(m) != 0]  # a prompt that waits for its turn is not in this step
             parts = [self._part(m, split.get(m)) for m in live]
             rows = [part.size for part in parts]
             for m, n in zip(live, rows):
@@ -121,10 +122,11 @@ class Batch:
         self.members = [m for m in self.members if m is not member]
 
     def _part_rows(self, live: list[Member]) -> dict[Member, int]:
-        """The rows this step feeds of each long prompt that runs in part. A prompt is long where more of it is left
-        than a part may take alone (`_rows(0)`) and it may run in parts; when every live member waits for a long
-        prompt, all run whole (no stream waits on the step). Otherwise each long prompt in turn gets `_rows` beside
-        every row the step feeds besides it: the others' whole feeds (a draft's rows as well) and the parts before."""
+        """The rows this step feeds of each long prompt that runs in parts (0: it waits this step). A prompt is long
+        where more of it is left than a part may take alone (`_rows(0)`) and it may run in parts; when every live
+        member waits for a long prompt, all run whole (no stream waits on the step). Otherwise the long prompts take
+        their turn, first come first, each getting `_rows` beside every row the step feeds besides it: the others'
+        whole feeds (a draft's rows as well) and the parts before it."""
         if not self.prompt_part:
             return {}
         table = self._table(live)
@@ -135,11 +137,12 @@ class Batch:
         rows = sum(m.feed.size - m.fed for m in live if m not in long)
         split = {}
         for m in long:
-            rest = m.feed.size - m.fed
-            n = min(self._rows(rows, table), rest - m.feed.last)  # the last part keeps the rows whose logits it gives
-            if n >= 1:
-                split[m] = n
-            rows += split.get(m, rest)
+            most = m.feed.size - m.fed - m.feed.last  # the last part keeps the rows whose logits it gives
+            if most < 1:
+                rows += most + m.feed.last
+                continue
+            split[m] = min(self._rows(rows, table, first=not any(split.values())), most)
+            rows += split[m]
         return split
 
     def _divides(self, m: Member, part: int) -> bool:
@@ -154,15 +157,17 @@ class Batch:
         curve = kept_curve(live[0].runner)
         return None if curve is None else at_context(curve, max(m.runner.length for m in live))
 
-    def _rows(self, others: int, table) -> int:
+    def _rows(self, others: int, table, first: bool = True) -> int:
         """Rows of a prompt part in a forward beside `others` rows, at most `prompt_part`: with a gap budget, the most
-        the cost table prices the forward within it (`costs.rows_within`; at least `LEAST_PART`), or `FIXED_PART`
-        with no table; without one, `prompt_part`."""
+        the cost table prices the forward within (`costs.rows_within`), at least `LEAST_PART` for the `first` prompt
+        in line and else none below that (it waits for a step with room), or `FIXED_PART` with no table; without a
+        budget, `prompt_part`."""
         if not self.max_gap_s:
             return self.prompt_part
         if table is None:
             return min(self.prompt_part, FIXED_PART)
-        return max(min(LEAST_PART, self.prompt_part), rows_within(table, others, self.max_gap_s, self.prompt_part))
+        n, least = rows_within(table, others, self.max_gap_s, self.prompt_part), min(LEAST_PART, self.prompt_part)
+        return max(n, least) if first else n if n >= least else 0
 
     def _part(self, m: Member, rows: int | None) -> Feed:
         """What of `m.feed` runs this step: its next `rows` rows (a long prompt while others decode; logits for the
