@@ -115,11 +115,22 @@ def test_a_long_prompt_takes_what_the_budget_leaves_beside_the_others_rows(engin
     steps = prompt_steps(fed, engine.slot(len(requests))[0], len(long))
     rest = len(long)
     for part, others in steps:
-        assert part == (rest if rest <= 18 else min(max(LEAST_PART, rows_within(COSTS, others, BUDGET, 512)), rest - 1))
+        room = max(LEAST_PART, rows_within(COSTS, others, BUDGET, 512))
+        assert part == (rest if room >= rest else min(room, rest - 1))
         assert part == LEAST_PART or forward_time(COSTS, part + others) <= BUDGET
         rest -= part
     assert any(others > 5 for _, others in steps)  # drafted rows beside the others' one each: priced as fed
     assert len({part for part, _ in steps}) > 2  # the parts grow as the others leave
+
+
+def test_a_prompt_that_runs_whole_alone_is_parted_beside_decoding_requests(engine, fed):
+    give_curve(engine, COSTS)
+    requests = [([9, 4, 9], "autoregressive", 12), ([3, 4, 5], "autoregressive", 12)] * 2
+    short = [(7 * i + 3) % 60 + 2 for i in range(17)]  # under the 18 rows a part may have alone
+    assert decode_together(engine, Batch(prompt_part=512, max_gap_s=BUDGET), requests, short) == alone(
+        engine, requests, short
+    )
+    assert prompt_steps(fed, engine.slot(len(requests))[0], len(short)) == [(14, 4), (3, 4)]
 
 
 def test_prompts_waiting_together_take_turns_within_the_budget(engine, fed):

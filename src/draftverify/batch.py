@@ -27,8 +27,9 @@ shorter request that arrives meanwhile joins at the next part rather than after 
 streams the weights again. With a gap budget (`max_gap_s`, `serve --max-gap-ms`) a part has the most rows whose
 stacked forward, beside the rows the others feed this step (their drafts included), the target's cost curve
 (`costs.kept_curve`) prices within the budget, and at least `LEAST_PART` so that the prompt moves on: the others'
-streams stall no longer than that, and the prompt takes what the step has left. Off (0) by default here; the
-server feeds prompts in parts by default (`ServeConfig.prompt_part`, `max_gap_ms`).
+streams stall no longer than that, and the prompt takes what the step has left. Prompts waiting together take
+turns, first come first (a later one waits for a step with room for `LEAST_PART` of its rows). Off (0) by default
+here; the server feeds prompts in parts by default (`ServeConfig.prompt_part`, `max_gap_ms`).
 """
 
 from __future__ import annotations
@@ -122,27 +123,27 @@ class Batch:
         self.members = [m for m in self.members if m is not member]
 
     def _part_rows(self, live: list[Member]) -> dict[Member, int]:
-        """The rows this step feeds of each long prompt that runs in parts (0: it waits this step). A prompt is long
-        where more of it is left than a part may take alone (`_rows(0)`) and it may run in parts; when every live
-        member waits for a long prompt, all run whole (no stream waits on the step). Otherwise the long prompts take
-        their turn, first come first, each getting `_rows` beside every row the step feeds besides it: the others'
-        whole feeds (a draft's rows as well) and the parts before it."""
+        """The rows this step feeds of each prompt that runs in part (0: it waits this step). When every live member
+        waits for a prompt longer than a part may take alone (`_rows(0)`), all run whole: no stream waits on the
+        step. Otherwise the prompts that may run in parts take their turn, first come first, each getting `_rows`
+        beside every row the step feeds besides it (the others' whole feeds, a draft's rows as well, and the parts
+        before it); a prompt that fits runs whole."""
         if not self.prompt_part:
             return {}
         table = self._table(live)
         alone = self._rows(0, table)
-        long = [m for m in live if m.feed.size - m.fed > alone and self._divides(m, alone)]
-        if len(long) == len(live):
+        prompts = [m for m in live if self._divides(m, alone)]
+        if len(prompts) == len(live) and all(m.feed.size - m.fed > alone for m in live):
             return {}
-        rows = sum(m.feed.size - m.fed for m in live if m not in long)
-        split = {}
-        for m in long:
-            most = m.feed.size - m.fed - m.feed.last  # the last part keeps the rows whose logits it gives
-            if most < 1:
-                rows += most + m.feed.last
+        rows = sum(m.feed.size - m.fed for m in live if m not in prompts)
+        split, first = {}, True
+        for m in prompts:
+            rest, n = m.feed.size - m.fed, self._rows(rows, table, first)
+            if n >= rest or rest <= m.feed.last:  # it fits, or is too short to part: whole
+                rows, first = rows + rest, False
                 continue
-            split[m] = min(self._rows(rows, table, first=not any(split.values())), most)
-            rows += split[m]
+            split[m] = min(n, rest - m.feed.last)  # the last part keeps the rows whose logits it gives (0: waits)
+            rows, first = rows + split[m], False
         return split
 
     def _divides(self, m: Member, part: int) -> bool:
