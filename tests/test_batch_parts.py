@@ -133,21 +133,32 @@ def test_a_prompt_that_runs_whole_alone_is_parted_beside_decoding_requests(engin
     assert prompt_steps(fed, engine.slot(len(requests))[0], len(short)) == [(14, 4), (3, 4)]
 
 
-def test_prompts_waiting_together_take_turns_within_the_budget(engine, fed):
-    """The first long prompt in line gets the step's room; the second waits (is in no forward) until the first's
-    prompt is done, then gets the room beside the first's decoding."""
+def test_prompts_waiting_together_take_turns_the_shortest_first_within_the_budget(engine, fed):
+    """The prompt with the fewest rows left gets the step's room; the other waits (is in no forward) until that
+    prompt is done, then gets the room beside its decoding."""
     give_curve(engine, COSTS)
     requests = [([9, 4, 9], "autoregressive", 30), ([3, 4, 5], "autoregressive", 30)]
-    first, second = [(7 * i + 3) % 60 + 2 for i in range(100)], [(5 * i + 1) % 60 + 2 for i in range(80)]
+    longer, shorter = [(7 * i + 3) % 60 + 2 for i in range(100)], [(5 * i + 1) % 60 + 2 for i in range(84)]
     batch = Batch(prompt_part=512, max_gap_s=BUDGET)
-    assert decode_together(engine, batch, requests, first, second) == alone(engine, requests, first, second)
-    one, two = (engine.slot(len(requests) + i)[0] for i in (0, 1))
-    ones, twos = prompt_steps(fed, one, len(first)), prompt_steps(fed, two, len(second))
+    assert decode_together(engine, batch, requests, longer, shorter) == alone(engine, requests, longer, shorter)
+    one, two = (engine.slot(len(requests) + i)[0] for i in (1, 0))  # the shorter's runner, the longer's
+    ones, twos = prompt_steps(fed, one, len(shorter)), prompt_steps(fed, two, len(longer))
     waited = [row for row in fed if one in row and two not in row]
     assert len(waited) == len(ones) - 1 and ones[:-1] == [(16, 2)] * len(waited)  # 18 rows in all: the budget's
-    assert ones[-1] == (len(first) - 16 * len(waited), 2 + twos[0][0])  # its rest, 18 rows at most: whole
+    assert ones[-1] == (len(shorter) - 16 * len(waited), 2 + twos[0][0])  # its rest (it fits): whole
     assert twos[0][0] == 16 - ones[-1][0] and twos[1] == (15, 3)  # 15: beside three decoding
     assert all(forward_time(COSTS, sum(row.values())) <= BUDGET for row in fed[1:])
+
+
+def test_a_short_prompt_beside_a_long_one_runs_first_when_nobody_decodes(engine, fed):
+    give_curve(engine, COSTS)
+    longer, short = [(7 * i + 3) % 60 + 2 for i in range(100)], [9, 4, 9, 4]
+    batch = Batch(prompt_part=512, max_gap_s=BUDGET)
+    assert decode_together(engine, batch, [], longer, short) == alone(engine, [], longer, short)
+    assert fed[0] == {engine.slot(0)[0]: 14, engine.slot(1)[0]: 4}  # the short whole, the long's part: 18 rows
+    fed.clear()
+    assert decode_together(engine, batch, [], longer, longer[:50]) == alone(engine, [], longer, longer[:50])
+    assert list(fed[0].values()) == [100, 50]  # both longer than a part alone: whole, nobody waits
 
 
 def test_without_a_curve_parts_are_fixed_and_without_a_budget_the_cap(engine, fed):

@@ -28,8 +28,8 @@ streams the weights again. With a gap budget (`max_gap_s`, `serve --max-gap-ms`)
 stacked forward, beside the rows the others feed this step (their drafts included), the target's cost curve
 (`costs.kept_curve`) prices within the budget, and at least `LEAST_PART` so that the prompt moves on: the others'
 streams stall no longer than that, and the prompt takes what the step has left. Prompts waiting together take
-turns, first come first (a later one waits for a step with room for `LEAST_PART` of its rows). Off (0) by default
-here; the server feeds prompts in parts by default (`ServeConfig.prompt_part`, `max_gap_ms`).
+turns, the shortest rest first (a later one waits for a step with room for `LEAST_PART` of its rows). Off (0) by
+default here; the server feeds prompts in parts by default (`ServeConfig.prompt_part`, `max_gap_ms`).
 """
 
 from __future__ import annotations
@@ -125,14 +125,14 @@ class Batch:
     def _part_rows(self, live: list[Member]) -> dict[Member, int]:
         """The rows this step feeds of each prompt that runs in part (0: it waits this step). When every live member
         waits for a prompt longer than a part may take alone (`_rows(0)`), all run whole: no stream waits on the
-        step. Otherwise the prompts that may run in parts take their turn, first come first, each getting `_rows`
-        beside every row the step feeds besides it (the others' whole feeds, a draft's rows as well, and the parts
-        before it); a prompt that fits runs whole."""
+        step. Otherwise the prompts that may run in parts take their turn, the one with the fewest rows left first
+        (the first tokens come soonest on average), each getting `_rows` beside every row the step feeds besides it
+        (the others' whole feeds, a draft's rows as well, and the parts before it); a prompt that fits runs whole."""
         if not self.prompt_part:
             return {}
         table = self._table(live)
         alone = self._rows(0, table)
-        prompts = [m for m in live if self._divides(m, alone)]
+        prompts = sorted((m for m in live if self._divides(m, alone)), key=lambda m: m.feed.size - m.fed)
         if len(prompts) == len(live) and all(m.feed.size - m.fed > alone for m in live):
             return {}
         rows = sum(m.feed.size - m.fed for m in live if m not in prompts)
@@ -161,7 +161,7 @@ class Batch:
     def _rows(self, others: int, table, first: bool = True) -> int:
         """Rows of a prompt part in a forward beside `others` rows, at most `prompt_part`: with a gap budget, the most
         the cost table prices the forward within (`costs.rows_within`), at least `LEAST_PART` for the `first` prompt
-        in line and else none below that (it waits for a step with room), or `FIXED_PART` with no table; without a
+        in turn and else none below that (it waits for a step with room), or `FIXED_PART` with no table; without a
         budget, `prompt_part`."""
         if not self.max_gap_s:
             return self.prompt_part
