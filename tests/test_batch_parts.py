@@ -17,7 +17,7 @@ from draftverify.errors import DraftVerifyError
 from draftverify.loading import Loaded
 from draftverify.loading.gguf_model import GGUFModel
 from draftverify.loading.gguf_weights import GGUFWeights
-from draftverify.serve import ServeConfig
+from draftverify.serve import ServeConfig, create_app, parse_methods
 from draftverify.serve.metrics import Metrics
 from draftverify.serve.scheduler import Scheduler
 
@@ -178,5 +178,7 @@ def test_the_server_measures_the_curve_that_sizes_the_parts_before_serving(engin
     give_curve(engine, None)
     Scheduler(engine, 4, Metrics(), prompt_part=512, max_gap_s=0.0)
     assert kept_curve(engine.target_runner) is None  # no budget: no curve needed
-    Scheduler(engine, 4, Metrics(), prompt_part=512, max_gap_s=BUDGET)
+    service = create_app(engine, ServeConfig(methods=parse_methods("autoregressive"), max_gap_ms=100)).state.service
     assert kept_curve(engine.target_runner) is not None
+    assert (service.scheduler._batch.prompt_part, service.scheduler._batch.max_gap_s) == (512, 0.1)
+    engine.use_prefix_cache(0)  # the service turned it on; the module's engine goes on without
