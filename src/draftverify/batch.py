@@ -19,13 +19,17 @@ step, and `auto` prices a draft by the rows it *adds* to the shared forward (`co
 so draft lengths shrink as the batch grows and speculation stops where the cost curve turns
 linear.
 
-With `prompt_part` rows (`Batch(prompt_part=...)`, `serve --prompt-part`), a longer prompt that joins
-while others decode is fed that many rows a step (on a runner whose rows do not depend on the rows
-beside them, `Runner.rows_alone`: the cache and the logits are the ones a whole prefill gives, bit for
-bit), so the others go on emitting tokens instead of waiting for the whole prompt, whose prefill
-takes many decoding steps' time, and a shorter request that arrives meanwhile joins at the next part
-rather than after the whole prefill; each part streams the weights again. Off (0) by default here;
-the server feeds prompts in parts by default (`ServeConfig.prompt_part`).
+With `prompt_part` (`Batch(prompt_part=...)`, `serve --prompt-part`), a longer prompt that joins while others
+decode is fed in parts, at most that many rows a step (on a runner whose rows do not depend on the rows beside
+them, `Runner.rows_alone`: the cache and the logits are the ones a whole prefill gives, bit for bit), so the others
+go on emitting tokens instead of waiting for the whole prompt, whose prefill takes many decoding steps' time, and a
+shorter request that arrives meanwhile joins at the next part rather than after the whole prefill; each part
+streams the weights again. With a gap budget (`max_gap_s`, `serve --max-gap-ms`) a part has the most rows whose
+stacked forward, beside the rows the others feed this step (their drafts included), the target's cost curve
+(`costs.kept_curve`) prices within the budget, and at least `LEAST_PART` so that the prompt moves on: the others'
+streams stall no longer than that, and the prompt takes what the step has left. Prompts waiting together take
+turns, the shortest rest first (a later one waits for a step with room for `LEAST_PART` of its rows). Off (0) by
+default here; the server feeds prompts in parts by default (`ServeConfig.prompt_part`, `max_gap_ms`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from draftverify.backend.feed import Feed, Forward
+from draftverify.costs import at_context, kept_curve, rows_within
 from draftverify.models import Runner, forward_many
 from draftverify.round import Rounds
 from draftverify.session import Session
@@ -62,13 +67,19 @@ def divisible(feed: Feed, part: int) -> bool:
     return plain and feed.last is not None and feed.last <= part
 
 
+LEAST_PART = 8  # rows a prompt part has at least, however full the step: a waiting prompt always moves on
+FIXED_PART = 128  # rows a part has under a gap budget while the target's cost curve is not measured yet
+
+
 class Batch:
     """Requests that share every target forward; see the module docstring."""
 
-    def __init__(self, prompt_part: int = 0):
-        """`prompt_part`: feed a longer prompt that many rows a step while others decode (0: whole)."""
+    def __init__(self, prompt_part: int = 0, max_gap_s: float = 0.0):
+        """`prompt_part`: feed a longer prompt at most that many rows a step while others decode (0: whole);
+        `max_gap_s`: fewer, so that the cost curve prices each step's forward within this many seconds (0: parts of
+        `prompt_part` rows)."""
         self.members: list[Member] = []
-        self.prompt_part = prompt_part
+        self.prompt_part, self.max_gap_s = prompt_part, max_gap_s
 
     def __len__(self) -> int:
         return len(self.members)
@@ -85,8 +96,9 @@ class Batch:
         """One stacked forward for every live member; returns the members that ended (and leave the batch)."""
         live = [m for m in self.members if not m.done]
         if live:
-            long = [self.prompt_part > 0 and self._long_prompt(m) for m in live]
-            parts = [self._part(m, split=lp and not all(long)) for m, lp in zip(live, long)]
+            split = self._part_rows(live)
+            live = [m for m in live if split.get(m) != 0]  # a prompt that waits for its turn is not in this step
+            parts = [self._part(m, split.get(m)) for m in live]
             rows = [part.size for part in parts]
             for m, n in zip(live, rows):
                 m.session.others = sum(rows) - n
@@ -110,18 +122,61 @@ class Batch:
             member.session.stats.finish_reason = member.session.stats.finish_reason or "cancelled"
         self.members = [m for m in self.members if m is not member]
 
-    def _long_prompt(self, m: Member) -> bool:
-        """Whether `m` waits for a prompt (or the rest of one) longer than `prompt_part` that may run in parts."""
-        rest = m.feed.size - m.fed
-        return rest > self.prompt_part and (m.fed > 0 or (divisible(m.feed, self.prompt_part) and m.runner.rows_alone))
+    def _part_rows(self, live: list[Member]) -> dict[Member, int]:
+        """The rows this step feeds of each prompt that runs in part (0: it waits this step). When every live member
+        waits for a prompt longer than a part may take alone (`_rows(0)`), all run whole: no stream waits on the
+        step. Otherwise the prompts that may run in parts take their turn, the one with the fewest rows left first
+        (the first tokens come soonest on average), each getting `_rows` beside every row the step feeds besides it
+        (the others' whole feeds, a draft's rows as well, and the parts before it); a prompt that fits runs whole."""
+        if not self.prompt_part:
+            return {}
+        table = self._table(live)
+        alone = self._rows(0, table)
+        prompts = sorted((m for m in live if self._divides(m, alone)), key=lambda m: m.feed.size - m.fed)
+        if len(prompts) == len(live) and all(m.feed.size - m.fed > alone for m in live):
+            return {}
+        rows = sum(m.feed.size - m.fed for m in live if m not in prompts)
+        split, first = {}, True
+        for m in prompts:
+            rest, n = m.feed.size - m.fed, self._rows(rows, table, first)
+            if n >= rest or rest <= m.feed.last:  # it fits, or is too short to part: whole
+                rows, first = rows + rest, False
+                continue
+            split[m] = min(n, rest - m.feed.last)  # the last part keeps the rows whose logits it gives (0: waits)
+            rows, first = rows + split[m], False
+        return split
 
-    def _part(self, m: Member, split: bool) -> Feed:
-        """What of `m.feed` runs this step: its next `prompt_part` rows (`split`: a long prompt while others
-        decode; logits for the last of them, unused, and the hidden states when all are asked for), else all of
-        it, or all that is left of a prompt begun in parts."""
+    def _divides(self, m: Member, part: int) -> bool:
+        """Whether `m`'s feed may run in parts: a prompt begun in parts, or one `divisible` on a runner whose rows
+        do not depend on the rows beside them."""
+        return m.fed > 0 or (divisible(m.feed, part) and m.runner.rows_alone)
+
+    def _table(self, live: list[Member]):
+        """The target's cost table after the longest context in the step (None: no curve measured yet)."""
+        if not self.max_gap_s:
+            return None
+        curve = kept_curve(live[0].runner)
+        return None if curve is None else at_context(curve, max(m.runner.length for m in live))
+
+    def _rows(self, others: int, table, first: bool = True) -> int:
+        """Rows of a prompt part in a forward beside `others` rows, at most `prompt_part`: with a gap budget, the most
+        the cost table prices the forward within (`costs.rows_within`), at least `LEAST_PART` for the `first` prompt
+        in turn and else none below that (it waits for a step with room), or `FIXED_PART` with no table; without a
+        budget, `prompt_part`."""
+        if not self.max_gap_s:
+            return self.prompt_part
+        if table is None:
+            return min(self.prompt_part, FIXED_PART)
+        n, least = rows_within(table, others, self.max_gap_s, self.prompt_part), min(LEAST_PART, self.prompt_part)
+        return max(n, least) if first else n if n >= least else 0
+
+    def _part(self, m: Member, rows: int | None) -> Feed:
+        """What of `m.feed` runs this step: its next `rows` rows (a long prompt while others decode; logits for the
+        last of them, unused, and the hidden states when all are asked for), else all of it, or all that is left of
+        a prompt begun in parts."""
         feed = m.feed
-        if split:
-            tokens = feed.tokens[m.fed : m.fed + self.prompt_part]
+        if rows is not None:
+            tokens = feed.tokens[m.fed : m.fed + rows]
             return Feed(tokens, last=1, hidden="all" if feed.hidden == "all" else False)
         return feed if m.fed == 0 else replace(feed, tokens=feed.tokens[m.fed :])
 

@@ -9,13 +9,15 @@ path it grows much faster (docs/backends.md has the measured curves). One module
   two timed);
 - `tables`: a `Table` (width -> seconds, with the marginal times the drafters read kept), a `Curve` (a table
   after a context and its growth per token of context: `at_context` gives the table a decision reads, so long
-  prompts get smaller drafts), `forward_time` and `marginal_time(s)` read them;
+  prompts get smaller drafts), `forward_time` and `marginal_time(s)` read them, `rows_within` the most rows a
+  time budget allows;
 - `interpolate`: reading a table between its widths (linear, extended linearly beyond);
 - `slope`: the growth with context fitted from two tables measured apart (`context_slope`);
 - `curves`: `curve(runner)`, once per engine (`Shared`: two engines keep their own), read from disk or measured:
   on a model this machine has not seen, within a fixed budget of forwards (`quick_curve`), so a first request
   costs a few forwards more than a later one, not a measurement; in full (`measure_curve`, with the growth with
-  context) where `Shared.full_curves` asks, as a server's start and the bench do;
+  context) where `Shared.full_curves` asks, as a server's start and the bench do; `kept_curve` only reads what an
+  engine holds (never measures: a batch sizing its prompt parts mid-step);
 - `disk`: one JSON file per key under `cache_folder()`, written atomically; a file that does not read in full as
   a curve of its key is ignored, never trusted;
 - `fingerprint`: the key, naming what a forward's time depends on: the machine (CPU model and flags, from
@@ -35,6 +37,7 @@ from draftverify.costs.curves import (
     POLICY_CONTEXT,
     QUICK_CONTEXT,
     curve,
+    kept_curve,
     measure_and_keep,
     measure_curve,
     quick_curve,
@@ -52,6 +55,7 @@ from draftverify.costs.tables import (
     forward_time,
     marginal_time,
     marginal_times,
+    rows_within,
 )
 from draftverify.costs.timing import TIMING, WIDTHS, forward_times, sync_device, time_once, time_widths
 
@@ -74,6 +78,7 @@ __all__ = [
     "curve_key",
     "forward_time",
     "forward_times",
+    "kept_curve",
     "kernel_build",
     "load_curve",
     "machine",
@@ -84,6 +89,7 @@ __all__ = [
     "others_share",
     "quick_curve",
     "quick_forwards",
+    "rows_within",
     "save_curve",
     "sync_device",
     "time_once",

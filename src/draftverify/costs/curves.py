@@ -46,6 +46,14 @@ def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> C
     return found[key]
 
 
+def kept_curve(runner: Runner, all_logits: bool = True) -> Curve | None:
+    """The curve of `runner`'s model on its path that its engine already holds, of the widest widths (None: none
+    yet). Never measures: for a caller that must not stop for a measurement (`batch.Batch` sizing a prompt part)."""
+    found = runner.shared.curves.get(runner.model, {})
+    kept = [(max(key[3]), c) for key, c in found.items() if key[:3] == (runner.backend, runner.draft, all_logits)]
+    return max(kept, key=lambda k: k[0])[1] if kept else None
+
+
 def _obtain(runner: Runner, all_logits: bool, widths, full: bool) -> Curve:
     """The curve from its file, or measured (and written)."""
     measure = measure_curve if full else quick_curve

@@ -61,6 +61,17 @@ def forward_time(table: dict[int, float], width: int) -> float:
     return between(_points(table), width)
 
 
+def rows_within(table: dict[int, float], others: int, budget_s: float, most: int) -> int:
+    """The most rows n (at most `most`; 0 when even one is over) whose forward beside `others` rows of other
+    sequences, t(others + n), the table prices within `budget_s` seconds: the whole forward's time, not the
+    rows' marginal time. Bisection: a table's time grows with its width."""
+    low, high = 0, most
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if forward_time(table, others + mid) <= budget_s else (low, mid - 1)
+    return low
+
+
 def marginal_time(table: dict[int, float], width: int, others: int = 0) -> float:
     """Seconds `width` rows add to a forward that carries `others` rows of other sequences (a batch); alone
     (others = 0) that is t(width). Never below a twentieth of t(1) per row: a measured curve can dip."""

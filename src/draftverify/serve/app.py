@@ -87,7 +87,8 @@ class ServeConfig:
     model_name: str | None = None  # the id clients send as `model`; default: the target's name
     max_queue: int = 16  # requests that may wait for a place in the running batch; more get 429
     max_batch: int = 8  # requests decoded together (continuous batching; 1 = one at a time)
-    prompt_part: int = 128  # feed a longer prompt this many rows a step while others decode (`batch.Batch`); 0: whole
+    prompt_part: int = 512  # feed a longer prompt at most this many rows a step while others decode (`batch.Batch`)
+    max_gap_ms: float = 250.0  # fewer: a step's forward priced within this by the cost curve; 0: parts of prompt_part
     timeout_s: float = 600.0  # per request, from arrival to the last token
     shutdown_grace_s: float = 30.0  # on shutdown, how long the running generation may go on
     default_max_tokens: int = 256  # when a request gives no max_tokens
@@ -108,6 +109,7 @@ class ServeConfig:
         require(self.max_queue >= 0, f"max_queue={self.max_queue} must be at least 0")
         require(self.max_batch >= 1, f"max_batch={self.max_batch} must be at least 1")
         require(self.prompt_part >= 0, f"prompt_part={self.prompt_part} must be at least 0 (0: prompts fed whole)")
+        require(self.max_gap_ms >= 0, f"max_gap_ms={self.max_gap_ms} must be at least 0 (0: parts of prompt_part rows)")
         require(self.timeout_s > 0, f"timeout={self.timeout_s} must be positive (seconds)")
         require(self.shutdown_grace_s >= 0, f"shutdown_grace={self.shutdown_grace_s} must be at least 0 (seconds)")
         require(self.prefix_cache_mb >= 0, f"prefix_cache_mb={self.prefix_cache_mb} must be at least 0 (0: off)")
@@ -141,7 +143,9 @@ class Service:
                 self.pooled.append(method)
         engine.use_prefix_cache(config.prefix_cache_mb << 20)
         self.metrics = Metrics(prefix_cache=lambda: engine.prefix_cache)
-        self.scheduler = Scheduler(engine, config.max_queue, self.metrics, config.max_batch, config.prompt_part)
+        self.scheduler = Scheduler(
+            engine, config.max_queue, self.metrics, config.max_batch, config.prompt_part, config.max_gap_ms / 1000
+        )
 
     def start(self) -> None:
         self.scheduler.start()

@@ -49,9 +49,16 @@ SERVE_DEVICE_MAP = typer.Option(
     help="Spread the target over several GPUs with accelerate, e.g. 'auto' (then --device is ignored for the target).",
 )
 SERVE_PROMPT_PART = typer.Option(
-    128,
-    help="Feed a prompt longer than this many tokens that many a step while other requests decode, so their "
-    "streams go on and shorter requests join during its prefill; 0: whole, as llama.cpp's server does.",
+    512,
+    help="Feed a long prompt at most this many tokens a step while other requests decode, so their streams go on "
+    "and shorter requests join during its prefill (--max-gap-ms sizes the parts); 0: whole, as llama.cpp's server "
+    "does.",
+)
+SERVE_MAX_GAP_MS = typer.Option(
+    250.0,
+    help="Size each part of a long prompt so that the step feeding it, priced by the target's measured cost curve, "
+    "takes at most this many milliseconds, beside the rows the other requests feed (at least 8 tokens a step); "
+    "0: parts of --prompt-part tokens.",
 )
 SERVE_LOG_LEVEL = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug.")
 SERVE_API_KEY = typer.Option(
@@ -95,6 +102,7 @@ def serve(
     max_queue: int = SERVE_MAX_QUEUE,
     max_batch: int = SERVE_MAX_BATCH,
     prompt_part: int = SERVE_PROMPT_PART,
+    max_gap_ms: float = SERVE_MAX_GAP_MS,
     timeout: float = SERVE_TIMEOUT,
     shutdown_grace: float = SERVE_SHUTDOWN_GRACE,
     default_max_tokens: int = SERVE_DEFAULT_MAX_TOKENS,
@@ -130,6 +138,7 @@ def serve(
         max_queue=max_queue,
         max_batch=max_batch,
         prompt_part=prompt_part,
+        max_gap_ms=max_gap_ms,
         timeout_s=timeout,
         shutdown_grace_s=shutdown_grace,
         default_max_tokens=default_max_tokens,

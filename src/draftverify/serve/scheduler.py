@@ -24,6 +24,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from draftverify.batch import Batch, Member
+from draftverify.costs import curve
+from draftverify.drafters.feature import TREE_WIDTHS
 from draftverify.engine import Engine, Result
 from draftverify.errors import DraftVerifyError
 from draftverify.serve.metrics import Metrics
@@ -93,11 +95,24 @@ class Ticket:
 class Scheduler:
     """A bounded FIFO line of tickets and the worker thread that runs them, up to `max_batch` at once."""
 
-    def __init__(self, engine: Engine, max_queue: int, metrics: Metrics, max_batch: int = 8, prompt_part: int = 0):
+    def __init__(
+        self,
+        engine: Engine,
+        max_queue: int,
+        metrics: Metrics,
+        max_batch: int = 8,
+        prompt_part: int = 0,
+        max_gap_s: float = 0.0,
+    ):
+        """`prompt_part`, `max_gap_s`: how a long prompt is fed beside decoding requests (`batch.Batch`); under a gap
+        budget the target's cost curve, which sizes the parts, is measured now, before a client waits for it (the
+        curve `auto` reads: none more where auto is loaded)."""
+        if prompt_part and max_gap_s and engine.target_runner.rows_alone:
+            curve(engine.target_runner, widths=TREE_WIDTHS)
         self.engine, self.max_queue, self.metrics, self.max_batch = engine, max_queue, metrics, max_batch
         self._line: deque[Ticket] = deque()
         self._cond = threading.Condition()
-        self._batch = Batch(prompt_part)
+        self._batch = Batch(prompt_part, max_gap_s)
         self._joining = 0
         self._closing = False
         self._cancel_at = math.inf  # once draining: when the running generations are cut short
