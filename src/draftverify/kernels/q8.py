@@ -59,11 +59,11 @@ TILE = 16  # outputs a tile: one int8 dot-product instruction's int32 lanes on A
 
 @dataclass(frozen=True)
 class Q8Weight:
-    """A PackedWeight's codes and scales in the q8 kernel's tiles (csrc/products_q8.cpp's header): `layout` "u4",
-    "u8", "u5" (u8 codes all below 32: nibbles and a bit plane, 5 bits a weight) or "u6" (u8 codes below 64, as
-    bytes); `codes` uint8 [tiles, tile bytes]; `d` (and `m`) [tiles, in / sub, 16], fp16 where every scale is
-    exact in fp16 (the Q4_0..Q8_0 types: their scales are the file's fp16 values), else fp32; `centre` c >= 0 when M = -c D everywhere (then `m` is
-    empty), else -1. `type_name`, `shape` and `sub` are the PackedWeight's."""
+    """A PackedWeight's codes and scales in the q8 kernel's tiles (csrc/products_q8.cpp's header): `layout` "u4", "u8",
+    "u5" (u8 codes all below 32: nibbles and a bit plane, 5 bits a weight) or "u6" (u8 codes below 64, as bytes);
+    `codes` uint8 [tiles, tile bytes]; `d` (and `m`) [tiles, in / sub, 16], fp16 where every scale is exact in fp16
+    (the Q4_0..Q8_0 types: their scales are the file's fp16 values), else fp32; `centre` c >= 0 when M = -c D
+    everywhere (then `m` is empty), else -1. `type_name`, `shape` and `sub` are the PackedWeight's."""
 
     type_name: str
     shape: tuple[int, int]
