@@ -103,6 +103,18 @@ def compiled(template: str):
         def fromkeys(self, *args, **kwargs):
             return dict.fromkeys(*args, **kwargs)
 
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict())
+    env.globals["namespace"] = _namespace_class(jinja2)
+    return env.from_string(template)
+
+
+def _namespace_class(jinja2):
+    """transformers' `namespace` of a template: Jinja's, refusing underscore names (no way to CPython's internals)."""
+
     class TemplateNamespace(jinja2.utils.Namespace):
         def __init__(*args, **kwargs):
             self, args = args[0], args[1:]
@@ -123,10 +135,4 @@ def compiled(template: str):
                     "Please rename the attribute."
                 )
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict())
-    env.globals["namespace"] = TemplateNamespace
-    return env.from_string(template)
+    return TemplateNamespace
