@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer, GenerationConfig
 from transformers.configuration_utils import PretrainedConfig
 from transformers.utils.chat_template_utils import render_jinja_template
@@ -207,3 +208,23 @@ def test_generate_on_a_cached_gguf_file_never_imports_transformers():
     run = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "TRANSFORMERS []"
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
+def test_a_plain_config_builds_transformers_rotary_modules_alike(arch, tmp_path):
+    """An architecture whose rotary module is transformers' own gets it from `transformers_config(plain)`: the same
+    module, frequencies and scaling as from the config transformers read (what the record was made from)."""
+    from test_gguf_archs import write_tiny
+    from transformers import AutoConfig
+
+    from draftverify.loading.gguf_model import rotary_embedding
+    from draftverify.loading.plain_config import record_config
+
+    write_tiny(tmp_path / "tiny.gguf", arch)
+    AutoConfig.from_pretrained(tmp_path, gguf_file="tiny.gguf").save_pretrained(tmp_path)
+    theirs = PretrainedConfig.from_json_file(tmp_path / "config.json")
+    plain = PlainConfig(json.loads(json.dumps(record_config(theirs))))
+    a, b = rotary_embedding(plain), rotary_embedding(theirs)
+    assert type(a) is type(b) and getattr(a, "attention_scaling", None) == getattr(b, "attention_scaling", None)
+    ours, stock = dict(a.named_buffers()), dict(b.named_buffers())
+    assert ours.keys() == stock.keys() and all(torch.equal(ours[k], stock[k]) for k in ours)
