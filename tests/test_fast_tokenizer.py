@@ -228,3 +228,17 @@ def test_a_plain_config_builds_transformers_rotary_modules_alike(arch, tmp_path)
     assert type(a) is type(b) and getattr(a, "attention_scaling", None) == getattr(b, "attention_scaling", None)
     ours, stock = dict(a.named_buffers()), dict(b.named_buffers())
     assert ours.keys() == stock.keys() and all(torch.equal(ours[k], stock[k]) for k in ours)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_stays_transformers():
+    """transformers' decode cleans up spaces where a tokenizer asks for it (not a BPE one): no FastTokenizer stands
+    for such a tokenizer, nor for one without a Rust backend; the default model's is recorded."""
+    from types import SimpleNamespace
+
+    from draftverify.loading.fast_tokenizer import tokenizer_facts
+
+    _, theirs = both(None)
+    assert tokenizer_facts(theirs)["ids"]["eos_token_id"] == theirs.eos_token_id
+    theirs.clean_up_tokenization_spaces = True
+    assert tokenizer_facts(theirs) is None
+    assert tokenizer_facts(SimpleNamespace(is_fast=False)) is None
