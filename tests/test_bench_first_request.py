@@ -6,18 +6,20 @@ from draftverify.bench.first_request import main, report
 
 
 def test_the_report_rows_are_the_processes_runs():
-    runs = [{"import_s": 1.2, "transformers_s": 0.9, "load_s": 2.5, "load_again_s": 0.6,
+    runs = [{"import_s": 1.2, "transformers": True, "load_s": 2.5, "load_again_s": 0.6,
              "ttft_s": [0.06, 0.03, 0.04], "arithmetic": "q8", "metadata": "converted"}]  # fmt: skip
     text = report(runs, "cmd", "auto")
-    assert "| 1 | converted | q8 | 1.20 | 0.90 | 2.50 | 0.60 | 60, 30, 40 | 2.00 |" in text
+    assert "| 1 | converted | q8 | 1.20 | yes | 2.50 | 0.60 | 60, 30, 40 | 2.00 |" in text
     assert text.splitlines()[3] == "cmd"
 
 
 def test_it_measures_a_fresh_process_on_the_default_model(tmp_path, capsys):
-    main(["--out", str(tmp_path / "r"), "--processes", "1", "--requests", "2", "--max-new-tokens", "2",
+    main(["--out", str(tmp_path / "r"), "--processes", "2", "--requests", "2", "--max-new-tokens", "2",
           "--method", "autoregressive"])  # fmt: skip
     text = (tmp_path / "r" / "report.md").read_text()
     assert "| 1 | converted |" in text and (tmp_path / "r" / "runs.json").is_file()
+    (cached,) = [line for line in text.splitlines() if line.startswith("| 2 | cached |")]
+    assert cached.split(" | ")[4] == "no"  # a cached GGUF file loads without importing transformers
 
 
 def test_bad_counts_are_one_line(tmp_path):

@@ -35,6 +35,19 @@ def _quiet(
 ):
     """Lossless draft-then-verify decoding for local causal LMs: same output as the target alone, faster."""
     if not verbose:  # our own progress and notices stay; third-party loading bars and warnings go
+        quiet_transformers()
+
+
+def quiet_transformers() -> None:
+    """transformers' and the hub's progress bars off and transformers' log at errors, without importing either (a
+    GGUF target loads without them): set where already imported, else through the environment they read at import
+    (`HF_HUB_DISABLE_PROGRESS_BARS`, `TRANSFORMERS_VERBOSITY`)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()

@@ -78,7 +78,8 @@ def ll_tokenizer(tokenizer, eos: tuple[int, ...]):
     if key not in _TOKENIZERS:
         require(getattr(tokenizer, "is_fast", False), "structured output needs a fast tokenizer (tokenizer.json)")
         try:
-            _TOKENIZERS[key] = from_tokenizer(tokenizer, eos_token=list(eos) or None)
+            hf = tokenizer.transformers() if hasattr(type(tokenizer), "transformers") else tokenizer  # FastTokenizer's
+            _TOKENIZERS[key] = from_tokenizer(hf, eos_token=list(eos) or None)
         except ValueError:  # a decoder llguidance does not read (e.g. Fuse): give it each token's bytes instead
             _TOKENIZERS[key] = _by_bytes(tokenizer, eos)
     return _TOKENIZERS[key]

