@@ -260,3 +260,19 @@ def test_two_engines_in_one_process_do_not_steer_each_other(tiny):
         learned.record(0.5, accepted=False)
     assert learned(0.5) < before and acceptance(head, two.target_runner, session)(0.5) == before
     assert acceptance(head, one.slot(1)[0], session) is learned
+
+
+def test_demo_leaves_out_a_method_whose_drafts_were_never_built(tmp_path, tiny):
+    """The demo runs the methods that can run on the target; one that needs a build says so in one line."""
+    from typer.testing import CliRunner
+
+    from draftverify.cli import app
+
+    model = tiny("llama")
+    model.model.save_pretrained(tmp_path / "m")
+    model.tokenizer.save_pretrained(tmp_path / "m")
+    args = ["demo", "--target", str(tmp_path / "m"), "-n", "8", "--repeats", "1", "--method", "auto,self-speculative"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "self-speculative: left out: no skip set" in res.output and "build-drafts" in res.output
+    assert "| auto tok/s |" in res.stdout and "self-speculative tok/s" not in res.stdout

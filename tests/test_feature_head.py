@@ -246,11 +246,12 @@ def test_template_prompts_add_data_beside_the_prompts_and_init_starts_from_a_hea
 
 
 def test_head_width_fits_the_shipping_budget_and_a_narrow_head_drafts_exactly(built, tmp_path):
-    """A 1.5B-shaped target's head gets a narrower MLP whose fp16 weights fit HEAD_MIB (a small target keeps its
-    own width); a head built narrow saves, loads with its width and drafts losslessly."""
+    """A 1.5B-shaped target's head gets a narrower MLP: its fp16 weights and its acceptance head fit the package's
+    budget (a small target keeps its own width); a head built narrow saves, loads with its width and drafts
+    losslessly."""
     from types import SimpleNamespace
 
-    from draftverify.tools.make_draft.feature_settings import HEAD_MIB, head_width
+    from draftverify.tools.make_draft.feature_settings import PACKAGE_BYTES, PACKAGE_SLACK, head_width
 
     big = SimpleNamespace(
         hidden_size=1536, num_attention_heads=12, num_key_value_heads=2, head_dim=128, intermediate_size=8960
@@ -259,7 +260,8 @@ def test_head_width_fits_the_shipping_budget_and_a_narrow_head_drafts_exactly(bu
     assert 64 <= width < 8960 and width % 64 == 0
     h = 1536
     params = 2 * h * h + 2 * h * 12 * 128 + 2 * h * 2 * 128 + 3 * h * width
-    assert params * 2 <= HEAD_MIB * 2**20 < (params + 3 * h * 64) * 2  # the widest that fits
+    room = PACKAGE_BYTES - PACKAGE_SLACK - 4 * (h * h + 2 * h + 1)  # less the acceptance head
+    assert params * 2 <= room < (params + 3 * h * 64) * 2  # the widest that fits
     assert head_width(SimpleNamespace(hidden_size=64, num_attention_heads=4, intermediate_size=128)) == 128
     assert head_width(big, asked=100) == 100
 

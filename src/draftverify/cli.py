@@ -293,10 +293,8 @@ def demo(
     engine = _load_engine(target, draft, dtype, device, backend=backend)
     typer.echo(f"target: {engine.target.name}   {engine.describe_drafts()}   backend: {engine.describe_backend()}")
     typer.echo("warming up (the first call of a method measures the forward cost curve)...", err=True)
-    for spec in specs:
-        engine.generate(
-            "Hello", method=spec.name, preset=spec.preset, max_new_tokens=8, chat=True, **dict(spec.options)
-        )
+    specs = _demo_runnable(engine, specs)
+    require(specs, "no --method can run on this target: build its drafts with `draftverify build-drafts`")
     rows, same = [], True
     for name, text in prompts.items():
         runs = [_demo_run(engine, text, specs, max_new_tokens) for _ in range(repeats)]
@@ -310,6 +308,24 @@ def demo(
     typer.echo("\n" + "\n".join("| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *rows]))
     if not same:
         raise typer.Exit(1)
+
+
+def _demo_runnable(engine, specs) -> list:
+    """The specs that run on this target (each warmed up on a short prompt); one whose drafts were never built for
+    it is left out with the one line that says how to build them."""
+    runnable = []
+    for spec in specs:
+        try:
+            engine.generate(
+                "Hello", method=spec.name, preset=spec.preset, max_new_tokens=8, chat=True, **dict(spec.options)
+            )
+        except DraftVerifyError as exc:
+            if "build-drafts" not in str(exc):
+                raise
+            typer.echo(f"{spec.label}: left out: {exc}", err=True)
+        else:
+            runnable.append(spec)
+    return runnable
 
 
 def _demo_run(engine, text: str, specs, max_new_tokens: int) -> list:

@@ -13,7 +13,7 @@ from draftverify.errors import require
 @dataclass(frozen=True)
 class HeadTraining:
     vocab: int = 8192  # N: the head drafts the N most frequent reply tokens (FR-Spec)
-    width: int = 0  # the head's MLP width (0: `head_width`, the widest whose weights fit HEAD_MIB)
+    width: int = 0  # the head's MLP width (0: `head_width`, the widest whose drafts fit PACKAGE_BYTES)
     rollout: int = 3  # training-time test depth (1 = plain teacher forcing, EAGLE-1)
     epochs: float = 2.0
     batch_tokens: int = 4096
@@ -70,7 +70,8 @@ TRAINING_KEYS = (
     "feature_weight",
     "seed",
 )  # what a resumed build must keep
-HEAD_MIB = 36.0  # a head's fp16 weights at most this: a target's drafts ship in the package within 40 MB
+PACKAGE_BYTES = 40_000_000  # a target's drafts as the package ships them: feature head, acceptance head, skip set
+PACKAGE_SLACK = 1 << 20  # of which the files' other contents (the head's vocabulary list, cards, the skip set)
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -84,7 +85,8 @@ def native_bf16() -> bool:
 
 def head_width(config, asked: int = 0) -> int:
     """The head's MLP width for a target's config: `asked`, else the target's own, narrowed (in steps of 64) until
-    the head's fp16 weights fit HEAD_MIB. A narrower MLP also drafts faster (its weights are read every drafted
+    the target's drafts fit PACKAGE_BYTES: the head's fp16 weights beside SpecDec++'s acceptance head for it (one
+    fp32 block as wide as the features). A narrower MLP also drafts faster (its weights are read every drafted
     token) and trains faster; the attention and the input layer keep the target's shapes, which the features need."""
     if asked:
         return asked
@@ -92,5 +94,6 @@ def head_width(config, asked: int = 0) -> int:
     d = getattr(config, "head_dim", None) or h // heads
     kv = getattr(config, "num_key_value_heads", heads)
     fixed = 2 * h * h + 2 * h * heads * d + 2 * h * kv * d  # fc, q and o, k and v
-    room = (HEAD_MIB * 2**20 / 2 - fixed) // (3 * h)  # gate, up and down: 3 h weights per unit of width
+    acceptance = 4 * (h * h + 2 * h + 1)
+    room = ((PACKAGE_BYTES - acceptance - PACKAGE_SLACK) / 2 - fixed) // (3 * h)  # gate, up, down: 3 h a unit
     return int(max(64, min(config.intermediate_size, room // 64 * 64)))
