@@ -201,7 +201,7 @@ LAYERS = [  # docs/architecture.md, lowest first: a module imports from its own 
     {"round", "batch", "methods", "engine"},
     {"bench", "serve"},
     {"tools"},  # the offline tools: make_draft, search_layers, train_head, pareto
-    {"cli", "__main__", ""},
+    {"cli", "demo", "__main__", ""},
 ]
 
 

@@ -242,15 +242,6 @@ def methods(
             typer.echo(f"  preset {preset}: {values}")
 
 
-DEMO_PROMPTS = {  # one of each kind of request: open chat, code, a summary of text in the prompt
-    "chat": "Explain in a few sentences why the sky is blue.",
-    "code": "Write a Python function is_palindrome(s) that ignores case and spaces. Add a docstring.",
-    "summary": "Summarize in two sentences: The town council met on Tuesday to discuss the new library. The library "
-    "will open next spring on Main Street. It will have a reading room, a children's corner and free internet. The "
-    "council said the library will cost two million dollars, paid by the state and by local donors.",
-}
-
-
 # -- the options of `demo` --------------------------------------------------------
 
 DEMO_PROMPT = typer.Option(
@@ -284,21 +275,22 @@ def demo(
     Each prompt runs `repeats` times, autoregressive then each method in turn: a speed is the median over the
     runs, a speedup the median of each run's autoregressive time over the method's (a single run moves with the
     machine's load); identical means identical in every run."""
+    from draftverify import demo as demo_table
     from draftverify.methods.spec import parse_specs
 
     specs = parse_specs(method)
     require(specs, "--method names no method: use e.g. auto or lookahead:context")
     require(repeats >= 1, f"--repeats {repeats} must be at least 1")
-    prompts = {f"prompt {i + 1}": p for i, p in enumerate(prompt)} if prompt else DEMO_PROMPTS
+    prompts = {f"prompt {i + 1}": p for i, p in enumerate(prompt)} if prompt else demo_table.DEMO_PROMPTS
     engine = _load_engine(target, draft, dtype, device, backend=backend)
     typer.echo(f"target: {engine.target.name}   {engine.describe_drafts()}   backend: {engine.describe_backend()}")
     typer.echo("warming up (the first call of a method measures the forward cost curve)...", err=True)
-    specs = _demo_runnable(engine, specs)
+    specs = demo_table.runnable(engine, specs)
     require(specs, "no --method can run on this target: build its drafts with `draftverify build-drafts`")
     rows, same = [], True
     for name, text in prompts.items():
-        runs = [_demo_run(engine, text, specs, max_new_tokens) for _ in range(repeats)]
-        row, identical = _demo_row(name, runs, len(specs))
+        runs = [demo_table.run(engine, text, specs, max_new_tokens) for _ in range(repeats)]
+        row, identical = demo_table.row(name, runs, len(specs))
         same &= identical
         typer.echo(f"\n--- {name}: {text}\n{runs[0][0].text}")
         rows.append(row)
@@ -308,51 +300,6 @@ def demo(
     typer.echo("\n" + "\n".join("| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *rows]))
     if not same:
         raise typer.Exit(1)
-
-
-def _demo_runnable(engine, specs) -> list:
-    """The specs that run on this target (each warmed up on a short prompt); one whose drafts were never built for
-    it is left out with the one line that says how to build them."""
-    runnable = []
-    for spec in specs:
-        try:
-            engine.generate(
-                "Hello", method=spec.name, preset=spec.preset, max_new_tokens=8, chat=True, **dict(spec.options)
-            )
-        except DraftVerifyError as exc:
-            if "build-drafts" not in str(exc):
-                raise
-            typer.echo(f"{spec.label}: left out: {exc}", err=True)
-        else:
-            runnable.append(spec)
-    return runnable
-
-
-def _demo_run(engine, text: str, specs, max_new_tokens: int) -> list:
-    """One run of a prompt: the autoregressive result, then each method's."""
-    ar = engine.generate(text, method="autoregressive", max_new_tokens=max_new_tokens, chat=True)
-    return [ar] + [
-        engine.generate(
-            text, method=spec.name, preset=spec.preset, max_new_tokens=max_new_tokens, chat=True, **dict(spec.options)
-        )
-        for spec in specs
-    ]
-
-
-def _demo_row(name: str, runs: list[list], methods: int) -> tuple[list[str], bool]:
-    """A prompt's table row (medians over the runs) and whether every method's output was identical in every run."""
-    from statistics import median
-
-    row, same = [name, f"{median(run[0].stats.tokens_per_s for run in runs):.1f}"], True
-    for i in range(1, methods + 1):
-        identical = all(run[i].tokens == run[0].tokens for run in runs)
-        same &= identical
-        row += [
-            f"{median(run[i].stats.tokens_per_s for run in runs):.1f}",
-            f"{median(run[0].stats.wall_s / run[i].stats.wall_s for run in runs):.2f}x",
-            "yes" if identical else "NO",
-        ]
-    return row, same
 
 
 # -- commands implemented in other modules are registered below --------------------------
