@@ -105,9 +105,10 @@ struct Q {
   // fewer of the multiplying instructions that bound this product. u8 codes go as their two nibbles.
   template <int L> static I half_dot(I acc, const I* w, const int8_t* x) {
     const __m256i ones = _mm256_set1_epi16(1);
-    auto pairs = [&](auto code) {  // code: a register of codes -> codes <= 31
+    // chunks [g0, g1) with their codes through `code`, their pairs added in int16, widened once
+    auto pairs = [&](auto code, int g0, int g1) {
       __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
-      for (int g = 0; g < 4; ++g) {
+      for (int g = g0; g < g1; ++g) {
         int32_t v;
         std::memcpy(&v, x + 4 * g, 4);
         const __m256i xg = _mm256_set1_epi32(v);
@@ -116,23 +117,11 @@ struct Q {
       }
       return I{_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones)};
     };
-    if constexpr (L == U6) {  // codes <= 63: two chunks' pairs add in int16 (at most 2 * 2 * 63 * 127 = 32004)
-      __m256i a[2], b[2];
-      for (int half = 0; half < 2; ++half) {
-        a[half] = b[half] = _mm256_setzero_si256();
-        for (int g = 2 * half; g < 2 * half + 2; ++g) {
-          int32_t v;
-          std::memcpy(&v, x + 4 * g, 4);
-          const __m256i xg = _mm256_set1_epi32(v);
-          a[half] = _mm256_add_epi16(a[half], _mm256_maddubs_epi16(w[g].a, xg));
-          b[half] = _mm256_add_epi16(b[half], _mm256_maddubs_epi16(w[g].b, xg));
-        }
-      }
-      return add(acc, {_mm256_add_epi32(_mm256_madd_epi16(a[0], ones), _mm256_madd_epi16(a[1], ones)),
-                       _mm256_add_epi32(_mm256_madd_epi16(b[0], ones), _mm256_madd_epi16(b[1], ones))});
-    }
-    if constexpr (L != U8) return add(acc, pairs([](__m256i c) { return c; }));
-    const I lo = pairs([](__m256i c) { return lo4(c); }), hi = pairs([](__m256i c) { return hi4(c); });
+    const auto whole = [](__m256i c) { return c; };
+    // codes <= 63: two chunks' pairs at a time in int16 (at most 2 * 2 * 63 * 127 = 32004)
+    if constexpr (L == U6) return add(acc, add(pairs(whole, 0, 2), pairs(whole, 2, 4)));
+    if constexpr (L != U8) return add(acc, pairs(whole, 0, 4));  // codes <= 31
+    const I lo = pairs([](__m256i c) { return lo4(c); }, 0, 4), hi = pairs([](__m256i c) { return hi4(c); }, 0, 4);
     return add(acc, {_mm256_add_epi32(lo.a, _mm256_slli_epi32(hi.a, 4)), _mm256_add_epi32(lo.b, _mm256_slli_epi32(hi.b, 4))});
   }
 #endif
