@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from draftverify.errors import DraftVerifyError
+from draftverify.errors import MissingDrafts
 
 DEMO_PROMPTS = {  # one of each kind of request: open chat, code, a summary of text in the prompt
     "chat": "Explain in a few sentences why the sky is blue.",
@@ -25,9 +25,7 @@ def runnable(engine, specs) -> list:
             engine.generate(
                 "Hello", method=spec.name, preset=spec.preset, max_new_tokens=8, chat=True, **dict(spec.options)
             )
-        except DraftVerifyError as exc:
-            if "build-drafts" not in str(exc):
-                raise
+        except MissingDrafts as exc:
             typer.echo(f"{spec.label}: left out: {exc}", err=True)
         else:
             runnable.append(spec)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from draftverify.drafters.layer_skip import LayerSkip
 from draftverify.drafters.skipsets import STRATEGIES, SkipSet, load_skip_set, make_skip_set, stored_skip_set
-from draftverify.errors import require
+from draftverify.errors import MissingDrafts, require
 from draftverify.loading import model_identity
 from draftverify.loading.hf import model_source
 from draftverify.loading.store import missing
@@ -115,7 +115,8 @@ class SelfSpeculative(Method):
             searched = (
                 load_skip_set(c.skip_file, model_identity(target.model)) if c.skip_file else stored_skip_set(target)
             )
-            require(searched is not None or c.strategy != "searched", missing("skipset", model_source(target.model)))
+            if searched is None and c.strategy == "searched":
+                raise MissingDrafts(missing("skipset", model_source(target.model)))
             self.skip = make_skip_set(c.strategy, target.model, searched, c.n_attention, c.n_mlp, c.layer_seed)
 
     def make_policy(self) -> DraftPolicy:

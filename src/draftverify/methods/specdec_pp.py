@@ -34,7 +34,7 @@ from draftverify.drafters.acceptance_head import DEFAULT_CAP, DEFAULT_H, Accepta
 from draftverify.drafters.base import Drafter
 from draftverify.drafters.draft_model import DraftModel
 from draftverify.drafters.feature import DRAFT_VOCAB, FeatureHeadDrafter
-from draftverify.errors import DraftVerifyError, require
+from draftverify.errors import DraftVerifyError, MissingDrafts, require
 from draftverify.loading import model_identity
 from draftverify.loading.hf import model_source
 from draftverify.loading.store import find, missing
@@ -102,7 +102,7 @@ class HeadStops:
                 if stored or not default or getattr(self.config, "drafter", "model") != "head":
                     raise
                 what = "acceptance" if over_head else "head"  # the engine has no feature head: build one, and its
-                raise DraftVerifyError(missing(what, target)) from exc
+                raise MissingDrafts(missing(what, target)) from exc
             self._head = head.to(self.draft.fc.weight.device if over_head else self.draft.device)
         h = self.config.h
         if h is None:
