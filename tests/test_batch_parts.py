@@ -58,12 +58,13 @@ def give_curve(engine: Engine, costs: dict | None) -> None:
 
 
 def decode_together(engine: Engine, batch: Batch, requests: list, *longs: list[int]) -> list:
-    """Start `requests` ((prompt, method, new tokens)), one step for their prefills, then add the long prompts (2 new
-    tokens each) and step to the end; returns every request's output, the long prompts' last."""
+    """Start `requests` ((prompt, method, new tokens[, request settings])), one step for their prefills, then add
+    the long prompts (2 new tokens each) and step to the end; returns every request's output, the long prompts'
+    last."""
     sessions = []
 
-    def join(prompt, method, n):
-        m, s = engine.request(prompt, method, slot=len(sessions), max_new_tokens=n, eos_token_id=[])
+    def join(prompt, method, n, settings=None):
+        m, s = engine.request(prompt, method, slot=len(sessions), max_new_tokens=n, eos_token_id=[], **(settings or {}))
         s.stats.start()
         batch.add(s, m.target, m.rounds(s))
         sessions.append(s)
@@ -80,7 +81,10 @@ def decode_together(engine: Engine, batch: Batch, requests: list, *longs: list[i
 
 def alone(engine: Engine, requests: list, *longs: list[int]) -> list:
     """What `decode_together` gives, each request decoded alone."""
-    outputs = [engine.generate(p, method=m, max_new_tokens=n, eos_token_id=[]).tokens for p, m, n in requests]
+    outputs = [
+        engine.generate(p, method=m, max_new_tokens=n, eos_token_id=[], **(settings[0] if settings else {})).tokens
+        for p, m, n, *settings in requests
+    ]
     return outputs + [engine.generate(long, method="autoregressive", max_new_tokens=2).tokens for long in longs]
 
 
@@ -182,3 +186,24 @@ def test_the_server_measures_the_curve_that_sizes_the_parts_before_serving(engin
     assert kept_curve(engine.target_runner) is not None
     assert (service.scheduler._batch.prompt_part, service.scheduler._batch.max_gap_s) == (512, 0.1)
     engine.use_prefix_cache(0)  # the service turned it on; the module's engine goes on without
+
+
+def test_decoders_drafts_share_the_budget_and_a_request_alone_drafts_freely(engine, fed):
+    """Beside other decoders a request's forward has at most an even share of the rows the budget prices (its
+    drafts shortened to fit, never below one row), so the step stays within it; alone, its drafts are its own
+    drafter's (they delay no other stream). Outputs stay the single-request ones."""
+    give_curve(engine, COSTS)
+    loop, HF = [5, 6, 7, 8] * 4, {"preset": "hf"}  # prompt lookup (preset hf) copies it 10 tokens a round
+    requests = [
+        (loop, "prompt-lookup", 40, HF),
+        (loop[1:], "prompt-lookup", 40, HF),
+        (loop[2:], "prompt-lookup", 40, HF),
+    ]
+    assert decode_together(engine, Batch(prompt_part=512, max_gap_s=BUDGET), requests) == alone(engine, requests)
+    decoding = [rows for rows in (list(row.values()) for row in fed) if len(rows) == 3 and max(rows) <= 11]
+    assert max(max(rows) for rows in decoding) == 6  # a third each of the 18 rows the budget prices
+    fed.clear()
+    assert decode_together(engine, Batch(prompt_part=512, max_gap_s=BUDGET), requests[:1]) == alone(
+        engine, requests[:1]
+    )
+    assert max(max(row.values()) for row in fed[1:]) == 11  # the root and 10 drafted tokens

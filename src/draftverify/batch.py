@@ -28,8 +28,10 @@ streams the weights again. With a gap budget (`max_gap_s`, `serve --max-gap-ms`)
 stacked forward, beside the rows the others feed this step (their drafts included), the target's cost curve
 (`costs.kept_curve`) prices within the budget, and at least `LEAST_PART` so that the prompt moves on: the others'
 streams stall no longer than that, and the prompt takes what the step has left. Prompts waiting together take
-turns, the shortest rest first (a later one waits for a step with room for `LEAST_PART` of its rows). Off (0) by
-default here; the server feeds prompts in parts by default (`ServeConfig.prompt_part`, `max_gap_ms`).
+turns, the shortest rest first (a later one waits for a step with room for `LEAST_PART` of its rows). Under a
+budget, members decoding together each feed at most an even share of the rows it prices (`Session.step_rows`,
+which bounds how deep the round drafts; a member alone drafts as its drafter prices). Off (0) by default here;
+the server feeds prompts in parts by default (`ServeConfig.prompt_part`, `max_gap_ms`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def divisible(feed: Feed, part: int) -> bool:
 
 LEAST_PART = 8  # rows a prompt part has at least, however full the step: a waiting prompt always moves on
 FIXED_PART = 128  # rows a part has under a gap budget while the target's cost curve is not measured yet
+MOST_ROWS = 1024  # the widest step a gap budget is searched over
 
 
 class Batch:
@@ -80,6 +83,7 @@ class Batch:
         `prompt_part` rows)."""
         self.members: list[Member] = []
         self.prompt_part, self.max_gap_s = prompt_part, max_gap_s
+        self.turn = 0  # steps that shared a gap budget (`_shares`)
 
     def __len__(self) -> int:
         return len(self.members)
@@ -96,12 +100,13 @@ class Batch:
         """One stacked forward for every live member; returns the members that ended (and leave the batch)."""
         live = [m for m in self.members if not m.done]
         if live:
-            split = self._part_rows(live)
+            table = self._table(live)
+            split, shares = self._part_rows(live, table), self._shares(live, table)
             live = [m for m in live if split.get(m) != 0]  # a prompt that waits for its turn is not in this step
             parts = [self._part(m, split.get(m)) for m in live]
             rows = [part.size for part in parts]
             for m, n in zip(live, rows):
-                m.session.others = sum(rows) - n
+                m.session.others, m.session.step_rows = sum(rows) - n, shares.get(m, 0)
             try:
                 outs = forward_many([m.runner for m in live], parts)
             except Exception as exc:  # the stacked forward itself failed: every member in it fails
@@ -122,7 +127,7 @@ class Batch:
             member.session.stats.finish_reason = member.session.stats.finish_reason or "cancelled"
         self.members = [m for m in self.members if m is not member]
 
-    def _part_rows(self, live: list[Member]) -> dict[Member, int]:
+    def _part_rows(self, live: list[Member], table) -> dict[Member, int]:
         """The rows this step feeds of each prompt that runs in part (0: it waits this step). When every live member
         waits for a prompt longer than a part may take alone (`_rows(0)`), all run whole: no stream waits on the
         step. Otherwise the prompts that may run in parts take their turn, the one with the fewest rows left first
@@ -130,7 +135,6 @@ class Batch:
         (the others' whole feeds, a draft's rows as well, and the parts before it); a prompt that fits runs whole."""
         if not self.prompt_part:
             return {}
-        table = self._table(live)
         alone = self._rows(0, table)
         prompts = sorted((m for m in live if self._divides(m, alone)), key=lambda m: m.feed.size - m.fed)
         if len(prompts) == len(live) and all(m.feed.size - m.fed > alone for m in live):
@@ -145,6 +149,17 @@ class Batch:
             split[m] = min(n, rest - m.feed.last)  # the last part keeps the rows whose logits it gives (0: waits)
             rows, first = rows + split[m], False
         return split
+
+    def _shares(self, live: list[Member], table) -> dict[Member, int]:
+        """The rows each member's next forward may feed (`Session.step_rows`, which bounds its drafts): an even
+        share of the rows the cost table prices within the gap budget, at least 1, members taking the rest one
+        row each, in turn. None for a member alone (its drafts delay no other stream, and its drafter prices its
+        own time) or without a budget or a table."""
+        if len(live) < 2 or table is None:
+            return {}
+        share, rest = divmod(rows_within(table, 0, self.max_gap_s, MOST_ROWS), len(live))
+        self.turn += 1  # the rest goes round: each step to the next members
+        return {m: max(1, share + ((i - self.turn) % len(live) < rest)) for i, m in enumerate(live)}
 
     def _divides(self, m: Member, part: int) -> bool:
         """Whether `m`'s feed may run in parts: a prompt begun in parts, or one `divisible` on a runner whose rows

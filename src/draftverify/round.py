@@ -79,6 +79,8 @@ def rounds(s: Session, target: Runner, drafter: Drafter | None = None) -> Rounds
     try:
         while True:
             room = min(s.remaining - 1, limit - len(seq))  # candidate tokens worth verifying
+            if s.step_rows:  # in a batch under a gap budget: no deeper than the rows its share of the step allows
+                room = min(room, s.step_rows - 1)
             proposal = Proposal()
             if drafter is not None:
                 with s.stats.timer("draft"):

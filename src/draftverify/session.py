@@ -48,6 +48,7 @@ class Session:
     # of the chunk being emitted (the accepted drafted ones); the chunk's other tokens are the target's own
     prefix_cache: object = None  # the engine's prefix_cache.PrefixCache (None: every prompt prefilled whole)
     others: int = 0  # rows the rest of the batch fed to the last shared forward (0: decoding alone; `batch`)
+    step_rows: int = 0  # the most rows its next forward may feed: the batch's gap budget (0: no bound; `batch`)
     _generators: dict = field(default_factory=dict)
     _decoded: Detokenizer | None = None  # the output's text token by token, for stop strings
 
