@@ -58,9 +58,9 @@ def test_every_option_reaches_the_deployment(deploy, tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     args = ["--replicas", "3", "--num-cpus", "0.5", "--address", "auto", "--cluster-cpus", "4", "-t", "m.gguf",
             "-d", "self:layers=2", "-m", "speculative[k=3],autoregressive", "--host", "0.0.0.0", "--port", "8100",
-            "--model-name", "coder", "--max-queue", "5", "--max-batch", "2", "--timeout", "9", "--shutdown-grace",
-            "1.5", "--default-max-tokens", "7", "--pool-file", str(tmp_path / "pool"), "--dtype", "fp32",
-            "--device", "cpu", "--backend", "eager"]  # fmt: skip
+            "--model-name", "coder", "--max-queue", "5", "--max-batch", "2", "--prompt-part", "64", "--max-gap-ms",
+            "40", "--timeout", "9", "--shutdown-grace", "1.5", "--default-max-tokens", "7", "--pool-file",
+            str(tmp_path / "pool"), "--dtype", "fp32", "--device", "cpu", "--backend", "eager"]  # fmt: skip
     result = CliRunner().invoke(ray_cli.app, args)
     assert result.exit_code == 0, result.output
     assert "serving with speculative[k=3], autoregressive on http://127.0.0.1:9/v1 (3 replicas)" in result.output
@@ -71,6 +71,7 @@ def test_every_option_reaches_the_deployment(deploy, tmp_path):
     assert [s.label for s in config.methods] == ["speculative[k=3]", "autoregressive"]
     assert (config.model_name, config.max_queue, config.max_batch, config.timeout_s) == ("coder", 5, 2, 9.0)
     assert (config.shutdown_grace_s, config.default_max_tokens) == (1.5, 7)
+    assert (config.prompt_part, config.max_gap_ms) == (64, 40.0)  # the config every replica's app is built with
     assert config.pool_file == Path(tmp_path / "pool")
     assert signal.getsignal(signal.SIGTERM) is before  # the handlers are put back
 
@@ -81,14 +82,18 @@ def test_defaults_and_help(deploy):
     _, where, load, config = deploy[1]
     assert where == RaySettings() and load == EngineArgs() and deploy[0][1:] == (None, None)
     assert [s.label for s in config.methods] == ["auto"] and config.max_queue == 16
+    assert (config.prompt_part, config.max_gap_ms) == (512, 250.0)  # `draftverify serve`'s defaults
     help_text = CliRunner().invoke(ray_cli.app, ["--help"], env={"COLUMNS": "200"}).output
-    for option in ("--replicas", "--num-cpus", "--address", "--cluster-cpus", "--pool-file", "--backend"):
+    for option in ("--replicas", "--num-cpus", "--address", "--cluster-cpus", "--pool-file", "--backend",
+                   "--prompt-part", "--max-gap-ms"):  # fmt: skip
         assert option in help_text, option
 
 
 def test_bad_values_are_one_line_errors_before_ray(deploy):
     result = CliRunner().invoke(ray_cli.app, ["--max-batch", "0"])
     assert result.exit_code == 2 and "error: max_batch=0 must be at least 1" in result.output and deploy == []
+    result = CliRunner().invoke(ray_cli.app, ["--max-gap-ms", "-1"])
+    assert result.exit_code == 2 and "error: max_gap_ms=-1.0 must be at least 0" in result.output and deploy == []
     result = CliRunner().invoke(ray_cli.app, ["--replicas", "two"])
     assert result.exit_code == 2 and deploy == []
 

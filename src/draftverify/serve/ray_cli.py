@@ -12,7 +12,13 @@ from typing import Optional
 import typer
 
 from draftverify.cli_options import backend_option, device_option, draft_option, dtype_option, target_option
-from draftverify.serve.cli import SERVE_DEFAULT_MAX_TOKENS, SERVE_MODEL_NAME, SERVE_TIMEOUT
+from draftverify.serve.cli import (
+    SERVE_DEFAULT_MAX_TOKENS,
+    SERVE_MAX_GAP_MS,
+    SERVE_MODEL_NAME,
+    SERVE_PROMPT_PART,
+    SERVE_TIMEOUT,
+)
 
 REPLICAS = typer.Option(2, help="Engine replicas, each a Ray actor with its own model copy.")
 NUM_CPUS = typer.Option(
@@ -49,6 +55,8 @@ def ray_serve(
     model_name: Optional[str] = SERVE_MODEL_NAME,
     max_queue: int = MAX_QUEUE,
     max_batch: int = MAX_BATCH,
+    prompt_part: int = SERVE_PROMPT_PART,
+    max_gap_ms: float = SERVE_MAX_GAP_MS,
     timeout: float = SERVE_TIMEOUT,
     shutdown_grace: float = SHUTDOWN_GRACE,
     default_max_tokens: int = SERVE_DEFAULT_MAX_TOKENS,
@@ -81,6 +89,8 @@ def settings(**options):
         model_name=o["model_name"],
         max_queue=o["max_queue"],
         max_batch=o["max_batch"],
+        prompt_part=o["prompt_part"],
+        max_gap_ms=o["max_gap_ms"],
         timeout_s=o["timeout"],
         shutdown_grace_s=o["shutdown_grace"],
         default_max_tokens=o["default_max_tokens"],
