@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random fp32 models of several architectures with a character
-tokenizer, and the real default model (SmolLM2-135M-Instruct) for the slow tests."""
+tokenizer, the serve tests' target and draft (`models`) with an engine for their offline outputs (`offline`),
+and the real default model (SmolLM2-135M-Instruct) for the slow tests."""
 
 from __future__ import annotations
 
@@ -185,6 +186,20 @@ def tiny(tokenizer):
         return cache[key]
 
     return build
+
+
+@pytest.fixture(scope="module")
+def models(tiny):
+    """The serve tests' (target, draft): tiny llamas, the draft of another seed and half the layers."""
+    return tiny("llama"), tiny("llama", seed=1, layers=2)
+
+
+@pytest.fixture(scope="module")
+def offline(models):
+    """An engine of its own (own caches, apart from the served engine's) for the serve tests' expected outputs."""
+    from draftverify import Engine
+
+    return Engine(*models)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """The live server the serve tests share: `serving` (uvicorn in a thread on 127.0.0.1, tiny models), an engine
 they can hold (`GatedEngine`), the offline outputs to compare with (`expect`), and readers of streams and
-metrics. A test module defines its own `models` and `offline` fixtures (pytest finds them in the module)."""
+metrics. The `models` (target, draft) and `offline` fixtures they use are in conftest.py."""
 
 from __future__ import annotations
 

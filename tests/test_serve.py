@@ -29,17 +29,6 @@ from draftverify.serve.protocol import TextStream
 
 
 @pytest.fixture(scope="module")
-def models(tiny):
-    return tiny("llama"), tiny("llama", seed=1, layers=2)
-
-
-@pytest.fixture(scope="module")
-def offline(models):
-    """An engine of its own (own caches) for the expected outputs."""
-    return Engine(*models)
-
-
-@pytest.fixture(scope="module")
 def live(models):
     with serving(Engine(*models), max_body_bytes=64 << 10) as (client, server):
         yield client, server

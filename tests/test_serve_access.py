@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from test_serve import WAIT_S, GatedEngine, expect, models, offline, serving, url_of  # noqa: F401  (fixtures)
+from test_serve import WAIT_S, GatedEngine, expect, serving, url_of
 from typer.testing import CliRunner
 
 from draftverify import DraftVerifyError, Engine
@@ -30,7 +30,7 @@ CAP = 5
 
 
 @pytest.fixture(scope="module")
-def keyed(models):  # noqa: F811
+def keyed(models):
     with serving(Engine(*models), api_keys=KEYS, cors_origins=(ORIGIN,), max_tokens=CAP) as (client, _):
         yield client
 
@@ -90,7 +90,7 @@ def test_cors_preflight_and_headers_on_answers_and_401s(keyed):
     assert "access-control-allow-origin" not in r.headers
 
 
-def test_max_tokens_cap_clamps_every_request(keyed, offline):  # noqa: F811
+def test_max_tokens_cap_clamps_every_request(keyed, offline):
     want = expect(offline, "Hello", max_new_tokens=CAP, temperature=0.0)
     assert len(want.tokens) == CAP and want.stats.finish_reason == "length"  # else the cap could not show
     for asked in ({"max_tokens": 50}, {}, {"max_tokens": CAP}):
@@ -114,7 +114,7 @@ def wait_for(condition) -> None:
         time.sleep(0.02)
 
 
-def test_n_takes_n_places_in_the_queue(models):  # noqa: F811
+def test_n_takes_n_places_in_the_queue(models):
     engine = GatedEngine(*models)
     body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
     with serving(engine, max_queue=4, max_batch=1) as (client, _), ThreadPoolExecutor(3) as pool:
@@ -134,7 +134,7 @@ def test_n_takes_n_places_in_the_queue(models):  # noqa: F811
     assert [r.status_code for r in answers] == [200, 200, 200] and len(answers[2].json()["choices"]) == 3
 
 
-def test_keep_alive_comments_while_a_stream_waits(models, offline):  # noqa: F811
+def test_keep_alive_comments_while_a_stream_waits(models, offline):
     engine = GatedEngine(*models)
     want = expect(offline, "Hello", max_new_tokens=4, temperature=0.0).text
     body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True}
@@ -158,7 +158,7 @@ def test_keep_alive_comments_while_a_stream_waits(models, offline):  # noqa: F81
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
-def test_tls_serves_https(models, tmp_path):  # noqa: F811
+def test_tls_serves_https(models, tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
@@ -181,7 +181,7 @@ def test_tls_serves_https(models, tmp_path):  # noqa: F811
         thread.join(WAIT_S)
 
 
-def test_bad_access_settings_are_refused_in_one_line(models, tmp_path):  # noqa: F811
+def test_bad_access_settings_are_refused_in_one_line(models, tmp_path):
     for fields, message in (
         ({"max_tokens": 0}, "max_tokens=0 must be at least 1"),
         ({"keep_alive_s": -1}, "keep_alive=-1 must be at least 0"),

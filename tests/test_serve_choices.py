@@ -4,7 +4,7 @@ same request decoded alone with seed `seed + i` (greedy: every choice is the gre
 from __future__ import annotations
 
 import pytest
-from test_serve import expect, models, offline, serving, sse_events  # noqa: F401  (fixtures)
+from test_serve import expect, serving, sse_events
 
 from draftverify import Engine
 
@@ -12,7 +12,7 @@ ROUTES = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 @pytest.fixture(scope="module")
-def live(models):  # noqa: F811
+def live(models):
     with serving(Engine(*models), max_body_bytes=64 << 10) as (client, server):
         yield client, server
 
@@ -22,7 +22,7 @@ def body_for(kind: str, **fields) -> dict:
     return {**prompt, "max_tokens": 10, **fields}
 
 
-def wants(offline, kind: str, n: int, method: str, sampling: dict) -> list:  # noqa: F811
+def wants(offline, kind: str, n: int, method: str, sampling: dict) -> list:
     prompt = [{"role": "user", "content": "Hi there"}] if kind == "chat" else "Hi there"
     seed = sampling.get("seed")
     return [
@@ -35,7 +35,7 @@ def wants(offline, kind: str, n: int, method: str, sampling: dict) -> list:  # n
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "top_k": 30, "seed": 5}])
-def test_n_choices_equal_their_requests_alone(live, offline, kind, sampling):  # noqa: F811
+def test_n_choices_equal_their_requests_alone(live, offline, kind, sampling):
     client, _ = live
     # A sampled choice draws its seed's random numbers per draft length, and in a batch the cost policy prices drafts
     # by the rows they add to the shared forward: token-equal to decoding alone where draft lengths are the same
@@ -57,7 +57,7 @@ def test_n_choices_equal_their_requests_alone(live, offline, kind, sampling):  #
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
-def test_n_choices_streamed(live, offline, kind):  # noqa: F811
+def test_n_choices_streamed(live, offline, kind):
     client, _ = live
     sampling = {"temperature": 0.8, "seed": 21}
     want = wants(offline, kind, 2, "autoregressive", sampling)
@@ -77,7 +77,7 @@ def test_n_choices_streamed(live, offline, kind):  # noqa: F811
     assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == sum(len(w.tokens) for w in want)
 
 
-def test_n_choices_decode_as_one_batch(models, monkeypatch):  # noqa: F811
+def test_n_choices_decode_as_one_batch(models, monkeypatch):
     """The choices are members of one batch: the scheduler steps them together, one target forward for all."""
     from draftverify.batch import Batch
 
@@ -89,7 +89,7 @@ def test_n_choices_decode_as_one_batch(models, monkeypatch):  # noqa: F811
     assert max(sizes) == 4
 
 
-def test_n_choices_that_do_not_fit_the_line_are_refused_whole(models):  # noqa: F811
+def test_n_choices_that_do_not_fit_the_line_are_refused_whole(models):
     with serving(Engine(*models), max_body_bytes=64 << 10, max_queue=2) as (client, _):
         r = client.post("/v1/completions", json=body_for("completion", n=3, temperature=0.0))
         assert r.status_code == 429 and "fewer choices" in r.json()["error"]["message"]

@@ -5,7 +5,7 @@ round trips and /props on the real default model, and a chat template file used 
 from __future__ import annotations
 
 import pytest
-from test_serve import expect, models, offline, serving  # noqa: F401  (fixtures)
+from test_serve import expect, serving
 from typer.testing import CliRunner
 
 from draftverify import DraftVerifyError, Engine
@@ -16,12 +16,12 @@ TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }};{% endfo
 
 
 @pytest.fixture(scope="module")
-def live(models):  # noqa: F811
+def live(models):
     with serving(Engine(*models)) as (client, _):
         yield client
 
 
-def test_llama_fields_accepted_and_ignored_unless_strict(live, models, offline):  # noqa: F811
+def test_llama_fields_accepted_and_ignored_unless_strict(live, models, offline):
     want = expect(offline, "Hello", max_new_tokens=6, temperature=0.0).text
     body = {"prompt": "Hello", "max_tokens": 6, "temperature": 0}
     llama = {"cache_prompt": True, "id_slot": 3}
@@ -51,7 +51,7 @@ def test_n_probs_is_honoured_as_logprobs(live):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n_probs"
 
 
-def test_chat_template_file_is_used(models, offline, tmp_path):  # noqa: F811
+def test_chat_template_file_is_used(models, offline, tmp_path):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     own = offline.encode(messages, chat=True)
     ids = offline.encode(messages, chat=True, chat_template=TEMPLATE)

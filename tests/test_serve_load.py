@@ -31,18 +31,6 @@ from serving import (
 from draftverify import DraftVerifyError, Engine
 from draftverify.serve import ServeConfig, create_app, parse_methods
 
-
-@pytest.fixture(scope="module")
-def models(tiny):
-    return tiny("llama"), tiny("llama", seed=1, layers=2)
-
-
-@pytest.fixture(scope="module")
-def offline(models):
-    """An engine of its own (own caches) for the expected outputs."""
-    return Engine(*models)
-
-
 # -- under load --------------------------------------------------------------------------------
 
 
