@@ -10,13 +10,12 @@ import shutil
 import ssl
 import subprocess
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-from test_serve import WAIT_S, GatedEngine, expect, serving, url_of
+from serving import WAIT_S, GatedEngine, expect, serving, url_of, wait_for
 from typer.testing import CliRunner
 
 from draftverify import DraftVerifyError, Engine
@@ -105,13 +104,6 @@ def test_max_tokens_cap_clamps_every_request(keyed, offline):
     assert r.json()["usage"]["completion_tokens"] <= CAP
     r = keyed.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, headers=bearer("key-one"))
     assert r.json()["usage"]["completion_tokens"] == 2  # a smaller ask stays as asked
-
-
-def wait_for(condition) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.02)
 
 
 def test_n_takes_n_places_in_the_queue(models):
