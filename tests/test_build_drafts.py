@@ -206,6 +206,7 @@ def test_a_whole_build_on_a_tiny_model(tiny, root, tmp_path):
     manifest = store.read_manifest(dest)
     assert set(manifest["artifacts"]) == {"head", "acceptance", "skipset"}
     assert len(manifest["stages"]["head"]["heldout_top1"]) == 3 and manifest["stages"]["skipset"]["trials"] == 2
+    assert manifest["stages"]["head"]["kept_step"] == 4 <= manifest["stages"]["head"]["of_steps"]
     assert sum(line.startswith("[") and " start (" in line for line in lines) == 3
     engine = Engine(a, feature_head=default_feature_head(a, "fp32"))
     assert engine.feature_head is not None

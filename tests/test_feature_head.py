@@ -25,7 +25,7 @@ TINY = dict(
     vocab=60,
     batch_tokens=512,
     max_len=96,
-    epochs=30,
+    epochs=5,
     budget_minutes=2.0,
     lr=3e-3,
     warmup=5,
@@ -123,7 +123,7 @@ def test_built_head_has_a_card_and_learned(built):
 
 def test_interrupted_build_resumes_to_the_same_weights(built, tmp_path):
     target, _, prompts, _ = built
-    settings = {**TINY, "epochs": 2}
+    settings = {**TINY, "epochs": 2, "budget_minutes": 30.0}  # the epochs bound the schedule, not the time
     whole = build_head(target, tmp_path / "a", prompts, HeadTraining(**settings, steps=6), log=quiet, progress=False)
     build_head(target, tmp_path / "b", prompts, HeadTraining(**settings, steps=3), log=quiet, progress=False)
     with pytest.raises(DraftVerifyError, match="--resume"):
@@ -136,6 +136,48 @@ def test_interrupted_build_resumes_to_the_same_weights(built, tmp_path):
     a = FeatureHead.load(tmp_path / "a").state_dict()
     b = FeatureHead.load(tmp_path / "b").state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_the_written_head_is_the_best_evaluated_one(built, tmp_path, monkeypatch):
+    """Evaluations every ten steps (a short schedule): the weights of the best one are written, not the last."""
+    from draftverify.tools.make_draft import feature_head
+
+    target, _, prompts, _ = built
+    settings = {**TINY, "epochs": 2, "budget_minutes": 30.0}
+    kept = build_head(target, tmp_path / "a", prompts, HeadTraining(**settings, steps=10), log=quiet, progress=False)
+    assert kept["kept_step"] == 10 and kept["of_steps"] >= 25
+    scores = iter([[0.9, 0.5, 0.2]])  # step 10's evaluation is the best; 20's, 25's and the final one are worse
+    monkeypatch.setattr(feature_head, "acceptance", lambda *a: next(scores, [0.1, 0.1, 0.1]))
+    facts = build_head(target, tmp_path / "b", prompts, HeadTraining(**settings, steps=25), log=quiet, progress=False)
+    assert facts["steps"] == 25 and facts["kept_step"] == 10 and facts["of_steps"] == kept["of_steps"]
+    state = torch.load(tmp_path / "b" / ".make-draft" / "head-checkpoint.pt", weights_only=True)
+    assert [e["step"] for e in state["history"]] == [10, 20, 25] and state["best"]["step"] == 10
+    assert "the weights of step 10" in (tmp_path / "b" / "README.md").read_text()
+    a, b = FeatureHead.load(tmp_path / "a").state_dict(), FeatureHead.load(tmp_path / "b").state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_a_resumed_build_keeps_its_schedule(built, tmp_path, monkeypatch):
+    """The schedule's length and batch are fixed once and kept in the checkpoint: a resumed build uses them (it
+    would compute others here); its training settings must be the checkpoint's."""
+    from draftverify.tools.make_draft import feature_head
+
+    target, _, prompts, _ = built
+    settings = {**TINY, "budget_minutes": 30.0}
+    monkeypatch.setattr(feature_head, "schedule_length", lambda *a: 40)
+    first = build_head(target, tmp_path / "b", prompts, HeadTraining(**settings, steps=5), log=quiet, progress=False)
+    state = torch.load(tmp_path / "b" / ".make-draft" / "head-checkpoint.pt", weights_only=True)
+    assert first["of_steps"] == state["total"] == 40 and state["batch_tokens"] == first["batch_tokens"] < 512
+    monkeypatch.setattr(feature_head, "schedule_length", lambda *a: 77)
+    monkeypatch.setattr(feature_head, "epoch_batch_tokens", lambda *a: 512)
+    with pytest.raises(DraftVerifyError, match="other training settings"):
+        build_head(
+            target, tmp_path / "b", prompts, HeadTraining(**{**settings, "lr": 1e-3}, steps=8), resume=True, log=quiet
+        )
+    again = build_head(
+        target, tmp_path / "b", prompts, HeadTraining(**settings, steps=8), resume=True, log=quiet, progress=False
+    )
+    assert again["steps"] == 8 and again["of_steps"] == 40 and again["batch_tokens"] == first["batch_tokens"]
 
 
 def test_bad_prompt_file_gets_a_one_line_error(built, tmp_path):

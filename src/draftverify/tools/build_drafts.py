@@ -144,6 +144,7 @@ def head_stage(build: Build) -> dict:
         runner=build.engine.target_runner,
     )  # fmt: skip
     keep = ("heldout_top1", "template_heldout_top1", "expected_chain", "vocab_coverage", "steps", "sequences")
+    keep += ("of_steps", "kept_step", "batch_tokens")  # the schedule and the step whose weights were written
     return {k: facts[k] for k in keep} | {"minutes": facts["minutes"]}
 
 

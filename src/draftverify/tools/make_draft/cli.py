@@ -29,7 +29,9 @@ PROMPTS = typer.Option(
     "of the template prompts, answered by the engine).",
 )
 VOCAB = typer.Option(8192, help="--kind head: the head drafts this many of the most frequent reply tokens (FR-Spec).")
-EPOCHS = typer.Option(2.0, help="--kind head: passes over the training data.")
+EPOCHS = typer.Option(
+    8.0, help="--kind head: at most this many passes over the training data (the schedule fills the time left)."
+)
 SAMPLED = typer.Option(
     0,
     help="--kind head: replies per prompt sampled (T=0.8, top-p 0.95) besides the greedy one: more data from the same "
@@ -80,7 +82,9 @@ TRAIN_DTYPE = typer.Option(
     help="The training matmuls on a CPU (and, --kind model, the scoring of --prompts replies): auto (bf16 where the "
     "CPU has bf16 instructions, else fp32), fp32 or bf16.",
 )
-BATCH_TOKENS = typer.Option(None, help="Tokens per training step. Default: 1024 (model), 4096 (head).")
+BATCH_TOKENS = typer.Option(
+    None, help="Tokens per training step. Default: 1024 (model), 4096 (head: at most; fewer for small data)."
+)
 LR = typer.Option(
     None, help="Peak learning rate (AdamW, warm-up then cosine decay). Default: 5e-4 (model), 1e-3 (head)."
 )

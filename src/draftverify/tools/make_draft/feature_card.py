@@ -33,6 +33,14 @@ def model_card(f: dict) -> str:
     arithmetic = ("matmuls in bf16" if f.get("bf16") else "fp32") + (
         "; a resumed build's steps may mix" if f.get("resumed") else ""
     )
+    schedule = (
+        f"{f['of_steps']} steps of up to {f['batch_tokens']} tokens" if f.get("of_steps") else "steps (not yet timed)"
+    )
+    kept = (
+        f"the weights of step {f['kept_step']}, the best held-out expected chain of the evaluations"
+        if f.get("kept_step") is not None
+        else "the last weights"
+    )
     return f"""# Feature draft head for {f["target"]}
 
 An EAGLE-style draft head (one decoder layer over the target's final hidden state and the next
@@ -44,7 +52,8 @@ draftverify. It uses the target's own embeddings and LM head and is refused on a
 {f["tokens"]} tokens with features;
   the benchmark sets were never used.{init}
 - Vocabulary coverage of held-out reply tokens: {f["vocab_coverage"]:.1%}
-- Training: {f["steps"]} of {f["of_steps"]} steps ({arithmetic}); {when}
+- Training: {f["steps"]} of {schedule} ({arithmetic}); {when}
+- Written: {kept}
 - Held-out top-1 agreement with the target at draft depth 1 / 2 / ...: {acc}
   (expected accepted chain, greedy: {f["expected_chain"]:.2f} tokens per round before the bonus token){template_acc}
 - Settings: `{f["training"]}`

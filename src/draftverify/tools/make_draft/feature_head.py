@@ -8,14 +8,16 @@ Drafting feeds the head its own predictions, so training does too: rollout step 
 the head's step s - 1 prediction for position t as its input at t, attending the true inputs
 before the draft began and the rolled-out inputs since, exactly as a draft of depth s does.
 
-Resumable: the work folder holds the data cache (features.py) and `head-checkpoint.pt` (weights,
-optimiser, step, history), written atomically every few minutes; the batch order is a pure
-function of (seed, epoch), so a resumed build trains on the batches an uninterrupted one would.
+Schedule (feature_schedule.py): the batch shrinks for small data, the number of steps fills the time left (at
+most `epochs` epochs); the head is evaluated on held-out replies every few steps and the best evaluated weights
+are written. Resumable: the work folder holds the data cache (features.py) and `head-checkpoint.pt` (weights,
+optimiser, step, history, the schedule's length and batch, the best weights so far), written atomically every few
+minutes; the batch order is a pure function of (seed, epoch), so a resumed build trains on the batches an
+uninterrupted one would.
 """
 
 from __future__ import annotations
 
-import math
 import platform
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -30,6 +32,14 @@ from draftverify.prompt_files import read_prompts
 from draftverify.tools.make_draft.data import load_checked
 from draftverify.tools.make_draft.feature_card import model_card
 from draftverify.tools.make_draft.feature_losses import acceptance, batches, frequent_vocab, head_losses, padded
+from draftverify.tools.make_draft.feature_schedule import (
+    TIMED_STEPS,
+    epoch_batch_tokens,
+    eval_every,
+    expected_chain,
+    learning_rate,
+    schedule_length,
+)
 from draftverify.tools.make_draft.feature_settings import SAVE_DTYPES, TRAINING_KEYS, HeadTraining, head_width
 from draftverify.tools.make_draft.features import FeatureCache, FeaturePlan, Sequence
 from draftverify.util import atomic_path, atomic_write, eos_ids
@@ -86,10 +96,14 @@ class Run:
     origin: str | None  # what the weights started from: None (the target's last layer) or an --init head
     step: int = 0
     history: list[dict] = field(default_factory=list)
+    total: int | None = None  # the schedule's length, fixed once the first steps are timed
+    batch_tokens: int = 0  # the padded tokens a step may hold (feature_schedule.epoch_batch_tokens)
+    best: dict | None = None  # the best scheduled evaluation: its step, expected chain and weights
 
     def save(self) -> None:
         state = {"weights": self.head.state_dict(), "optimizer": self.opt.state_dict(), "step": self.step}
         state |= {"history": self.history, "vocab": self.vocab, "config": asdict(self.config), "init": self.origin}
+        state |= {"total": self.total, "batch_tokens": self.batch_tokens, "best": self.best}
         with atomic_path(self.path) as tmp:
             torch.save(state, tmp)
 
@@ -157,59 +171,87 @@ def start_run(
     if state:
         opt.load_state_dict(state["optimizer"])
         run.step, run.history = state["step"], state["history"]
+        run.total, run.batch_tokens, run.best = state.get("total"), state.get("batch_tokens", 0), state.get("best")
+    run.batch_tokens = run.batch_tokens or epoch_batch_tokens(data.train, config)
     return run
 
 
-def learning_rate(config: HeadTraining, step: int, total: int) -> float:
-    """Linear warm-up over `warmup` steps, then a cosine from the peak down to a tenth of it at `total`."""
-    return config.lr * min(1.0, (step + 1) / config.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / total)))
-
-
-def train_steps(
-    run: Run,
-    train: list[Sequence],
-    heldout: list[Sequence],
-    total: int,
-    stop: int,
-    deadline: float,
-    log,
-    progress: bool,
-) -> None:
-    """Optimiser steps until `stop` or the deadline; held-out agreement logged every few steps, checkpoints
-    every `checkpoint_minutes`."""
+def train_steps(run: Run, train: list[Sequence], heldout: list[Sequence], deadline: float, log, progress: bool):
+    """Optimiser steps until the schedule's end, `config.steps` or the deadline; the schedule's length fixed after
+    TIMED_STEPS steps (`schedule_length`), held-out evaluations every `eval_every` steps, checkpoints every
+    `checkpoint_minutes`. The last weights are evaluated too (as a candidate for the written head only)."""
     from tqdm.auto import tqdm
 
-    config, head = run.config, run.head
-    params = [p for p in head.parameters() if p.requires_grad]
-    per_epoch, bf16 = len(batches(train, config, 0)), config.autocast_bf16()
-    bar = tqdm(total=stop, initial=run.step, desc="train head", unit="step", disable=not progress)
-    last_save, seen = time.monotonic(), [0.0, 0]
-    while run.step < stop and time.monotonic() < deadline:
+    config = run.config
+    per_epoch = len(batches(train, config, 0, run.batch_tokens))
+    cap = max(1, int(config.epochs * per_epoch))  # the provisional length until the steps are timed
+    bar = tqdm(total=run.total or cap, initial=run.step, desc="train head", unit="step", disable=not progress)
+    last_save, seen, timed = time.monotonic(), [0.0, 0], None  # timed: (time, step) after this run's first step
+    while run.step < min(run.total or cap, config.steps if config.steps is not None else cap):
+        if time.monotonic() >= deadline:
+            break
         epoch, index = divmod(run.step, per_epoch)
-        ids, feats, lengths, starts = padded([train[i] for i in batches(train, config, epoch)[index]], config.max_len)
-        for group in run.opt.param_groups:
-            group["lr"] = learning_rate(config, run.step, total)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss, _ = head_losses(head, ids, feats, lengths, starts, config.rollout, config.feature_weight)
-        run.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        run.opt.step()
+        loss = _step(run, train, batches(train, config, epoch, run.batch_tokens)[index], run.total or cap)
         run.step += 1
-        seen = [seen[0] + float(loss.detach()), seen[1] + 1]
+        seen = [seen[0] + loss, seen[1] + 1]
         bar.update(1)
-        if run.step % 50 == 0 or run.step == stop:
-            head.eval()
-            acc = acceptance(head, heldout[:16], config)
-            head.train()
-            run.history.append({"step": run.step, "loss": seen[0] / seen[1], "heldout_top1": acc})
+        timed = timed or (time.monotonic(), run.step)  # the first step (allocations, warm caches) is not timed
+        if run.total is None and (run.step - timed[1] >= TIMED_STEPS or run.step >= cap):
+            per_step = (time.monotonic() - timed[0]) / max(1, run.step - timed[1])
+            run.total = schedule_length(per_epoch, config.epochs, run.step, per_step, deadline - time.monotonic())
+            bar.total = run.total
+            log(f"schedule: {run.total} steps of up to {run.batch_tokens} tokens ({per_epoch} an epoch)")
+        if run.total is not None and (run.step % eval_every(run.total) == 0 or run.step == run.total):
+            _evaluate(run, heldout, seen, log, scheduled=True)
             seen = [0.0, 0]
-            log(f"step {run.step}/{total}: loss {run.history[-1]['loss']:.3f}, held-out top-1 by depth " + _rates(acc))
         if time.monotonic() - last_save > config.checkpoint_minutes * 60:
             run.save()
             last_save = time.monotonic()
     bar.close()
+    if run.step > 0 and (not run.history or run.history[-1]["step"] != run.step):
+        _evaluate(run, heldout, seen, log, scheduled=False)
     run.save()
+
+
+def _step(run: Run, train: list[Sequence], batch: list[int], total: int) -> float:
+    """One optimiser step on the sequences `batch` indexes, at the schedule's learning rate; returns its loss."""
+    config, head = run.config, run.head
+    ids, feats, lengths, starts = padded([train[i] for i in batch], config.max_len)
+    for group in run.opt.param_groups:
+        group["lr"] = learning_rate(config, run.step, total)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.autocast_bf16()):
+        loss, _ = head_losses(head, ids, feats, lengths, starts, config.rollout, config.feature_weight)
+    run.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], 0.5)
+    run.opt.step()
+    return float(loss.detach())
+
+
+def _evaluate(run: Run, heldout: list[Sequence], seen: list, log, scheduled: bool) -> None:
+    """Held-out top-1 on the first 16 held-out replies, logged in the history; a scheduled evaluation (the same
+    steps in a resumed build as in an uninterrupted one) keeps the weights if their expected chain is the best."""
+    run.head.eval()
+    acc = acceptance(run.head, heldout[:16], run.config)
+    run.head.train()
+    chain = expected_chain(acc)
+    loss = seen[0] / seen[1] if seen[1] else None
+    run.history.append({"step": run.step, "loss": loss, "heldout_top1": acc, "expected_chain": chain})
+    shown = f"loss {loss:.3f}, " if loss is not None else ""
+    log(f"step {run.step}/{run.total}: {shown}held-out top-1 by depth {_rates(acc)}, expected chain {chain:.2f}")
+    if scheduled and (run.best is None or chain > run.best["expected_chain"]):
+        weights = {k: v.detach().clone() for k, v in run.head.state_dict().items()}
+        run.best = {"step": run.step, "expected_chain": chain, "weights": weights}
+
+
+def keep_best(run: Run) -> int:
+    """Load the best evaluated weights into the head (the best scheduled evaluation's, unless the last weights did as
+    well); returns the step they are from."""
+    last = run.history[-1] if run.history and run.history[-1]["step"] == run.step else None
+    if run.best is not None and (last is None or run.best["expected_chain"] > expected_chain(last["heldout_top1"])):
+        run.head.load_state_dict(run.best["weights"])
+        return run.best["step"]
+    return run.step
 
 
 def _rates(values: list[float]) -> str:
@@ -252,22 +294,21 @@ def build_head(
     replies = sum(len(s.ids) - s.start for s in train)
     log(f"training data: {len(train)} sequences, {made} tokens ({replies} reply tokens)")
     run = start_run(target, config, data, path, init, start)
-    total = max(1, int(config.epochs * len(batches(train, config, 0))))  # the learning-rate schedule's length
-    stop = total if config.steps is None else min(total, config.steps)
     vocab = set(run.vocab)
     reply = [t for s in heldout for t in s.ids[s.start :].tolist()]
     covered = sum(t in vocab for t in reply) / max(1, len(reply))
-    log(f"vocabulary: {len(run.vocab)} tokens cover {covered:.1%} of the held-out reply tokens; {total} steps")
+    log(f"vocabulary: {len(run.vocab)} tokens cover {covered:.1%} of the held-out reply tokens")
     log(f"training in {'bf16 (autocast)' if config.autocast_bf16() else 'fp32'}")
-    train_steps(run, train, heldout, total, stop, t_start + config.budget_minutes * 60, log, progress)
+    train_steps(run, train, heldout, t_start + config.budget_minutes * 60, log, progress)
+    kept = keep_best(run)
     run.head.eval()
     acc, extra = acceptance(run.head, heldout, config), data.extra
     facts = {"command": command, "target": target.name, "identity": target.identity, "prompts": str(prompts)}
     facts |= {"sequences": len(train), "prompt_sequences": len(data.parts[0]), "templates": config.templates}
     facts |= {"template_heldout_top1": acceptance(run.head, extra.heldout(), config) if extra else None}
     facts |= {"init": run.origin, "tokens": made, "vocab": len(run.vocab), "vocab_coverage": covered}
-    facts |= {"steps": run.step, "of_steps": total, "minutes": (time.monotonic() - t_start) / 60}
-    facts |= {"heldout_top1": acc, "expected_chain": sum(math.prod(acc[:d]) for d in range(1, len(acc) + 1))}
+    facts |= {"steps": run.step, "of_steps": run.total, "kept_step": kept, "batch_tokens": run.batch_tokens}
+    facts |= {"minutes": (time.monotonic() - t_start) / 60, "heldout_top1": acc, "expected_chain": expected_chain(acc)}
     facts |= {"machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "training": asdict(config)}
     facts |= {"bf16": config.autocast_bf16(), "resumed": resumed or data.resumed}
     run.head.save(out, SAVE_DTYPES[save_dtype])

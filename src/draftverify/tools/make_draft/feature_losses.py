@@ -94,14 +94,16 @@ def head_losses(head: FeatureHead, ids, feats, lengths, starts, rollout_steps: i
     return total, stats
 
 
-def batches(sequences: list[Sequence], config: HeadTraining, epoch: int) -> list[list[int]]:
-    """Indices of each batch for `epoch`: similar lengths together, batch order shuffled by (seed, epoch)."""
+def batches(sequences: list[Sequence], config: HeadTraining, epoch: int, batch_tokens: int = 0) -> list[list[int]]:
+    """Indices of each batch for `epoch`: similar lengths together, at most `batch_tokens` padded tokens a batch
+    (0: `config.batch_tokens`; feature_schedule.epoch_batch_tokens), batch order shuffled by (seed, epoch)."""
+    batch_tokens = batch_tokens or config.batch_tokens
     rng = random.Random(config.seed * 1_000_003 + epoch)
     order = sorted(range(len(sequences)), key=lambda i: (min(len(sequences[i].ids), config.max_len), rng.random()))
     out, cur, width = [], [], 0
     for i in order:
         n = min(len(sequences[i].ids), config.max_len)
-        if cur and (len(cur) + 1) * max(width, n) > config.batch_tokens:
+        if cur and (len(cur) + 1) * max(width, n) > batch_tokens:
             out.append(cur)
             cur, width = [], 0
         cur.append(i)

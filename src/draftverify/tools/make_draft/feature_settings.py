@@ -15,8 +15,8 @@ class HeadTraining:
     vocab: int = 8192  # N: the head drafts the N most frequent reply tokens (FR-Spec)
     width: int = 0  # the head's MLP width (0: `head_width`, the widest whose drafts fit PACKAGE_BYTES)
     rollout: int = 3  # training-time test depth (1 = plain teacher forcing, EAGLE-1)
-    epochs: float = 2.0
-    batch_tokens: int = 4096
+    epochs: float = 8.0  # at most this many passes (feature_schedule: the time left usually ends it sooner)
+    batch_tokens: int = 4096  # at most; small data gets smaller batches (feature_schedule.epoch_batch_tokens)
     max_len: int = 384
     lr: float = 1e-3
     warmup: int = 20
@@ -33,7 +33,7 @@ class HeadTraining:
     )
     heldout: int = 64
     checkpoint_minutes: float = 3.0
-    steps: int | None = None  # stop after this many optimiser steps (the schedule still spans the epochs)
+    steps: int | None = None  # stop after this many optimiser steps (the schedule keeps its length)
     train_dtype: str = (
         "auto"  # the training forward's matmuls: fp32, bf16 (autocast; weights, optimiser, norms fp32) or auto
     )
