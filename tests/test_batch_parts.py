@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from test_gguf_direct import LAYER_TYPES, config_for, write_file
 
-from draftverify import Engine
+from draftverify import Engine, constraints
 from draftverify import batch as batch_module
 from draftverify.batch import FIXED_PART, LEAST_PART, Batch
 from draftverify.costs import Curve, forward_time, kept_curve, rows_within
@@ -176,15 +176,20 @@ def test_without_a_curve_parts_are_fixed_and_without_a_budget_the_cap(engine, fe
     assert [part for part, _ in prompt_steps(fed, engine.slot(1)[0], len(long))] == [100, 100, 100]
 
 
-def test_the_server_measures_the_curve_that_sizes_the_parts_before_serving(engine):
+def test_the_server_measures_the_curve_and_builds_the_grammars_tokenizer_view_before_serving(engine):
     with pytest.raises(DraftVerifyError, match="max_gap_ms=-1"):
         ServeConfig(max_gap_ms=-1)
     give_curve(engine, None)
     Scheduler(engine, 4, Metrics(), prompt_part=512, max_gap_s=0.0)
     assert kept_curve(engine.target_runner) is None  # no budget: no curve needed
+    constraints._TOKENIZERS.pop((id(engine.target.tokenizer), engine.eos_ids()), None)
     service = create_app(engine, ServeConfig(methods=parse_methods("autoregressive"), max_gap_ms=100)).state.service
     assert kept_curve(engine.target_runner) is not None
     assert (service.scheduler._batch.prompt_part, service.scheduler._batch.max_gap_s) == (512, 0.1)
+    assert (
+        id(engine.target.tokenizer),
+        engine.eos_ids(),
+    ) in constraints._TOKENIZERS  # structured output's view: built before serving
     engine.use_prefix_cache(0)  # the service turned it on; the module's engine goes on without
 
 

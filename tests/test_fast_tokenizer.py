@@ -198,8 +198,23 @@ try:
     main()
 except SystemExit as exc:
     assert not exc.code, exc.code
+from draftverify.engine import Engine
+Engine.load().generate("Hi", max_new_tokens=2, response_format={"type": "json_object"})  # llguidance's view too
 print("TRANSFORMERS", sorted(m for m in sys.modules if m.split(".")[0] == "transformers")[:3])
 """
+
+
+@pytest.mark.parametrize("path", FILES)
+def test_structured_outputs_view_of_the_tokenizer_is_the_one_llguidance_builds_from_transformers(path):
+    from llguidance.hf import from_tokenizer
+
+    from draftverify.constraints import _from_backend
+
+    ours, theirs = both(path)
+    mine, its = _from_backend(ours, ()), from_tokenizer(theirs)
+    assert (mine.vocab_size, mine.eos_token, mine.is_canonical) == (its.vocab_size, its.eos_token, its.is_canonical)
+    assert all(mine.decode_bytes([i]) == its.decode_bytes([i]) for i in range(its.vocab_size))
+    assert all(mine.tokenize_str(text) == its.tokenize_str(text) for text in TEXTS)
 
 
 def test_generate_on_a_cached_gguf_file_never_imports_transformers():

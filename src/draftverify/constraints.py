@@ -10,6 +10,7 @@ request's emitted tokens only, so a rejected draft never moves it.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 
@@ -67,22 +68,37 @@ def parse_response_format(value: dict | str | None) -> Format | None:
     return Format(kind)
 
 
-_TOKENIZERS: dict[int, object] = {}
+_TOKENIZERS: dict[tuple, tuple] = {}  # (id(tokenizer), eos) -> (tokenizer, llguidance's view)
 
 
 def ll_tokenizer(tokenizer, eos: tuple[int, ...]):
-    """llguidance's view of a fast HF tokenizer (built once per tokenizer: it takes a while)."""
-    from llguidance.hf import from_tokenizer
-
-    key = id(tokenizer)
+    """llguidance's view of a fast tokenizer (built once per tokenizer: it takes a while), from its Rust tokenizer's
+    JSON, as llguidance's `from_tokenizer` reads a transformers one, but without importing transformers (a
+    `FastTokenizer` has the same Rust tokenizer)."""
+    key = (id(tokenizer), tuple(eos))
     if key not in _TOKENIZERS:
         require(getattr(tokenizer, "is_fast", False), "structured output needs a fast tokenizer (tokenizer.json)")
         try:
-            hf = tokenizer.transformers() if hasattr(type(tokenizer), "transformers") else tokenizer  # FastTokenizer's
-            _TOKENIZERS[key] = from_tokenizer(hf, eos_token=list(eos) or None)
+            view = _from_backend(tokenizer, eos)
         except ValueError:  # a decoder llguidance does not read (e.g. Fuse): give it each token's bytes instead
-            _TOKENIZERS[key] = _by_bytes(tokenizer, eos)
-    return _TOKENIZERS[key]
+            view = _by_bytes(tokenizer, eos)
+        _TOKENIZERS[key] = (tokenizer, view)  # the tokenizer held too: its id is never another's while kept here
+    return _TOKENIZERS[key][1]
+
+
+def warm(tokenizer, eos: tuple[int, ...]) -> None:
+    """Build llguidance's view of `tokenizer` now (a server at start), so no request waits for it."""
+    if getattr(tokenizer, "is_fast", False):
+        ll_tokenizer(tokenizer, eos)
+
+
+def _from_backend(tokenizer, eos: tuple[int, ...]):
+    from llguidance import LLTokenizer
+
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return LLTokenizer(backend.to_str(), eos_token=list(eos) or tokenizer.eos_token_id)
 
 
 def _by_bytes(tokenizer, eos: tuple[int, ...]):

@@ -24,6 +24,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from draftverify.constraints import warm
 from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError, require
 from draftverify.methods import METHODS
@@ -141,6 +142,7 @@ class Service:
             if getattr(method.config, "pool_file", None):
                 log.info("pool %s: %d phrases", method.config.pool_file, len(method.pool))
                 self.pooled.append(method)
+        warm(engine.target.tokenizer, engine.eos_ids())  # structured output's tokenizer view, not on a first request
         engine.use_prefix_cache(config.prefix_cache_mb << 20)
         self.metrics = Metrics(prefix_cache=lambda: engine.prefix_cache)
         self.scheduler = Scheduler(
