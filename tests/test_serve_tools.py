@@ -131,6 +131,17 @@ def test_auto_is_free_until_the_trigger_then_constrained():
     assert allowed_after('Sure.<tool_call>\n{"name": "get_') == {"w", "t"}
 
 
+def test_required_calls_may_end_after_a_newline_as_the_models_end_them():
+    """After a whole call a newline may end the reply (Qwen2.5 writes `</tool_call>`, a newline, then its end
+    token): the end token is allowed there, and with parallel calls another call too."""
+    tok = make_tokenizer()
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>'
+    for parallel in (True, False):
+        grammar = Grammar(Format("lark", ToolPlan(SCHEMAS, True, parallel).grammar()), tok, (0,))
+        row = grammar.allowed(tok(call + "\n")["input_ids"], [[]], len(tok))[0]
+        assert row[0] and row[tok.convert_tokens_to_ids("<")] == parallel
+
+
 @pytest.mark.slow
 def test_marker_tokens_are_named_as_tokens():
     """Qwen2.5's `<tool_call>` and `</tool_call>` are added tokens, special to llguidance: no text matches them,

@@ -62,7 +62,11 @@ class ToolPlan:
         start, end = (OPEN, CLOSE) if self.tokens else (json.dumps(OPEN), json.dumps(CLOSE))
         lines = ["%llguidance {}"]
         if self.required:
-            lines += ['start: call ("\\n" call)*' if self.parallel else "start: call", f"call: {start} body"]
+            # a newline may end the reply, as the models end a call ("</tool_call>\n", then their end token)
+            lines += [
+                'start: call ("\\n" call)* "\\n"?' if self.parallel else 'start: call "\\n"?',
+                f"call: {start} body",
+            ]
         else:  # free text, then at `<tool_call>` (the first, lazily when it is text) the call
             lines += [
                 "start: call* TEXT" if self.parallel else "start: TEXT | call",
