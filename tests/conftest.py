@@ -208,3 +208,14 @@ def smollm():
     from draftverify.loading import load_model
 
     return load_model(device="cpu", dtype="fp32")
+
+
+def give_curve(engine, costs: dict | None) -> None:
+    """The engine holds `costs` as its target's cost curve (none: no curve at all)."""
+    from draftverify.costs import Curve
+    from draftverify.drafters.feature import TREE_WIDTHS
+
+    engine.shared.curves.clear()
+    if costs is not None:
+        runner = engine.target_runner
+        engine.shared.curves[runner.model] = {(runner.backend, runner.draft, True, TREE_WIDTHS): Curve(costs, 0)}

@@ -6,17 +6,20 @@ GGUF file of test_gguf_direct (its rows do not depend on the rows beside them), 
 from __future__ import annotations
 
 import pytest
+import torch
+from conftest import give_curve
 from test_gguf_direct import LAYER_TYPES, config_for, write_file
 
 from draftverify import Engine, constraints
 from draftverify import batch as batch_module
 from draftverify.batch import FIXED_PART, LEAST_PART, Batch
-from draftverify.costs import Curve, forward_time, kept_curve, rows_within
+from draftverify.costs import forward_time, kept_curve, rows_within
 from draftverify.drafters.feature import TREE_WIDTHS
 from draftverify.errors import DraftVerifyError
 from draftverify.loading import Loaded
 from draftverify.loading.gguf_model import GGUFModel
 from draftverify.loading.gguf_weights import GGUFWeights
+from draftverify.prefix_cache import common_length
 from draftverify.serve import ServeConfig, create_app, parse_methods
 from draftverify.serve.metrics import Metrics
 from draftverify.serve.scheduler import Scheduler
@@ -47,14 +50,6 @@ def fed(monkeypatch):
         lambda runners, feeds: found.append({r: f.size for r, f in zip(runners, feeds)}) or spied(runners, feeds),
     )
     return found
-
-
-def give_curve(engine: Engine, costs: dict | None) -> None:
-    """The engine holds `costs` as its target's curve (none: no curve at all)."""
-    engine.shared.curves.clear()
-    if costs is not None:
-        runner = engine.target_runner
-        engine.shared.curves[runner.model] = {(runner.backend, runner.draft, True, TREE_WIDTHS): Curve(costs, 0)}
 
 
 def decode_together(engine: Engine, batch: Batch, requests: list, *longs: list[int]) -> list:
@@ -191,6 +186,30 @@ def test_the_server_measures_the_curve_and_builds_the_grammars_tokenizer_view_be
         engine.eos_ids(),
     ) in constraints._TOKENIZERS  # structured output's view: built before serving
     engine.use_prefix_cache(0)  # the service turned it on; the module's engine goes on without
+
+
+def test_the_warm_up_caches_what_every_chat_begins_with(engine):
+    """The server's warm-up goes through the chat template, so with the prefix cache on the template's opening (here
+    a system prompt) is cached before the first client asks, and the first chat request prefills only what follows
+    it; the cache's counters start at zero (they are the clients'). With the cache off nothing is kept."""
+    template = (
+        "<system>You are a careful assistant who answers briefly and well.\n"
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    )
+
+    def chat(text):
+        return engine.encode([{"role": "user", "content": text}], chat=True, chat_template=template)
+
+    opening = common_length(torch.tensor(chat("What is a prime?")), torch.tensor(chat("Name a colour.")))
+    assert opening >= 8
+    create_app(engine, ServeConfig(methods=parse_methods("autoregressive"), chat_template=template))
+    cache = engine.prefix_cache
+    assert cache.entries and (cache.hits, cache.misses, cache.tokens_reused) == (0, 0, 0)
+    out = engine.generate(chat("What is a prime?"), method="autoregressive", max_new_tokens=2)
+    assert out.stats.cached_tokens >= opening
+    engine.use_prefix_cache(0)
+    create_app(engine, ServeConfig(methods=parse_methods("autoregressive"), chat_template=template, prefix_cache_mb=0))
+    assert engine.prefix_cache is None
 
 
 def test_decoders_drafts_share_the_budget_and_a_request_alone_drafts_freely(engine, fed):

@@ -36,3 +36,27 @@ def test_every_command_still_shows_its_help():
     for name in typer.main.get_command(app).commands:
         result = CliRunner().invoke(app, [name, "--help"])
         assert result.exit_code == 0 and "--help" in result.output, (name, result.output)
+
+
+LEAVE = """
+import atexit, sys, threading, time
+from draftverify.cli import leave
+atexit.register(lambda: print("atexit ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread finished"))).start()
+print("buffered", end="")
+leave(sys.argv[1] if sys.argv[1].startswith("x") else int(sys.argv[1]))
+"""
+
+
+def test_the_command_line_leaves_without_teardown_but_as_an_exit_would():
+    """`draftverify` ends its process without tearing the interpreter down (`cli.leave`), yet as a normal exit
+    would: other threads finish, atexit handlers run, buffered output arrives, and the code (or a message: code 1)
+    is the process's."""
+    import subprocess
+    import sys
+
+    for code, rc in (("0", 0), ("3", 3), ("x-message", 1)):
+        done = subprocess.run([sys.executable, "-c", LEAVE, code], capture_output=True, text=True, timeout=60)
+        assert done.returncode == rc, done.stderr
+        assert done.stdout == "bufferedthread finished\natexit ran\n", done.stdout
+        assert done.stderr == ("x-message\n" if code.startswith("x") else "")

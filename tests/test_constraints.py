@@ -10,10 +10,12 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+from conftest import give_curve
 from scipy.stats import chisquare
 
 from draftverify import Engine
-from draftverify.constraints import parse_response_format
+from draftverify.constraints import Format, Grammar, parse_response_format
+from draftverify.drafters.feature import TREE_WIDTHS
 from draftverify.errors import DraftVerifyError
 
 SCHEMA = {
@@ -85,27 +87,66 @@ def test_invalid_formats_are_one_line_errors(engine):
 
 N = 2000
 LETTERS = "abcde"
+CHEAP_ROWS = {w: 0.02 + 0.001 * w for w in TREE_WIDTHS}  # made up: a fixed part and a small part per row
 
 
-def test_sampling_follows_masked_distribution(engine):
-    """Two letters from [a-e]: the pair's counts against the masked target's joint distribution. The
-    negative control draws the second letter as the first (ignoring the verified prefix)."""
+@pytest.mark.parametrize("method, sep", [("speculative", ""), ("auto", "-")])
+def test_sampling_follows_masked_distribution(engine, method, sep):
+    """Two letters from [a-e] (with `auto`, a '-' between them that the grammar forces and auto drafts): the pair's
+    counts against the masked target's joint distribution. The negative control draws the second letter as the
+    first (ignoring the verified prefix)."""
     tok = engine.target.tokenizer
     ids = engine.encode("xy")
     allowed = [tok.convert_tokens_to_ids(c) for c in LETTERS]
-    fmt = {"type": "regex", "regex": f"[{LETTERS}]{{2}}"}
+    between = [tok.convert_tokens_to_ids(sep)] if sep else []
+    fmt = {"type": "regex", "regex": f"[{LETTERS}]{sep}[{LETTERS}]"}
     counts = np.zeros((5, 5))
-    for seed in range(N):
-        out = engine.generate(
-            ids, method="speculative", k=3, max_new_tokens=3, temperature=1.0, seed=seed, response_format=fmt
-        )
-        counts[allowed.index(out.tokens[0]), allowed.index(out.tokens[1])] += 1
+    drafted = 0
+    options = {"k": 3} if method == "speculative" else {}
+    give_curve(engine, CHEAP_ROWS)  # rows cheap enough that auto drafts a single forced token
+    try:
+        for seed in range(N):
+            out = engine.generate(
+                ids,
+                method=method,
+                max_new_tokens=3 + len(between),
+                temperature=1.0,
+                seed=seed,
+                response_format=fmt,
+                **options,
+            )
+            assert out.tokens[1 : 1 + len(between)] == between
+            counts[allowed.index(out.tokens[0]), allowed.index(out.tokens[1 + len(between)])] += 1
+            drafted += out.stats.extra.get("auto_grammar_tokens", 0)
+    finally:
+        give_curve(engine, None)
+    assert method != "auto" or drafted >= N, "auto did not draft the forced text: the test could not fail"
     with torch.no_grad():
         first = engine.target.model(torch.tensor([ids])).logits[0, -1, allowed].softmax(-1)  # [5]
-        seqs = torch.tensor([ids + [a] for a in allowed])
+        seqs = torch.tensor([ids + [a] + between for a in allowed])
         second = engine.target.model(seqs).logits[:, -1][:, allowed].softmax(-1)  # [5, 5]
     exact = (first[:, None] * second).flatten().double().numpy()
     control = (first[:, None] * first[None, :]).flatten().double().numpy()
     for dist, right in ((exact, True), (control, False)):
         pvalue = chisquare(counts.flatten(), dist / dist.sum() * N).pvalue
         assert (pvalue > 1e-3) if right else (pvalue < 1e-6), (right, pvalue)
+
+
+def test_auto_drafts_the_text_the_grammar_forces(engine):
+    """Under a JSON schema the grammar alone writes the keys, their quotes and colons: `auto` proposes that text
+    (`drafters.grammar`), verification accepts it, and the reply takes fewer target forwards than tokens, with
+    plain decoding's tokens. Without the grammar candidate (use=lookup) nothing drafts it: a forward a token."""
+    tok = engine.target.tokenizer
+    grammar = Grammar(Format("json_schema", SCHEMA), tok, engine.eos_ids())
+    assert tok.decode(grammar.forced([])) == '{"name":"'
+    ar = engine.generate("Hi", method="autoregressive", max_new_tokens=100, response_format=FORMAT)
+    out = engine.generate("Hi", method="auto", max_new_tokens=100, response_format=FORMAT)
+    assert out.tokens == ar.tokens
+    extra = out.stats.extra
+    assert extra["auto_grammar_tokens"] >= 2 * extra["auto_grammar_rounds"], extra
+    assert out.stats.target_forwards < ar.stats.target_forwards
+    without = engine.generate("Hi", method="auto", use="lookup", max_new_tokens=100, response_format=FORMAT)
+    assert without.tokens == ar.tokens and "auto_grammar_rounds" not in without.stats.extra
+    assert without.stats.target_forwards > out.stats.target_forwards
+    plain = engine.generate("Hi", method="auto", max_new_tokens=20)
+    assert "auto_grammar_rounds" not in plain.stats.extra  # no grammar: no candidate

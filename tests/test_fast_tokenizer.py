@@ -192,12 +192,10 @@ def test_a_record_of_another_transformers_is_made_again():
 
 PROBE = """
 import sys
-from draftverify.cli import main
+from draftverify.cli import run
 sys.argv = ["draftverify", "generate", "Hi", "-n", "2", "--method", "autoregressive"]
-try:
-    main()
-except SystemExit as exc:
-    assert not exc.code, exc.code
+code = run()
+assert not code, code
 from draftverify.engine import Engine
 Engine.load().generate("Hi", max_new_tokens=2, response_format={"type": "json_object"})  # llguidance's view too
 print("TRANSFORMERS", sorted(m for m in sys.modules if m.split(".")[0] == "transformers")[:3])

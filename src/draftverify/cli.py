@@ -6,9 +6,11 @@ heavy imports happen inside the commands so that `--help` stays fast.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -339,12 +341,40 @@ from draftverify.tools.build_drafts import build_drafts_command as _build_drafts
 app.command("build-drafts")(_build_drafts)
 
 
-def main() -> None:
+def run():
+    """Run the command line's command -> its exit code (SystemExit's: None, a number, or a message)."""
     try:
         app()
     except DraftVerifyError as exc:
         typer.echo(f"error: {exc}", err=True)
-        sys.exit(2)
+        return 2
+    except SystemExit as exc:  # typer ends every command with one
+        return exc.code
+    return 0
+
+
+def main() -> None:
+    leave(run())
+
+
+def leave(code) -> None:
+    """End the process with `code` (SystemExit's: None, a number, or a message for stderr) without tearing the
+    interpreter down: a loaded model's modules and tensors take a sizeable part of a short command's wall clock to
+    free, and the system frees them at once. What a normal exit does first is done here too: other threads are
+    joined, the atexit handlers run and the standard streams are flushed."""
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more reaches it
+            pass
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":

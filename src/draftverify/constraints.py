@@ -132,6 +132,7 @@ class Grammar:
         if error and not error.startswith("WARNING"):
             raise DraftVerifyError(f"the {fmt.kind} is invalid: {error.splitlines()[0]}")
         self.matcher = LLMatcher(lltok, text, log_level=0)
+        self.tokens = lltok
         self.known = lltok.vocab_size  # ids at or above it (a model's padded vocabulary) are never allowed
         require(not self.matcher.is_error(), f"the {fmt.kind} is invalid: {self.matcher.get_error()}")
         self.consumed = 0  # how many output tokens the matcher has taken
@@ -142,6 +143,16 @@ class Grammar:
         if new:
             self.matcher.consume_tokens(new)
             self.consumed = len(output)
+
+    def forced(self, output: list[int]) -> list[int]:
+        """The text the grammar allows next and nothing else (a JSON schema's next key and its quotes), as the
+        tokenizer would write it alone, after `output`; [] where the grammar leaves the next byte open. The model may
+        write the same text in other tokens (the mask allows any that spell it): these are a guess to verify."""
+        self.follow(output)
+        if self.matcher.is_stopped() or self.matcher.is_error():
+            return []
+        text = self.matcher.compute_ff_bytes()
+        return self.tokens.tokenize_bytes(text) if text else []
 
     def allowed(self, output: list[int], paths: list[list[int]], vocab: int) -> torch.Tensor:
         """[len(paths), vocab] bool: the tokens the grammar allows after output + paths[i]. A path the grammar

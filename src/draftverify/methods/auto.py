@@ -5,7 +5,9 @@ predicts the model), on the hardware's cost curve and on load; no user should ha
 drafts, each round, with the candidate that promises the most tokens per second (`drafters.auto.AutoDrafter`),
 or with none (a plain target step) when nothing pays. The candidates (`use`) are:
 
-- `lookup`: prompt lookup (`prompt-lookup`), free to look up; the one default candidate;
+- `lookup`: prompt lookup (`prompt-lookup`), free to look up; a default candidate;
+- `grammar`: the text a request's structured output forces next (`drafters.grammar`), free alike; a default
+  candidate, present only in a request with a `response_format` or tools;
 - `context`: the request's own n-grams (`lookahead:context`), free alike; preset `with-context` adds it;
 - `head`: the feature head's draft (`speculative` with a head; `width` > 1: its tree), when there is a head;
   preset `head` adds it (a better head, or hardware where a verified row is nearly free, may pay for it);
@@ -28,6 +30,7 @@ from draftverify.drafters.auto_figures import Figures
 from draftverify.drafters.base import Drafter
 from draftverify.drafters.draft_model import DraftModel
 from draftverify.drafters.feature import TREE_WIDTHS, FeatureHeadDrafter
+from draftverify.drafters.grammar import GrammarText
 from draftverify.drafters.prompt_lookup import PromptLookup, PromptLookupConfig
 from draftverify.errors import require
 from draftverify.methods.base import Artifact, Drafts, Method, register
@@ -37,8 +40,9 @@ from draftverify.models import Runner
 from draftverify.policies import make_policy
 from draftverify.session import Session
 
-CANDIDATES = ("head", "draft", "context", "lookup")
-DEFAULT_CANDIDATES = ["lookup"]  # beside it the others cost more than they earned on the CPUs measured
+CANDIDATES = ("head", "draft", "context", "lookup", "grammar")
+# beside these the others cost more than they earned on the CPUs measured (grammar drafts only under a grammar)
+DEFAULT_CANDIDATES = ["lookup", "grammar"]
 # The most positions auto's head feeds when it catches up (at a request's start, and each time it comes back after
 # sitting out; `speculative`'s feeds `drafters.feature.CATCH_UP`): a head that sits out and comes back often would
 # pay for each catch-up more than its attention over the older positions earns.
@@ -47,8 +51,8 @@ HEAD_CATCH_UP = 8
 
 @dataclass(frozen=True)
 class AutoConfig:
-    """use: the candidates, joined by '+' (head, draft, context, lookup); "" = lookup. A named candidate the
-       engine lacks is skipped.
+    """use: the candidates, joined by '+' (head, draft, context, lookup, grammar); "" = lookup+grammar. A named
+       candidate the engine (or the request: grammar) lacks is skipped.
     probe: a candidate that sat out this many rounds it could have drafted drafts once (its figures stay current),
        unless even a round with all it verifies accepted would be slower than plain decoding (a busy batch).
     depth, width: the head's tree (`speculative`'s k and width): at most `depth` tokens deep, `width` children per
@@ -84,7 +88,7 @@ class AutoConfig:
 class Auto(Method):
     name = "auto"
     Config = AutoConfig
-    presets = {"with-context": {"use": "context+lookup"}, "head": {"use": "head+lookup"}}
+    presets = {"with-context": {"use": "context+lookup+grammar"}, "head": {"use": "head+lookup+grammar"}}
 
     def __init__(self, target: Runner, draft=None, config=None, feature_head=None):
         super().__init__(target, draft, config, feature_head)
@@ -123,6 +127,8 @@ class Auto(Method):
             out["context"] = lookahead_drafter(Lookahead.make_config("context"))
         if "lookup" in use:
             out["lookup"] = PromptLookup(PromptLookupConfig())
+        if "grammar" in use and getattr(s.processor, "grammar", None) is not None:
+            out["grammar"] = GrammarText()
         return out
 
     def drafter(self, s: Session) -> Drafter:

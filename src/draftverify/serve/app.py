@@ -133,21 +133,34 @@ class Service:
         ]  # built once, reused per request
         self.pooled = []  # methods whose phrase pool lives in a file
         engine.shared.full_curves = True  # no client waits for the warm-up: it measures the full curves (costs.curves)
+        engine.use_prefix_cache(config.prefix_cache_mb << 20)
+        prompt = self.warm_prompt()
         for spec, method in zip(specs, instances):
             # a short warm-up: a pool file is loaded now (a bad one is refused before serving), and what a method
             # measures once (the cost curve) is measured before the first client waits for it
             engine.generate(
-                [0], method=spec.name, preset=spec.preset, max_new_tokens=2, temperature=0.0, **dict(spec.options)
+                prompt, method=spec.name, preset=spec.preset, max_new_tokens=2, temperature=0.0, **dict(spec.options)
             )
             if getattr(method.config, "pool_file", None):
                 log.info("pool %s: %d phrases", method.config.pool_file, len(method.pool))
                 self.pooled.append(method)
         warm(engine.target.tokenizer, engine.eos_ids())  # structured output's tokenizer view, not on a first request
-        engine.use_prefix_cache(config.prefix_cache_mb << 20)
+        if engine.prefix_cache is not None:  # the counters are the clients'
+            cache = engine.prefix_cache
+            cache.hits = cache.misses = cache.tokens_reused = cache.evictions = 0
         self.metrics = Metrics(prefix_cache=lambda: engine.prefix_cache)
         self.scheduler = Scheduler(
             engine, config.max_queue, self.metrics, config.max_batch, config.prompt_part, config.max_gap_ms / 1000
         )
+
+    def warm_prompt(self) -> list[int]:
+        """The warm-up's prompt: a short chat turn through the chat template the clients' turns go through, so the
+        template is compiled and, with the prefix cache on, what every chat begins with (the template's system
+        prompt) is already cached when the first client asks; one token where there is no template."""
+        template = self.chat_template or getattr(self.engine.target.tokenizer, "chat_template", None)
+        if not template:
+            return [0]
+        return self.engine.encode([{"role": "user", "content": "Hi"}], chat=True, chat_template=self.chat_template)
 
     def start(self) -> None:
         self.scheduler.start()
