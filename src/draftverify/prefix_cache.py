@@ -63,6 +63,10 @@ class PrefixCache:
         self.hits = self.misses = self.tokens_reused = self.evictions = 0
         self._next = 0
 
+    def reset_counters(self) -> None:
+        """Count from zero again (the entries stay)."""
+        self.hits = self.misses = self.tokens_reused = self.evictions = 0
+
     @classmethod
     def resized(cls, cache: PrefixCache | None, budget: int) -> PrefixCache | None:
         """`cache` with a budget of `budget` bytes: None for 0, a new cache for None, else `cache` resized."""

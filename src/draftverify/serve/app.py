@@ -24,7 +24,6 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from draftverify.constraints import warm
 from draftverify.engine import Engine
 from draftverify.errors import DraftVerifyError, require
 from draftverify.methods import METHODS
@@ -47,6 +46,7 @@ from draftverify.serve.protocol import (
 )
 from draftverify.serve.scheduler import Job, Outcome, Scheduler, Ticket, timeout_error
 from draftverify.serve.tools import ToolPlan, chat_prompt, tool_plan
+from draftverify.serve.warmup import warm_up
 
 log = logging.getLogger("draftverify.serve")
 
@@ -131,36 +131,12 @@ class Service:
         instances = [
             engine.method(s.name, s.preset, **dict(s.options)) for s in specs
         ]  # built once, reused per request
-        self.pooled = []  # methods whose phrase pool lives in a file
-        engine.shared.full_curves = True  # no client waits for the warm-up: it measures the full curves (costs.curves)
-        engine.use_prefix_cache(config.prefix_cache_mb << 20)
-        prompt = self.warm_prompt()
-        for spec, method in zip(specs, instances):
-            # a short warm-up: a pool file is loaded now (a bad one is refused before serving), and what a method
-            # measures once (the cost curve) is measured before the first client waits for it
-            engine.generate(
-                prompt, method=spec.name, preset=spec.preset, max_new_tokens=2, temperature=0.0, **dict(spec.options)
-            )
-            if getattr(method.config, "pool_file", None):
-                log.info("pool %s: %d phrases", method.config.pool_file, len(method.pool))
-                self.pooled.append(method)
-        warm(engine.target.tokenizer, engine.eos_ids())  # structured output's tokenizer view, not on a first request
-        if engine.prefix_cache is not None:  # the counters are the clients'
-            cache = engine.prefix_cache
-            cache.hits = cache.misses = cache.tokens_reused = cache.evictions = 0
+        engine.use_prefix_cache(config.prefix_cache_mb << 20)  # before the warm-up, which fills it (serve/warmup.py)
+        self.pooled = warm_up(engine, specs, instances, self.chat_template)  # methods whose pool lives in a file
         self.metrics = Metrics(prefix_cache=lambda: engine.prefix_cache)
         self.scheduler = Scheduler(
             engine, config.max_queue, self.metrics, config.max_batch, config.prompt_part, config.max_gap_ms / 1000
         )
-
-    def warm_prompt(self) -> list[int]:
-        """The warm-up's prompt: a short chat turn through the chat template the clients' turns go through, so the
-        template is compiled and, with the prefix cache on, what every chat begins with (the template's system
-        prompt) is already cached when the first client asks; one token where there is no template."""
-        template = self.chat_template or getattr(self.engine.target.tokenizer, "chat_template", None)
-        if not template:
-            return [0]
-        return self.engine.encode([{"role": "user", "content": "Hi"}], chat=True, chat_template=self.chat_template)
 
     def start(self) -> None:
         self.scheduler.start()
