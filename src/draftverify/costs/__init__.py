@@ -6,7 +6,7 @@ path it grows much faster (docs/backends.md has the measured curves). One module
 
 - `timing`: `forward_times` times one forward per width on a fork of a runner (`time_widths`: the fastest of
   `reps` runs, the widths timed in turns so a drifting machine moves them alike; `time_once`: three runs a width,
-  two timed);
+  two timed, up to where the cost turns linear in the rows, wider widths extended along it);
 - `tables`: a `Table` (width -> seconds, with the marginal times the drafters read kept), a `Curve` (a table
   after a context and its growth per token of context: `at_context` gives the table a decision reads, so long
   prompts get smaller drafts), `forward_time` and `marginal_time(s)` read them, `rows_within` the most rows a

@@ -2,10 +2,12 @@
 
 Two measurements, one bounded and one thorough:
 
-- `quick_curve` (an engine's default): one prefill of `QUICK_CONTEXT` tokens, then exactly three forwards of each
-  width (`timing.time_once`): `quick_forwards(widths)` forwards in all, whatever the model, so the first request
-  on a model this machine has not seen pays a few forwards of each width, not a measurement. It has no growth with
-  context (the same table at every context).
+- `quick_curve` (an engine's default): one prefill of `QUICK_CONTEXT` tokens, then three forwards of each width
+  up to the one where the forward's cost has turned linear in its rows, wider ones extended along that slope
+  (`timing.time_once`): at most `quick_forwards(widths)` forwards in all, whatever the model, so the first request
+  on a model this machine has not seen pays a few forwards of each width, not a measurement, and on a
+  compute-bound CPU none of the widest, dearest ones. It has no growth with context (the same table at every
+  context).
 - `measure_curve` (`Shared.full_curves`: a server's start, the bench): the fastest of 3 runs a width after
   `POLICY_CONTEXT` tokens and again after `FAR_CONTEXT`, for the growth with context (`slope.context_slope`).
 
@@ -29,7 +31,7 @@ QUICK_CONTEXT = 16  # tokens of context before a quick curve's forwards: one sho
 
 
 def quick_forwards(widths) -> int:
-    """The forwards `quick_curve` runs for `widths`: the prefill, then `timing.QUICK_RUNS` of each width."""
+    """The most forwards `quick_curve` runs for `widths`: the prefill, then `timing.QUICK_RUNS` of each width."""
     return 1 + timing.QUICK_RUNS * len(widths)
 
 
@@ -95,7 +97,8 @@ def _context(runner: Runner, n: int) -> list[int]:
 
 def quick_curve(runner: Runner, all_logits: bool, widths) -> Curve:
     """Time `runner`'s forwards for `curve` within a fixed budget (`quick_forwards`): two timed runs a width after
-    `QUICK_CONTEXT` tokens (the faster of two), no growth with context."""
+    `QUICK_CONTEXT` tokens (the faster of two), up to where the cost turns linear (`timing.time_once`), no growth
+    with context."""
     limit = getattr(runner.model.config, "max_position_embeddings", None) or QUICK_CONTEXT + max(widths)
     n = max(1, min(QUICK_CONTEXT, limit - max(widths)))
     times = timing.forward_times(runner, _context(runner, n), widths, all_logits=all_logits, quick=True)

@@ -85,17 +85,42 @@ def time_widths(forward, rollback, context: list[int], widths=WIDTHS, reps: int 
 
 
 def time_once(forward, rollback, context: list[int], widths=WIDTHS) -> dict[int, float]:
-    """`time_widths` at its cheapest: exactly `QUICK_RUNS` runs of each width, an untimed pass going down the
-    widths, then timed passes up and down, so each timed width follows itself (the narrowest, the widest) or a
-    neighbour, as in decoding; the faster of a width's two timed runs (a hiccup of the machine, a few milliseconds
-    taken by another process, rarely falls on both). A wider forward is never taken as cheaper than a narrower one."""
+    """`time_widths` at its cheapest: up the widths, `QUICK_RUNS` runs of each in a row (an untimed one, then the
+    faster of two timed: a hiccup of the machine, a few milliseconds taken by another process, rarely falls on
+    both), and no wider once the forward has turned linear in its rows (`linear`): past that point a wider forward
+    costs what the last rows' slope says (a compute-bound CPU, where 16 and 32 rows would take most of the
+    measurement's time), so the wider widths are extended along it. A wider forward is never taken as cheaper than
+    a narrower one."""
     tokens = _tokens(context, widths)
-    samples: dict[int, list[float]] = {w: [] for w in widths}
-    for run in range(QUICK_RUNS):
-        for w in sorted(widths, reverse=run % 2 == 0):
+    samples: dict[int, list[float]] = {}
+    for w in sorted(widths):
+        samples[w] = []
+        for run in range(QUICK_RUNS):
             t = time.perf_counter()
             forward(tokens[:w])
             if run:
                 samples[w].append(time.perf_counter() - t)
             rollback()
+        times = _rising(samples)
+        if linear(times):
+            return extended(times, widths)
     return _rising(samples)
+
+
+LINEAR = 0.9  # a forward of twice the rows costing this share of twice the time or more has turned linear
+
+
+def linear(times: dict[int, float]) -> bool:
+    """Whether the widest two widths measured (at least 4 rows) cost in proportion to their rows, nearly."""
+    ws = sorted(times)
+    if len(ws) < 2 or ws[-1] < 4:
+        return False
+    (a, b) = ws[-2:]
+    return times[b] / times[a] >= LINEAR * b / a
+
+
+def extended(times: dict[int, float], widths) -> dict[int, float]:
+    """`times` with every wider width of `widths` added along the slope of its widest two."""
+    a, b = sorted(times)[-2:]
+    slope = (times[b] - times[a]) / (b - a)
+    return {**times, **{w: times[b] + (w - b) * slope for w in widths if w > b}}
