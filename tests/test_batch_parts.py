@@ -210,6 +210,12 @@ def test_the_warm_up_caches_what_every_chat_begins_with(engine):
     engine.use_prefix_cache(0)
     create_app(engine, ServeConfig(methods=parse_methods("autoregressive"), chat_template=template, prefix_cache_mb=0))
     assert engine.prefix_cache is None
+    strict = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message first') }}{% endif %}" + (
+        template
+    )  # renders the service's check (system, user), not a lone user turn: the warm-up goes on without it
+    create_app(engine, ServeConfig(methods=parse_methods("autoregressive"), chat_template=strict))
+    assert all(len(entry.tokens) <= 3 for entry in engine.prefix_cache.entries.values())
+    engine.use_prefix_cache(0)
 
 
 def test_decoders_drafts_share_the_budget_and_a_request_alone_drafts_freely(engine, fed):

@@ -38,7 +38,12 @@ def warm_up(engine, specs, instances, chat_template: str | None) -> list:
 
 
 def warm_prompt(engine, chat_template: str | None) -> list[int]:
-    """A short chat turn through `chat_template` (else the tokenizer's); one token where there is no template."""
+    """A short chat turn through `chat_template` (else the tokenizer's); one token where there is no template, or
+    where the template does not render a lone user turn (it may ask for more: each request then says so itself)."""
     if not (chat_template or getattr(engine.target.tokenizer, "chat_template", None)):
         return [0]
-    return engine.encode([{"role": "user", "content": "Hi"}], chat=True, chat_template=chat_template)
+    try:
+        return engine.encode([{"role": "user", "content": "Hi"}], chat=True, chat_template=chat_template)
+    except Exception as exc:  # jinja2's render errors, and whatever the template raises
+        log.warning("warm-up without the chat template, which does not render a lone user turn: %s", exc)
+        return [0]
