@@ -60,7 +60,7 @@ class PrefixCache:
         self.budget = budget
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self.nbytes = 0
-        self.hits = self.misses = self.tokens_reused = self.evictions = 0
+        self.reset_counters()
         self._next = 0
 
     def reset_counters(self) -> None:

@@ -104,7 +104,7 @@ def time_once(forward, rollback, context: list[int], widths=WIDTHS) -> dict[int,
         times = _rising(samples)
         if linear(times):
             return extended(times, widths)
-    return _rising(samples)
+    return times
 
 
 LINEAR = 0.9  # a forward of twice the rows costing this share of twice the time or more has turned linear

@@ -205,9 +205,11 @@ def _record_build(folder: Path, record: str) -> None:
 _BUILDING = threading.Lock()  # one build or load at a time: a background build (`build_meanwhile`) and a caller
 
 
+@functools.cache
 def cpu():
     """The CPU kernels' module, built once per machine and instruction set (None where they cannot run: `why_not`
-    says why). Thread-safe: a second caller waits for the first's build."""
+    says why). Thread-safe: a caller that comes while another builds waits for that build (the lock) and takes its
+    module (`_cpu`'s cache); once built, a call is this cache's lookup alone (the ops call it per forward)."""
     with _BUILDING:
         return _cpu()
 
@@ -215,7 +217,7 @@ def cpu():
 def build_meanwhile() -> threading.Thread | None:
     """Build the CPU kernels in a background (daemon) thread unless they are already loaded, so that other slow work
     of a first run (a model's download) overlaps their compile; the caller joins the thread when it needs them."""
-    if _cpu.cache_info().currsize:
+    if cpu.cache_info().currsize:
         return None
     thread = threading.Thread(target=cpu, name="draftverify-kernels", daemon=True)
     thread.start()
