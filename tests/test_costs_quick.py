@@ -9,6 +9,7 @@ import json
 import multiprocessing
 
 import pytest
+import torch
 
 from draftverify import Engine, costs
 from draftverify.models import Runner
@@ -186,3 +187,106 @@ def test_time_once_stops_where_the_cost_turns_linear_and_extends_the_wider_width
     calls.clear()
     assert costs.time_once(timer(flat), lambda: None, [5, 6, 7], widths=widths) == pytest.approx(flat)
     assert len(calls) == 3 * len(widths)
+
+
+@pytest.fixture
+def gguf_engine(tmp_path, tokenizer, curves_home):
+    """A fresh engine (no curve held) on the tiny GGUF file of test_gguf_direct, whose rows do not depend on the
+    rows beside them: a prompt may be fed in parts, bit for bit."""
+    from test_gguf_direct import LAYER_TYPES, config_for, write_file
+    from transformers import GenerationConfig
+
+    from draftverify.loading import Loaded
+    from draftverify.loading.gguf_model import GGUFModel
+    from draftverify.loading.gguf_weights import GGUFWeights
+
+    path, _ = write_file(tmp_path / "tiny.gguf", LAYER_TYPES, len(tokenizer))
+    config = config_for(tokenizer)
+    model = GGUFModel(GGUFWeights(path, config, tokenizer), GenerationConfig.from_model_config(config))
+    loaded = Loaded(model, tokenizer, name="tiny.gguf", source=path)
+
+    def make() -> Engine:
+        engine = Engine(loaded, backend="static")
+        assert engine.target_runner.rows_alone and not engine.shared.full_curves
+        return engine
+
+    return make
+
+
+def _fed(monkeypatch) -> list[int]:
+    """The rows of every forward any runner runs, in order."""
+    fed, run = [], Runner.run
+    monkeypatch.setattr(Runner, "run", lambda self, feed: fed.append(feed.size) or run(self, feed))
+    return fed
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog, then naps under a tree by the river bank at noon."
+
+
+def test_a_first_request_times_the_curve_in_its_prompts_parts_and_runs_no_forward_for_it(
+    gguf_engine, curves_home, monkeypatch
+):
+    """A model this machine has not timed: `auto`'s first request feeds its prompt as 1 row (untimed), then 1, 2,
+    4, ... rows timed, then the rest, and the curve is those times; no forward runs apart for it, the file is written,
+    and the reply is plain decoding's token for token."""
+    plain = gguf_engine().generate(PROMPT, method="autoregressive", max_new_tokens=16, temperature=0)
+    engine = gguf_engine()
+    fed = _fed(monkeypatch)
+    monkeypatch.setattr(costs.timing, "forward_times", lambda *a, **k: pytest.fail("a forward apart for the curve"))
+    monkeypatch.setattr(costs.timing, "linear", lambda times: False)  # a tiny model's flat cost: every width timed
+    prompt = len(engine.encode(PROMPT))
+    out = engine.generate(PROMPT, method="auto", max_new_tokens=16, temperature=0)
+    assert out.tokens == plain.tokens
+    assert fed[:8] == [1, 1, 2, 4, 8, 16, 32, prompt - 64]  # then the rounds
+    (saved,) = curves_home.glob("*.json")
+    data = json.loads(saved.read_text())
+    assert data["quick"] is True and sorted(map(int, data["times"])) == [1, 2, 4, 8, 16, 32]
+    again = gguf_engine()  # a later process reads the file: its prompt goes in one forward
+    fed.clear()
+    assert again.generate(PROMPT, method="auto", max_new_tokens=16, temperature=0).tokens == plain.tokens
+    assert fed[0] == prompt
+
+
+def test_a_short_prompt_times_what_it_can_and_the_rest_is_timed_apart(gguf_engine, curves_home, monkeypatch):
+    """A prompt too short for every width: its parts time the narrow widths, a quick measurement times only the
+    widths they left out (given the parts' times), and the reply is plain decoding's."""
+    plain = gguf_engine().generate("Hi there!", method="autoregressive", max_new_tokens=12, temperature=0)
+    engine = gguf_engine()
+    given, time_once = [], costs.timing.time_once
+
+    def spied(forward, rollback, context, widths, known=None):
+        given.append(dict(known or {}))
+        return time_once(forward, rollback, context, widths, known)
+
+    monkeypatch.setattr(costs.timing, "time_once", spied)
+    monkeypatch.setattr(costs.timing, "linear", lambda times: False)  # every width is timed
+    fed = _fed(monkeypatch)
+    out = engine.generate("Hi there!", method="auto", max_new_tokens=12, temperature=0)
+    assert out.tokens == plain.tokens
+    assert fed[:4] == [1, 1, 2, 4] and sorted(given[0]) == [1, 2, 4]  # 9 rows: 1 + 1 + 2 + 4, then 1 row
+    assert sorted(fed[5 : 5 + 1 + 3 * 3]) == sorted([costs.QUICK_CONTEXT] + [8, 16, 32] * 3)  # the rest, apart
+
+
+def test_the_prompts_parts_give_one_forwards_bits_and_a_curve_read_first_measures_itself(gguf_engine, curves_home):
+    """The parts' logits, hidden states and cache are the one forward's, bit for bit; a waiting curve read before
+    any prefill is measured then (a quick curve), and a batch sizing its parts never reads a waiting one."""
+    from draftverify.backend.feed import Feed
+    from draftverify.costs import prefill
+
+    engine = gguf_engine()
+    tokens = engine.encode(PROMPT)
+    waiting = costs.curve(engine.target_runner, widths=(1, 2, 4, 8))
+    assert waiting.pending is not None and costs.kept_curve(engine.target_runner) is None
+    whole, parted = engine.target_runner.fork(), engine.target_runner.fork()
+    one = whole.run(Feed(tokens, last=1, hidden="all"))
+    parts = prefill.forward(parted, Feed(tokens, last=1, hidden="all"))
+    assert waiting.pending is None and sorted(waiting) == [1, 2, 4, 8] and waiting.quick
+    assert torch.equal(one.logits, parts.logits) and torch.equal(one.hidden, parts.hidden)
+    assert torch.equal(whole.run(Feed([5, 6, 7])).logits, parted.run(Feed([5, 6, 7])).logits)
+    assert costs.kept_curve(engine.target_runner) is waiting
+    other = gguf_engine()
+    other.shared.curve_folder = None  # nothing on disk: a curve read first is measured there and then
+    early = costs.curve(other.target_runner, widths=(1, 2, 4, 8))
+    assert early.pending is not None
+    table = early.at(40)
+    assert early.pending is None and sorted(table) == [1, 2, 4, 8] and early.context == costs.QUICK_CONTEXT

@@ -105,7 +105,7 @@ class Engine:
         require(arithmetic in ARITHMETICS, f"unknown arithmetic {arithmetic!r}: use one of {', '.join(ARITHMETICS)}")
         # Cost curves measured by an earlier process on this machine, model, arithmetic and kernel build are read
         # from disk (costs.curve), so a first request does not pay for measuring them; on a model not seen here, a
-        # first request measures a quick one, a few forwards of each width (costs.curves.quick_curve).
+        # first request times a quick one in its prefill's parts (costs.prefill), or apart (costs.curves.quick_curve).
         self.shared = (
             shared if shared is not None else Shared(packs=Packs(arithmetic), curve_folder=costs.cache_folder())
         )

@@ -33,6 +33,7 @@ import torch
 
 from draftverify.backend.feed import Feed, Forward
 from draftverify.backend.ops import argmax_rows
+from draftverify.costs import prefill
 from draftverify.drafters.base import Drafter
 from draftverify.models import Runner
 from draftverify.prefix_cache import keep, prefill_start
@@ -49,9 +50,11 @@ def decode(s: Session, target: Runner, drafter: Drafter | None = None) -> None:
 
 
 def drive(request: Rounds, runner: Runner) -> None:
-    """Run one request's rounds to the end, each forward on `runner` (one sequence: no batch)."""
+    """Run one request's rounds to the end, each forward on `runner` (one sequence: no batch). The first, the
+    prefill, measures in its parts a cost curve that waits for one (`costs.prefill`: a model this machine has not
+    timed); alone, a forward's time is its own."""
     try:
-        feed = next(request)
+        feed = request.send(prefill.forward(runner, next(request)))
         while True:
             feed = request.send(runner.run(feed))
     except StopIteration:

@@ -14,10 +14,12 @@ path it grows much faster (docs/backends.md has the measured curves). One module
 - `interpolate`: reading a table between its widths (linear, extended linearly beyond);
 - `slope`: the growth with context fitted from two tables measured apart (`context_slope`);
 - `curves`: `curve(runner)`, once per engine (`Shared`: two engines keep their own), read from disk or measured:
-  on a model this machine has not seen, within a fixed budget of forwards (`quick_curve`), so a first request
-  costs a few forwards more than a later one, not a measurement; in full (`measure_curve`, with the growth with
-  context) where `Shared.full_curves` asks, as a server's start and the bench do; `kept_curve` only reads what an
-  engine holds (never measures: a batch sizing its prompt parts mid-step);
+  on a model this machine has not seen, timed in the first prefill's parts where rows are alone (`prefill`: the
+  curve waits, `Curve.waiting`, until a prefill settles it), else within a fixed budget of forwards
+  (`quick_curve`), so a first request costs a few forwards more than a later one, not a measurement; in full
+  (`measure_curve`, with the growth with context) where `Shared.full_curves` asks, as a server's start and the
+  bench do; `kept_curve` only reads what an engine holds, never a waiting curve (never measures: a batch sizing
+  its prompt parts mid-step);
 - `disk`: one JSON file per key under `cache_folder()`, written atomically; a file that does not read in full as
   a curve of its key is ignored, never trusted;
 - `fingerprint`: the key, naming what a forward's time depends on: the machine (CPU model and flags, from

@@ -2,7 +2,10 @@
 
 Two measurements, one bounded and one thorough:
 
-- `quick_curve` (an engine's default): one prefill of `QUICK_CONTEXT` tokens, then three forwards of each width
+- a quick curve (an engine's default). Where a target's rows do not depend on the rows beside them it waits for
+  the next prefill on its path, which times its widths among the prompt's parts (`costs.prefill`); what the
+  prompt leaves out, and every quick curve elsewhere, `quick_curve` measures apart:
+  one prefill of `QUICK_CONTEXT` tokens, then three forwards of each width
   up to the one where the forward's cost has turned linear in its rows, wider ones extended along that slope
   (`timing.time_once`): at most `quick_forwards(widths)` forwards in all, whatever the model, so the first request
   on a model this machine has not seen pays a few forwards of each width, not a measurement, and on a
@@ -36,9 +39,11 @@ def quick_forwards(widths) -> int:
 
 
 def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> Curve:
-    """The cost curve of `runner`'s model on its backend, obtained once per engine (`runner.shared`): read from
+    """The cost curve of `runner`'s model on its path, obtained once per engine (`runner.shared`): read from
     `runner.shared.curve_folder` when a file there has this curve's key (and is full, where the engine wants full
-    curves), else measured (`quick_curve`, or `measure_curve` with `Shared.full_curves`) and written there."""
+    curves), else measured (`quick_curve`, or `measure_curve` with `Shared.full_curves`) and written there. A
+    quick curve of a target whose rows do not depend on the rows beside them waits, unmeasured, for the next
+    prefill on its path to time its widths among the prompt's own forwards (`Curve.waiting`, `costs.prefill`)."""
     full = runner.shared.full_curves
     key = (runner.backend, runner.draft, all_logits, tuple(widths))
     found = runner.shared.curves.setdefault(runner.model, {})
@@ -52,27 +57,53 @@ def kept_curve(runner: Runner, all_logits: bool = True) -> Curve | None:
     """The curve of `runner`'s model on its path that its engine already holds, of the widest widths (None: none
     yet). Never measures: for a caller that must not stop for a measurement (`batch.Batch` sizing a prompt part)."""
     found = runner.shared.curves.get(runner.model, {})
-    kept = [(max(key[3]), c) for key, c in found.items() if key[:3] == (runner.backend, runner.draft, all_logits)]
+    kept = [
+        (max(key[3]), c)
+        for key, c in found.items()
+        if key[:3] == (runner.backend, runner.draft, all_logits) and c.pending is None
+    ]
     return max(kept, key=lambda k: k[0])[1] if kept else None
 
 
+def waiting_curves(runner: Runner) -> dict[tuple, Curve]:
+    """The curves of `runner`'s model on its path, of a target's forwards, that wait to be measured (by key)."""
+    found = runner.shared.curves.get(runner.model, {})
+    path = (runner.backend, runner.draft, True)
+    return {key: c for key, c in found.items() if key[:3] == path and c.pending is not None}
+
+
 def _obtain(runner: Runner, all_logits: bool, widths, full: bool) -> Curve:
-    """The curve from its file, or measured (and written)."""
+    """The curve from its file, or measured (and written), or waiting for a prefill to measure it."""
     measure = measure_curve if full else quick_curve
     folder = runner.shared.curve_folder
+    key = fingerprint.curve_key(runner, all_logits, widths) if folder is not None else None
+    if folder is not None:
+        kept = disk.load_curve(folder, key)
+        if kept is not None and not (full and kept.quick):
+            return kept
+    if not full and all_logits and runner.rows_alone:  # a prompt's rows can be fed in parts: time them there
+
+        def measured(known: dict[int, list[float]], since=None) -> Curve:
+            def quick(runner: Runner, all_logits: bool, widths) -> Curve:
+                return quick_curve(runner, all_logits, widths, known)
+
+            if folder is None:
+                return quick(runner, all_logits, widths)
+            return measure_and_keep(runner, all_logits, widths, folder, key, quick, since)
+
+        return Curve.waiting(measured)
     if folder is None:
         return measure(runner, all_logits, widths)
-    key = fingerprint.curve_key(runner, all_logits, widths)
-    kept = disk.load_curve(folder, key)
-    if kept is not None and not (full and kept.quick):
-        return kept
     return measure_and_keep(runner, all_logits, widths, folder, key, measure)
 
 
-def measure_and_keep(runner: Runner, all_logits: bool, widths, folder: Path, key: dict, measure=None) -> Curve:
+def measure_and_keep(
+    runner: Runner, all_logits: bool, widths, folder: Path, key: dict, measure=None, since=None
+) -> Curve:
     """`measure` (`measure_curve` unless given), written under `key` in `folder` unless other work took more than
-    `busy.BUSY_SHARE` of the CPU time meanwhile (then it steers this process only, and one line on stderr says so)."""
-    before = busy.cpu_times()
+    `busy.BUSY_SHARE` of the CPU time meanwhile (then it steers this process only, and one line on stderr says so).
+    `since`: the `busy.cpu_times()` when the measurement began, where part of it ran before (a prefill's)."""
+    before = since or busy.cpu_times()
     measured = (measure or measure_curve)(runner, all_logits, widths)
     share = busy.others_share(before, busy.cpu_times())
     if share is None or share <= busy.BUSY_SHARE:
@@ -95,13 +126,16 @@ def _context(runner: Runner, n: int) -> list[int]:
     return [(7 * i + 3) % vocab for i in range(n)]
 
 
-def quick_curve(runner: Runner, all_logits: bool, widths) -> Curve:
+def quick_curve(runner: Runner, all_logits: bool, widths, known: dict[int, list[float]] | None = None) -> Curve:
     """Time `runner`'s forwards for `curve` within a fixed budget (`quick_forwards`): two timed runs a width after
     `QUICK_CONTEXT` tokens (the faster of two), up to where the cost turns linear (`timing.time_once`), no growth
-    with context."""
+    with context. `known`: seconds per width a prefill timed already (`costs.prefill`): where they price every
+    width, nothing is run."""
+    if known and timing.done(known, widths):
+        return Curve(timing.finished({w: known[w] for w in widths if w in known}, widths), QUICK_CONTEXT, quick=True)
     limit = getattr(runner.model.config, "max_position_embeddings", None) or QUICK_CONTEXT + max(widths)
     n = max(1, min(QUICK_CONTEXT, limit - max(widths)))
-    times = timing.forward_times(runner, _context(runner, n), widths, all_logits=all_logits, quick=True)
+    times = timing.forward_times(runner, _context(runner, n), widths, all_logits=all_logits, quick=True, known=known)
     return Curve(times, n, quick=True)
 
 

@@ -14,7 +14,7 @@ KEPT_TABLES = 256  # a curve's tables at this many contexts at most (then it sta
 class Table(dict):
     """A cost table (width -> seconds) that keeps its points in ascending order for `forward_time`, and the
     `marginal_time`s and `marginal_times` asked of it: the drafters read one several times a round. Built once,
-    never changed."""
+    never changed (but a pending `Curve`, filled once)."""
 
     def __init__(self, times: dict[int, float]):
         super().__init__(times)
@@ -26,7 +26,11 @@ class Table(dict):
 class Curve(Table):
     """t(w) in seconds after `context` tokens (the table itself: width -> seconds, as `forward_times` gives),
     plus `slope[w]`: the seconds each further token of context adds to it (none: the same table at every context).
-    `quick`: measured within `curves.quick_curve`'s budget (a few runs a width, no slope)."""
+    `quick`: measured within `curves.quick_curve`'s budget (a few runs a width, no slope).
+
+    A pending curve (`Curve.waiting(measure)`) is not measured yet: the next prefill on its path times its widths
+    among the prompt's own forwards (`costs.prefill`) and hands them to `settle`, which fills the curve in place
+    once (`measure(known, since)` times what they left out); read before that (`at`), it measures itself in full."""
 
     def __init__(self, times: dict[int, float], context: int, slope: dict[int, float] | None = None, quick=False):
         super().__init__(times)
@@ -34,9 +38,32 @@ class Curve(Table):
         # the tables `at` made, by context: a round asks for its context more than once, and the requests of a batch
         # (which share the curve) each for its own
         self.tables: dict[int, Table] = {}
+        self.pending = None  # `measure(known) -> Curve` while the curve waits to be measured (`waiting`)
+
+    @classmethod
+    def waiting(cls, measure) -> "Curve":
+        """A quick curve to be measured later: `measure(known, since)` returns it, given the seconds per width
+        already timed (`settle`)."""
+        pending = cls({}, 0, quick=True)
+        pending.pending = measure
+        return pending
+
+    def settle(self, known: dict[int, list[float]] | None = None, since=None) -> None:
+        """Fill a pending curve in place (the drafters holding it read the filled one): measured by its `pending`
+        callable, given `known` (per width, seconds already timed: a prefill's) and `since` (`busy.cpu_times()`
+        when their timing began). A measured curve: nothing."""
+        if self.pending is None:
+            return
+        measured = self.pending(known or {}, since)  # interrupted, the curve still waits
+        self.pending = None
+        self.clear()
+        self.update(measured)
+        self.points, self.marginals, self.marginal = ascending(measured), {}, {}
+        self.context, self.slope, self.quick, self.tables = measured.context, measured.slope, measured.quick, {}
 
     def at(self, context: int) -> Table:
         """The table after `context` tokens, read per `CONTEXT_STEP` tokens (one table serves a few rounds)."""
+        self.settle()
         context -= context % CONTEXT_STEP
         table = self.tables.get(context)
         if table is None:

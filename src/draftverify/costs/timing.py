@@ -25,13 +25,14 @@ def forward_times(
     reps: int = 5,
     all_logits: bool = True,
     quick: bool = False,
+    known: dict[int, list[float]] | None = None,
 ) -> dict[int, float]:
     """Seconds of one forward of w new tokens after `context`, for each w in `widths`, on a fork of `runner` (its
     model on its path: a drafting runner's forward is timed as it drafts): the fastest of `reps` runs (the least
     disturbed by the rest of the machine); `quick`: one timed run each (`time_once`, `reps` unread).
 
     `all_logits`: compute logits for every new token (the target verifying drafts) or only
-    the last one (the draft proposing).
+    the last one (the draft proposing). `known` (quick only): seconds per width timed already.
     """
     runner = runner.fork()
     runner.forward(context, last=1)
@@ -42,7 +43,7 @@ def forward_times(
         sync_device(runner.device)
 
     if quick:
-        return time_once(forward, lambda: runner.crop(base), context, widths)
+        return time_once(forward, lambda: runner.crop(base), context, widths, known)
     return time_widths(forward, lambda: runner.crop(base), context, widths, reps)
 
 
@@ -84,16 +85,21 @@ def time_widths(forward, rollback, context: list[int], widths=WIDTHS, reps: int 
     return _rising(samples)
 
 
-def time_once(forward, rollback, context: list[int], widths=WIDTHS) -> dict[int, float]:
+def time_once(forward, rollback, context: list[int], widths=WIDTHS, known=None) -> dict[int, float]:
     """`time_widths` at its cheapest: up the widths, `QUICK_RUNS` runs of each in a row (an untimed one, then the
     faster of two timed: a hiccup of the machine, a few milliseconds taken by another process, rarely falls on
     both), and no wider once the forward has turned linear in its rows (`linear`): past that point a wider forward
     costs what the last rows' slope says (a compute-bound CPU, where 16 and 32 rows would take most of the
     measurement's time), so the wider widths are extended along it. A wider forward is never taken as cheaper than
-    a narrower one."""
+    a narrower one. `known`: seconds per width timed already (a prefill's forwards, `costs.prefill`), not run
+    again."""
     tokens = _tokens(context, widths)
-    samples: dict[int, list[float]] = {}
+    samples: dict[int, list[float]] = {w: list(known[w]) for w in widths if known and known.get(w)}
     for w in sorted(widths):
+        if done(samples, widths):
+            break
+        if w in samples:
+            continue
         samples[w] = []
         for run in range(QUICK_RUNS):
             t = time.perf_counter()
@@ -101,10 +107,21 @@ def time_once(forward, rollback, context: list[int], widths=WIDTHS) -> dict[int,
             if run:
                 samples[w].append(time.perf_counter() - t)
             rollback()
-        times = _rising(samples)
-        if linear(times):
-            return extended(times, widths)
-    return times
+    return finished(samples, widths)
+
+
+def done(samples: dict[int, list[float]], widths) -> bool:
+    """Whether `samples` (seconds per width, ascending from 1) price every one of `widths`: each is timed, or the
+    widest two timed have turned linear (`linear`) and the rest extend along them."""
+    timed = sorted(w for w in samples if samples[w])
+    contiguous = timed == sorted(widths)[: len(timed)]
+    return contiguous and (len(timed) == len(widths) or linear(_rising(samples)))
+
+
+def finished(samples: dict[int, list[float]], widths) -> dict[int, float]:
+    """The table `samples` give: the fastest per width, rising, wider widths extended along a linear end."""
+    times = _rising({w: s for w, s in samples.items() if s})
+    return extended(times, widths) if linear(times) else times
 
 
 LINEAR = 0.9  # a forward of twice the rows costing this share of twice the time or more has turned linear
