@@ -223,21 +223,26 @@ def _fed(monkeypatch) -> list[int]:
 PROMPT = "The quick brown fox jumps over the lazy dog, then naps under a tree by the river bank at noon."
 
 
+@pytest.mark.parametrize(
+    "linear_from, parts",
+    [(None, [1, 2, 4, 8, 16, 32]), (4, [1, 2, 4, 8 + 16 + 32])],  # flat: every width; linear from 4: the rest in one
+)
 def test_a_first_request_times_the_curve_in_its_prompts_parts_and_runs_no_forward_for_it(
-    gguf_engine, curves_home, monkeypatch
+    gguf_engine, curves_home, monkeypatch, linear_from, parts
 ):
-    """A model this machine has not timed: `auto`'s first request feeds its prompt as 1 row (untimed), then 1, 2,
-    4, ... rows timed, then the rest, and the curve is those times; no forward runs apart for it, the file is written,
-    and the reply is plain decoding's token for token."""
+    """A model this machine has not timed: `auto`'s first request feeds its prompt's first rows (untimed), then 1,
+    2, 4, ... rows timed, and the curve is those times; no forward runs apart for it, the file is written, and the
+    reply is plain decoding's token for token."""
     plain = gguf_engine().generate(PROMPT, method="autoregressive", max_new_tokens=16, temperature=0)
     engine = gguf_engine()
     fed = _fed(monkeypatch)
     monkeypatch.setattr(costs.timing, "forward_times", lambda *a, **k: pytest.fail("a forward apart for the curve"))
-    monkeypatch.setattr(costs.timing, "linear", lambda times: False)  # a tiny model's flat cost: every width timed
+    turned = lambda times: linear_from is not None and max(times, default=0) >= linear_from  # noqa: E731
+    monkeypatch.setattr(costs.timing, "linear", turned)  # a tiny model's cost is flat: turned linear as the test says
     prompt = len(engine.encode(PROMPT))
     out = engine.generate(PROMPT, method="auto", max_new_tokens=16, temperature=0)
     assert out.tokens == plain.tokens
-    assert fed[:8] == [1, 1, 2, 4, 8, 16, 32, prompt - 64]  # then the rounds
+    assert fed[: 1 + len(parts)] == [prompt - 63, *parts]  # then the rounds
     (saved,) = curves_home.glob("*.json")
     data = json.loads(saved.read_text())
     assert data["quick"] is True and sorted(map(int, data["times"])) == [1, 2, 4, 8, 16, 32]
@@ -263,8 +268,9 @@ def test_a_short_prompt_times_what_it_can_and_the_rest_is_timed_apart(gguf_engin
     fed = _fed(monkeypatch)
     out = engine.generate("Hi there!", method="auto", max_new_tokens=12, temperature=0)
     assert out.tokens == plain.tokens
-    assert fed[:4] == [1, 1, 2, 4] and sorted(given[0]) == [1, 2, 4]  # 9 rows: 1 + 1 + 2 + 4, then 1 row
-    assert sorted(fed[5 : 5 + 1 + 3 * 3]) == sorted([costs.QUICK_CONTEXT] + [8, 16, 32] * 3)  # the rest, apart
+    prompt = len(engine.encode("Hi there!"))
+    assert fed[:4] == [prompt - 7, 1, 2, 4] and sorted(given[0]) == [1, 2, 4]  # the rest apart, on a fork:
+    assert sorted(fed[4 : 4 + 1 + 3 * 3]) == sorted([costs.QUICK_CONTEXT] + [8, 16, 32] * 3)
 
 
 def test_the_prompts_parts_give_one_forwards_bits_and_a_curve_read_first_measures_itself(gguf_engine, curves_home):

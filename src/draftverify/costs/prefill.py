@@ -7,16 +7,16 @@ prompt's rows are work the request needs anyway, and where a forward's rows do n
 parts with the same result, bit for bit, as the prefix cache already feeds it. So where a curve of the runner's
 path waits to be measured (`curves.waiting_curves`), the prefill goes as:
 
-- one row, untimed (a process's first forward pays for whatever is still cold: pages of the weights, code paths);
-- then one part of each width the waiting curves name, 1, 2, 4, ... rows, each timed with logits for every row (as
-  a verifying forward computes them), while the prompt has rows for it and until the cost has turned linear in the
-  rows (`timing.done`);
-- then the rest of the prompt in one forward, as the feed asks it.
+- the prompt's first rows, untimed: all but those the timed parts take, at least one (a process's first forward
+  pays for whatever is still cold, pages of the weights and code paths, so it is never a timed one);
+- then one part of each width the waiting curves name, 1, 2, 4, ... rows (as many widths as the prompt has rows
+  for), each timed with logits for every row as a verifying forward computes them, until the cost has turned
+  linear in the rows (`timing.done`); the rows left for wider parts then go in one forward.
 
 The seconds go to each waiting curve (`Curve.settle`): where they price all its widths nothing more runs, else the
 widths the prompt was too short for are timed as a quick curve times them (`curves.quick_curve`). The parts cost
-more than one forward of the same rows (each part reads every weight once), a few one-row steps on the models this
-runs: what the measurement apart cost, less the forwards the prompt needed anyway. One timed run a width, where the
+more than one forward of the same rows (each part reads every weight once): a few one-row steps, where the
+measurement apart cost those forwards and more, on top of the prompt's. One timed run a width, where the
 measurement apart took the faster of two: a hiccup steers this process's drafts, never what is accepted.
 """
 
@@ -40,22 +40,33 @@ def forward(runner: Runner, feed: Feed) -> Forward:
         return runner.run(feed)
     widths = sorted({w for key in waiting for w in key[3]})
     tokens = torch.as_tensor(feed.tokens).view(-1)
+    timed = _timed_widths(widths, len(tokens) - 1)
     since = busy.cpu_times()
     samples: dict[int, list[float]] = {}
-    outs, at = [runner.run(_part(feed, tokens[:1], final=len(tokens) == 1))], 1
-    for w in widths:
-        if len(tokens) - at < w or timing.done(samples, widths):
+    head = len(tokens) - sum(timed)  # at least one row, untimed: what is cold is paid there
+    outs, at = [runner.run(_part(feed, tokens[:head], final=not timed))], head
+    for w in timed:
+        if timing.done(samples, widths):
+            outs.append(runner.run(_part(feed, tokens[at:], final=True)))
             break
         start = time.perf_counter()
         outs.append(runner.run(Feed(tokens[at : at + w], last=None, hidden=feed.hidden)))
         timing.sync_device(runner.device)
         samples[w] = [time.perf_counter() - start]
         at += w
-    if at < len(tokens):
-        outs.append(runner.run(_part(feed, tokens[at:], final=True)))
     for key, pending in waiting.items():
         pending.settle({w: s for w, s in samples.items() if w in key[3]}, since)
     return _joined(feed, outs)
+
+
+def _timed_widths(widths: list[int], rows: int) -> list[int]:
+    """The widths, ascending, whose parts fit in `rows` rows together."""
+    timed: list[int] = []
+    for w in widths:
+        if sum(timed) + w > rows:
+            break
+        timed.append(w)
+    return timed
 
 
 def _plain(feed: Feed) -> bool:
