@@ -86,6 +86,16 @@ def unseen_cache(folder: Path) -> Path:
     return folder
 
 
+def machine_line() -> str:
+    """The CPU that ran the processes: model, family and model numbers, the q8 product's instructions, cores."""
+    from draftverify.kernels.q8 import instruction_set
+    from draftverify.machine import cores, cpu_model, cpuinfo
+
+    info = cpuinfo()
+    family = f" (family {info['cpu family']} model {info['model']})" if "cpu family" in info else ""
+    return f"Machine: {cpu_model()}{family}, q8 product {instruction_set()}, {cores()} cores."
+
+
 def report(runs: list[dict], command: str, method: str, unseen: bool = False) -> str:
     lines = [
         "# First request of a fresh process",
@@ -93,6 +103,8 @@ def report(runs: list[dict], command: str, method: str, unseen: bool = False) ->
         "```",
         command,
         "```",
+        "",
+        machine_line(),
         "",
         "Each row: one fresh process: `import draftverify`, `Engine.load()` (and whether it imported transformers),",
         f"identical `{method}` requests ({PROMPT!r}, chat), then `Engine.load()` again in the same process.",
