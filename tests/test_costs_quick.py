@@ -296,3 +296,27 @@ def test_the_prompts_parts_give_one_forwards_bits_and_a_curve_read_first_measure
     assert early.pending is not None
     table = early.at(40)
     assert early.pending is None and sorted(table) == [1, 2, 4, 8] and early.context == costs.QUICK_CONTEXT
+
+
+def test_a_draft_models_curve_is_timed_in_the_drafts_own_prefill(gguf_engine, curves_home, monkeypatch):
+    """`speculative`'s cost policy reads the draft's curve too: the draft takes the prompt in timed parts of its own
+    (the last row's logits each, as it proposes) before its first proposal, and nothing runs apart."""
+    from draftverify.loading import truncated_copy
+
+    plain = gguf_engine().generate(PROMPT, method="autoregressive", max_new_tokens=16, temperature=0)
+    target = gguf_engine()
+    engine = Engine(target.target, truncated_copy(target.target, 1), backend="static")
+    assert engine.draft_runner.rows_alone
+    lasts, run = [], Runner.run
+    monkeypatch.setattr(
+        Runner, "run", lambda self, feed: lasts.append((self.draft, feed.size, feed.last)) or run(self, feed)
+    )
+    monkeypatch.setattr(costs.timing, "forward_times", lambda *a, **k: pytest.fail("a forward apart for the curve"))
+    monkeypatch.setattr(costs.timing, "linear", lambda times: False)
+    out = engine.generate(PROMPT, method="speculative", max_new_tokens=16, temperature=0)
+    assert out.tokens == plain.tokens
+    prompt = len(engine.encode(PROMPT))
+    drafts = [(size, last) for draft, size, last in lasts if draft]
+    assert drafts[:6] == [(prompt - 31, 1), (1, 1), (2, 1), (4, 1), (8, 1), (16, 1)]  # then the first proposal
+    saved = [json.loads(f.read_text()) for f in curves_home.glob("*.json")]
+    assert sorted((d["key"]["all_logits"], d["quick"]) for d in saved) == [(False, True), (True, True)]

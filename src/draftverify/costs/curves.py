@@ -2,7 +2,7 @@
 
 Two measurements, one bounded and one thorough:
 
-- a quick curve (an engine's default). Where a target's rows do not depend on the rows beside them it waits for
+- a quick curve (an engine's default). Where a model's rows do not depend on the rows beside them it waits for
   the next prefill on its path, which times its widths among the prompt's parts (`costs.prefill`); what the
   prompt leaves out, and every quick curve elsewhere, `quick_curve` measures apart:
   one prefill of `QUICK_CONTEXT` tokens, then three forwards of each width
@@ -42,8 +42,9 @@ def curve(runner: Runner, all_logits: bool = True, widths=(1, 2, 4, 8, 16)) -> C
     """The cost curve of `runner`'s model on its path, obtained once per engine (`runner.shared`): read from
     `runner.shared.curve_folder` when a file there has this curve's key (and is full, where the engine wants full
     curves), else measured (`quick_curve`, or `measure_curve` with `Shared.full_curves`) and written there. A
-    quick curve of a target whose rows do not depend on the rows beside them waits, unmeasured, for the next
-    prefill on its path to time its widths among the prompt's own forwards (`Curve.waiting`, `costs.prefill`)."""
+    quick curve of a model whose rows do not depend on the rows beside them waits, unmeasured, for the next
+    prefill on its path to time its widths among the prompt's own forwards (`Curve.waiting`, `costs.prefill`: the
+    target's in the request's prefill, a draft model's in its own)."""
     full = runner.shared.full_curves
     key = (runner.backend, runner.draft, all_logits, tuple(widths))
     found = runner.shared.curves.setdefault(runner.model, {})
@@ -65,10 +66,11 @@ def kept_curve(runner: Runner, all_logits: bool = True) -> Curve | None:
     return max(kept, key=lambda k: k[0])[1] if kept else None
 
 
-def waiting_curves(runner: Runner) -> dict[tuple, Curve]:
-    """The curves of `runner`'s model on its path, of a target's forwards, that wait to be measured (by key)."""
+def waiting_curves(runner: Runner, all_logits: bool = True) -> dict[tuple, Curve]:
+    """The curves of `runner`'s model on its path that wait to be measured (by key): of forwards with every row's
+    logits (a target verifying), or with the last row's only (a draft proposing)."""
     found = runner.shared.curves.get(runner.model, {})
-    path = (runner.backend, runner.draft, True)
+    path = (runner.backend, runner.draft, all_logits)
     return {key: c for key, c in found.items() if key[:3] == path and c.pending is not None}
 
 
@@ -81,7 +83,7 @@ def _obtain(runner: Runner, all_logits: bool, widths, full: bool) -> Curve:
         kept = disk.load_curve(folder, key)
         if kept is not None and not (full and kept.quick):
             return kept
-    if not full and all_logits and runner.rows_alone:  # a prompt's rows can be fed in parts: time them there
+    if not full and runner.rows_alone:  # a prompt's rows can be fed in parts: time them there
 
         def measured(known: dict[int, list[float]], since=None) -> Curve:
             def quick(runner: Runner, all_logits: bool, widths) -> Curve:

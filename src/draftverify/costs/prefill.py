@@ -10,8 +10,13 @@ path waits to be measured (`curves.waiting_curves`), the prefill goes as:
 - the prompt's first rows, untimed: all but those the timed parts take, at least one (a process's first forward
   pays for whatever is still cold, pages of the weights and code paths, so it is never a timed one);
 - then one part of each width the waiting curves name, 1, 2, 4, ... rows (as many widths as the prompt has rows
-  for), each timed with logits for every row as a verifying forward computes them, until the cost has turned
-  linear in the rows (`timing.done`); the rows left for wider parts then go in one forward.
+  for), each timed with logits for every row as a verifying forward computes them (a draft model's curve: for the
+  last row, as it proposes), until the cost has turned linear in the rows (`timing.done`); the rows left for wider
+  parts then go in one forward.
+
+The target's curves are timed in the request's prefill (`round.drive`), a draft model's in the draft's own prefill
+of the prompt (`drafters.draft_model.DraftModel.start`, only while one waits: otherwise the draft takes the prompt
+with its first proposal, as it always has).
 
 The seconds go to each waiting curve (`Curve.settle`): where they price all its widths nothing more runs, else the
 widths the prompt was too short for are timed as a quick curve times them (`curves.quick_curve`). The parts cost
@@ -32,10 +37,12 @@ from draftverify.costs.curves import waiting_curves
 from draftverify.models import Runner
 
 
-def forward(runner: Runner, feed: Feed) -> Forward:
+def forward(runner: Runner, feed: Feed, all_logits: bool = True) -> Forward:
     """`runner.run(feed)`; for a plain prefill (causal, new positions, the last rows' logits) where a curve of
-    `runner`'s path waits to be measured, the same forward in timed parts, the waiting curves measured from them."""
-    waiting = waiting_curves(runner)
+    `runner`'s path waits to be measured, the same forward in timed parts, the waiting curves measured from them.
+    `all_logits`: the curves of a target's verifying forwards (each part's logits for every row), else of a draft's
+    proposing ones (the last row's)."""
+    waiting = waiting_curves(runner, all_logits)
     if not waiting or not _plain(feed):
         return runner.run(feed)
     widths = sorted({w for key in waiting for w in key[3]})
@@ -50,7 +57,7 @@ def forward(runner: Runner, feed: Feed) -> Forward:
             outs.append(runner.run(_part(feed, tokens[at:], final=True)))
             break
         start = time.perf_counter()
-        outs.append(runner.run(Feed(tokens[at : at + w], last=None, hidden=feed.hidden)))
+        outs.append(runner.run(Feed(tokens[at : at + w], last=None if all_logits else 1, hidden=feed.hidden)))
         timing.sync_device(runner.device)
         samples[w] = [time.perf_counter() - start]
         at += w

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from draftverify.backend.feed import Feed
 from draftverify.backend.ops import argmax_rows
+from draftverify.costs import prefill
+from draftverify.costs.curves import waiting_curves
 from draftverify.drafters.base import Drafter, Proposal
 from draftverify.logits import draft_logits
 from draftverify.models import Runner
@@ -29,6 +32,8 @@ class DraftModel(Drafter):
 
     def start(self, s: Session, seq: list[int], hidden=None) -> None:
         self.draft.reset()
+        if self.skip is None and waiting_curves(self.draft, all_logits=False):  # the policy's draft curve: timed in
+            prefill.forward(self.draft, Feed(seq[:-1], last=1), all_logits=False)  # the prompt's parts, not apart
 
     def propose(self, s: Session, seq: list[int], room: int) -> Proposal:
         self.policy.start_round(len(seq))
