@@ -38,7 +38,7 @@ class Curve(Table):
         # the tables `at` made, by context: a round asks for its context more than once, and the requests of a batch
         # (which share the curve) each for its own
         self.tables: dict[int, Table] = {}
-        self.pending = None  # `measure(known) -> Curve` while the curve waits to be measured (`waiting`)
+        self.pending = None  # `measure(known, since) -> Curve` while the curve waits to be measured (`waiting`)
 
     @classmethod
     def waiting(cls, measure) -> "Curve":

@@ -29,7 +29,8 @@ def forward_times(
 ) -> dict[int, float]:
     """Seconds of one forward of w new tokens after `context`, for each w in `widths`, on a fork of `runner` (its
     model on its path: a drafting runner's forward is timed as it drafts): the fastest of `reps` runs (the least
-    disturbed by the rest of the machine); `quick`: one timed run each (`time_once`, `reps` unread).
+    disturbed by the rest of the machine); `quick`: the faster of two runs each, up to where the cost turns linear
+    (`time_once`, `reps` unread).
 
     `all_logits`: compute logits for every new token (the target verifying drafts) or only
     the last one (the draft proposing). `known` (quick only): seconds per width timed already.
