@@ -20,6 +20,7 @@ replaces the file; a full curve is never replaced by a quick one.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -77,18 +78,16 @@ def waiting_curves(runner: Runner, all_logits: bool = True) -> dict[tuple, Curve
 def _obtain(runner: Runner, all_logits: bool, widths, full: bool) -> Curve:
     """The curve from its file, or measured (and written), or waiting for a prefill to measure it."""
     measure = measure_curve if full else quick_curve
-    folder = runner.shared.curve_folder
-    key = fingerprint.curve_key(runner, all_logits, widths) if folder is not None else None
+    folder, key = runner.shared.curve_folder, None
     if folder is not None:
+        key = fingerprint.curve_key(runner, all_logits, widths)
         kept = disk.load_curve(folder, key)
         if kept is not None and not (full and kept.quick):
             return kept
     if not full and runner.rows_alone:  # a prompt's rows can be fed in parts: time them there
 
         def measured(known: dict[int, list[float]], since=None) -> Curve:
-            def quick(runner: Runner, all_logits: bool, widths) -> Curve:
-                return quick_curve(runner, all_logits, widths, known)
-
+            quick = functools.partial(quick_curve, known=known)
             if folder is None:
                 return quick(runner, all_logits, widths)
             return measure_and_keep(runner, all_logits, widths, folder, key, quick, since)

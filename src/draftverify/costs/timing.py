@@ -114,9 +114,9 @@ def time_once(forward, rollback, context: list[int], widths=WIDTHS, known=None) 
 def done(samples: dict[int, list[float]], widths) -> bool:
     """Whether `samples` (seconds per width, ascending from 1) price every one of `widths`: each is timed, or the
     widest two timed have turned linear (`linear`) and the rest extend along them."""
-    timed = sorted(w for w in samples if samples[w])
-    contiguous = timed == sorted(widths)[: len(timed)]
-    return contiguous and (len(timed) == len(widths) or linear(_rising(samples)))
+    times = _rising({w: s for w, s in samples.items() if s})
+    contiguous = sorted(times) == sorted(widths)[: len(times)]
+    return contiguous and (len(times) == len(widths) or linear(times))
 
 
 def finished(samples: dict[int, list[float]], widths) -> dict[int, float]:
